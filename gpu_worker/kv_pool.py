@@ -1,0 +1,34 @@
+"""The KV tensors. The worker owns them; the scheduler owns which pages are whose.
+
+Token `t` of a request lives at pool index `page_table[slot, t // page_size] * page_size
++ t % page_size`. Page 0 is never handed out by the scheduler's allocator: padded
+gathers read it, so it must exist but its contents never matter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.model_config import ModelConfig
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+    kv_heads = max(1, cfg.num_kv_heads // tp_size)
+    return 2 * cfg.num_layers * kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+class KVPool:
+    def __init__(
+        self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+        device: torch.device, num_kv_heads: int,
+    ) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        size = num_pages * page_size
+        shape = (size, num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][loc] = k
+        self.v[layer][loc] = v

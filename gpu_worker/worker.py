@@ -1,0 +1,153 @@
+"""The worker process: model, KV tensors, device seq_lens, sampling, and its loop.
+
+Each step: receive a descriptor, apply the delta to the persistent batch, (on the
+overlapped path) publish the one seq_lens sync, run the forward, sample, advance, reply.
+Only rank 0 replies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import psutil
+import torch
+
+from gpu_worker.batch_state import BatchState, ForwardInputs
+from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
+from gpu_worker.model import LlamaForCausalLM
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.sampler import SamplingTable, sample
+from gpu_worker.weights import iter_weights, load_config
+from wire.backend import (
+    BatchDescriptor, ForwardMode, ResetBatch, SeqLensSync, Shutdown, StepResult,
+    WorkerCounters, WorkerError, WorkerInput, WorkerReady,
+)
+from wire.child import ChildContext
+from wire.codec import pack_int32
+from wire.control import PROTOCOL_VERSION
+from wire.server_args import ServerArgs
+from wire.transport import (
+    ENDPOINT_SCHEDULER_REPLY, PullSocket, PushSocket, endpoint, worker_endpoint,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        # bf16 matmuls only pay off on CPUs with native bf16 (AVX512-BF16 / AMX).
+        return torch.bfloat16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def kv_pool_tokens(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    if args.max_total_tokens > 0:
+        return args.max_total_tokens
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = psutil.virtual_memory().available
+    return max(args.page_size * 16, int(free * args.mem_fraction) // kv_bytes_per_token(cfg, dtype, args.tp_size))
+
+
+class Worker:
+    def __init__(self, ctx: ChildContext) -> None:
+        args = ctx.args
+        self.args = args
+        self.rank = ctx.rank
+        self.device = torch.device(args.device if args.device != "cuda" else f"cuda:{ctx.rank}")
+        if self.device.type == "cpu":
+            torch.set_num_threads(os.cpu_count() or 1)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.cfg = load_config(args.model_path)
+        self.context_length = min(args.context_length or self.cfg.max_position, self.cfg.max_position)
+
+        t0 = time.monotonic()
+        model = LlamaForCausalLM(self.cfg)
+        model.load_weights(iter_weights(args.model_path, self.cfg))
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.rope.to(dtype=torch.float32)
+        logger.info("loaded %s in %.1f s (%s, %s)", args.model_path, time.monotonic() - t0, self.dtype, self.device)
+
+        pool_tokens = kv_pool_tokens(args, self.cfg, self.dtype, self.device)
+        self.num_pages = pool_tokens // args.page_size + 1  # page 0 is the padding page
+        self.kv_pool = KVPool(self.cfg, self.num_pages, args.page_size, self.dtype, self.device, self.cfg.num_kv_heads)
+        max_pages_per_row = -(-self.context_length // args.page_size) + 1
+        self.sampling = SamplingTable(args.max_running_requests, self.cfg.vocab_size, list(self.cfg.eos_token_ids), self.device)
+        self.state = BatchState(args.max_running_requests, max_pages_per_row, args.page_size, self.sampling, self.device)
+        self.counters = WorkerCounters()
+
+        self.inbox = PullSocket(ctx.zmq_ctx, endpoint(args.run_dir, worker_endpoint(ctx.rank)), bind=True,
+                                union=WorkerInput, name=f"worker[tp{ctx.rank}].in")
+        self.reply = PushSocket(ctx.zmq_ctx, endpoint(args.run_dir, ENDPOINT_SCHEDULER_REPLY), bind=False) if ctx.rank == 0 else None
+
+    def ready_message(self) -> WorkerReady:
+        return WorkerReady(
+            protocol_version=PROTOCOL_VERSION, rank=self.rank, num_pages=self.num_pages,
+            page_size=self.args.page_size, vocab_size=self.cfg.vocab_size,
+            context_length=self.context_length, eos_token_ids=list(self.cfg.eos_token_ids),
+            max_running_requests=self.args.max_running_requests,
+        )
+
+    def run_forever(self) -> None:
+        self._send(self.ready_message())
+        while True:
+            msg = self.inbox.recv()
+            if isinstance(msg, BatchDescriptor):
+                self._send(self.step(msg))
+            elif isinstance(msg, ResetBatch):
+                self.state.reset(msg.next_step_id)
+            elif isinstance(msg, Shutdown):
+                return
+
+    def step(self, desc: BatchDescriptor) -> StepResult | WorkerError:
+        try:
+            chunks = self.state.apply(desc)
+        except Exception as e:  # a gap or a bad delta: refuse rather than compute on stale state
+            logger.error("step %d rejected: %s", desc.step_id, e)
+            return WorkerError(desc.step_id, str(e))
+        t0 = time.perf_counter()
+        inputs = self.state.build_forward(chunks)
+        for slot, (tokens, _) in chunks.items():
+            self.sampling.note_prompt_tokens(slot, torch.from_numpy(tokens.astype("int64")).to(self.device))
+        if self._is_overlapped(desc):
+            self._publish_seq_lens_sync(desc.step_id)
+        next_tokens, logprobs = self._forward_and_sample(inputs)
+        self.counters.steps += 1
+        seq_lens = None
+        if self.args.check_seq_lens:
+            seq_lens = pack_int32(self.state.copy_seq_lens_to_host(for_debug_check=True))
+        self.counters.seq_lens_d2h_copies = self.state.seq_lens_d2h_copies
+        return StepResult(
+            step_id=desc.step_id,
+            next_token_ids=pack_int32(next_tokens.cpu()),
+            counters=WorkerCounters(**{f: getattr(self.counters, f) for f in WorkerCounters.__struct_fields__}),
+            forward_time_s=time.perf_counter() - t0,
+            logprobs=logprobs,
+            seq_lens=seq_lens,
+        )
+
+    def _is_overlapped(self, desc: BatchDescriptor) -> bool:
+        return not self.args.disable_overlap and desc.forward_mode in (ForwardMode.DECODE, ForwardMode.MIXED)
+
+    def _publish_seq_lens_sync(self, step_id: int) -> None:
+        """The single sync point: one device-to-host copy, before the overlapped forward."""
+        host = self.state.copy_seq_lens_to_host()
+        self._send(SeqLensSync(step_id, pack_int32(host), int(host.sum())))
+
+    def _forward_and_sample(self, inputs: ForwardInputs | None) -> tuple[torch.Tensor, list]:
+        if inputs is None:
+            return torch.zeros(0, dtype=torch.int64), []
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_pool, inputs.meta, inputs.logits_indices)
+        self.counters.prefill_tokens_computed += inputs.num_prefill_tokens
+        tokens, logprobs = sample(logits, inputs.sampling_slots, self.sampling)
+        self.state.advance(inputs, tokens)
+        return tokens, logprobs
+
+    def _send(self, msg) -> None:
+        if self.reply is not None:
+            self.reply.send(msg)

@@ -1,0 +1,84 @@
+"""What every child process does at its boundary with launch.py.
+
+`start_child` names the process (`trident::<role>`), ties its life to launch.py's
+(parent-death signal plus a parent-pid watcher, so a SIGKILLed launcher leaves no
+orphans), sets up logging, and opens the control socket used to report ready or failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import threading
+import time
+
+import setproctitle
+import zmq
+
+from wire.control import PROTOCOL_VERSION, ProcessFailed, ProcessReady
+from wire.server_args import ServerArgs, load_server_args
+from wire.transport import ENDPOINT_LAUNCHER, PushSocket, endpoint
+
+PR_SET_PDEATHSIG = 1
+PARENT_CHECK_INTERVAL_S = 0.5
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux: the watcher thread below still covers it
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(PARENT_CHECK_INTERVAL_S)
+
+    # The race between fork and prctl is closed by checking once right away.
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class ChildContext:
+    """A started child: its args, role, and its line to launch.py."""
+
+    def __init__(self, args: ServerArgs, role: str, rank: int) -> None:
+        self.args = args
+        self.role = role
+        self.rank = rank
+        self.zmq_ctx = zmq.Context()
+        self._launcher = PushSocket(self.zmq_ctx, endpoint(args.run_dir, ENDPOINT_LAUNCHER), bind=False)
+
+    def report_ready(self, detail: str = "") -> None:
+        self._launcher.send(ProcessReady(self.role, self.rank, os.getpid(), PROTOCOL_VERSION, detail))
+
+    def report_failed(self, error: str) -> None:
+        self._launcher.send(ProcessFailed(self.role, self.rank, os.getpid(), error))
+        # Give the frame time to leave before the process exits (LINGER is 0).
+        time.sleep(0.2)
+
+
+def start_child(role: str) -> ChildContext:
+    """Parse the child command line (`--args-file`, `--parent-pid`, `--rank`) and set up."""
+    parser = argparse.ArgumentParser(description=f"trident {role} process (started by launch.py)")
+    parser.add_argument("--args-file", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--rank", type=int, default=0)
+    cli = parser.parse_args()
+    _die_with_parent(cli.parent_pid)
+    args = load_server_args(cli.args_file)
+    title = f"trident::{role}" + (f"[tp{cli.rank}]" if role == "worker" else "")
+    setproctitle.setproctitle(title)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s {title} %(levelname)s %(message)s",
+    )
+    # launch.py handles Ctrl-C for the whole group; children shut down when told or killed.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return ChildContext(args, role, cli.rank)

@@ -1,0 +1,125 @@
+"""Messages between the tokenizer process and the scheduler process.
+
+tokenizer -> scheduler: `SchedulerInput` (hello, generate, abort, flush).
+scheduler -> tokenizer: `TokenizerInput` (per-step batched token outputs, periodic stats).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Per-request sampling, validated by the tokenizer, applied by the worker."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 means the whole vocabulary."""
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    """Same seed, same tokens, whatever else shares the batch."""
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    """Extra token ids that end the request (the model's EOS ids are always included)."""
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class TokenizerHello(msgspec.Struct, array_like=True, tag="hello"):
+    """First frame the tokenizer sends; the scheduler checks the version."""
+
+    protocol_version: int
+    pid: int
+
+
+class GenerateReq(msgspec.Struct, array_like=True, tag="generate"):
+    """A tokenized request. Written by the tokenizer, owned by the scheduler from then on."""
+
+    rid: str
+    input_ids: bytes
+    """Prompt token ids, raw little-endian int32."""
+    sampling: SamplingParams
+
+
+class AbortReq(msgspec.Struct, array_like=True, tag="abort"):
+    """Stop a request (client gone, stop string hit, /abort); the scheduler frees its KV."""
+
+    rid: str
+
+
+class FlushCacheReq(msgspec.Struct, array_like=True, tag="flush"):
+    """Empty the radix prefix cache when no request is running."""
+
+
+SchedulerInput = TokenizerHello | GenerateReq | AbortReq | FlushCacheReq
+
+
+class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request produced in one step. Written by the scheduler."""
+
+    rid: str
+    token_ids: list[int]
+    """New tokens since the previous TokenOut of this request."""
+    finish_reason: str | None = None
+    """stop | length | abort | error; None while the request runs."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+    error: str = ""
+    token_logprobs: list[float] = []
+    """Log-probability of each token in token_ids (when requested)."""
+    top_logprobs: list[list[tuple[int, float]]] = []
+    """Per token, the top (token id, logprob) pairs (when requested)."""
+
+
+class TokenOutBatch(msgspec.Struct, array_like=True, tag="tokens"):
+    """All request outputs of one scheduler step, sent as one frame."""
+
+    outputs: list[TokenOut]
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, tag="stats"):
+    """Periodic snapshot from the scheduler, for /metrics and /server_info."""
+
+    running_requests: int
+    queued_requests: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    cache_hit_tokens: int
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+    last_step_time_s: float
+    prefill_tokens_computed: int
+    """Counted by the worker: prompt tokens actually run through the model."""
+    seq_lens_d2h_copies: int
+    """Counted by the worker: device-to-host copies of seq_lens."""
+    dropped_frames: int
+    retractions: int
+
+
+class FlushCacheDone(msgspec.Struct, array_like=True, tag="flushed"):
+    ok: bool
+    message: str = ""
+
+
+class ServerInfo(msgspec.Struct, array_like=True, tag="server_info"):
+    """Sent by the scheduler in answer to TokenizerHello: what the tokenizer validates against."""
+
+    protocol_version: int
+    context_length: int
+    """Longest prompt + output a request may have."""
+    vocab_size: int
+    max_running_requests: int
+    kv_total_tokens: int
+    eos_token_ids: list[int]
+
+
+TokenizerInput = ServerInfo | TokenOutBatch | SchedulerStats | FlushCacheDone

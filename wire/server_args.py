@@ -1,0 +1,68 @@
+"""The server arguments every process receives, written once by launch.py.
+
+launch.py parses the command line into a `ServerArgs`, writes it as MessagePack into the
+private run directory, and each child reads it back with `load_server_args`. Nothing
+mutates it after launch: it is configuration, not state.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from wire.codec import decode_plain, encode_plain
+
+
+class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
+    """Configuration shared by the tokenizer, the scheduler and the workers."""
+
+    # Model
+    model_path: str
+    """Resolved model location: a `.gguf` file or a Hugging Face-style directory."""
+    served_model_name: str = "smollm2-135m"
+    """The name clients pass as `model`; other names get a 404."""
+    device: str = "cpu"
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16; the worker resolves auto per device."""
+    context_length: int = 0
+    """Maximum prompt + output tokens per request; 0 means the model's own limit."""
+    seed: int = 0
+
+    # HTTP front door
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    max_queued_requests: int = 1024
+    max_request_body_bytes: int = 4 * 1024 * 1024
+
+    # Scheduling and memory
+    max_running_requests: int = 64
+    max_total_tokens: int = 0
+    """KV pool size in tokens; 0 derives it from mem_fraction."""
+    mem_fraction: float = 0.1
+    """Fraction of free host (cpu) or device (cuda) memory given to the KV pool."""
+    page_size: int = 1
+    chunked_prefill_size: int = 512
+    max_prefill_tokens: int = 2048
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    disable_overlap: bool = False
+    check_seq_lens: bool = False
+
+    # Parallelism
+    tp_size: int = 1
+
+    # Processes
+    run_dir: str = ""
+    """Private (0700) directory holding the ipc:// endpoints of this run."""
+    log_level: str = "info"
+    startup_timeout_s: float = 300.0
+
+
+def write_server_args(args: ServerArgs, path: str) -> None:
+    with open(path, "wb") as f:
+        f.write(encode_plain(args))
+
+
+def load_server_args(path: str) -> ServerArgs:
+    with open(path, "rb") as f:
+        return decode_plain(f.read(), ServerArgs)
