@@ -1,0 +1,226 @@
+"""Start, supervise and stop trident: `python launch.py [--model PATH] [--port N] ...`.
+
+launch.py parses the command line, resolves the model, makes the private run directory
+(mode 0700) that holds every ipc:// endpoint, starts the worker ranks, the scheduler and
+the tokenizer, waits for each to report ready, and then watches them. SIGINT/SIGTERM
+stop every child and remove the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_sentinels
+
+import zmq
+
+from model_source import ModelNotFound, resolve_model
+from wire.control import LauncherMessage, ProcessFailed, ProcessReady, check_protocol_version
+from wire.server_args import ServerArgs, write_server_args
+from wire.transport import ENDPOINT_LAUNCHER, PullSocket, endpoint
+
+logger = logging.getLogger("trident.launch")
+REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
+STOP_GRACE_S = 5.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch.py", description="trident: an OpenAI-compatible LLM server (tokenizer, scheduler, workers).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="a .gguf file or a Hugging Face-style directory; default: the bundled SmolLM2-135M")
+    m.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
+    m.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the workers run")
+    m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weight and KV dtype; auto is bfloat16 on CUDA and on CPUs with AVX-512, else float32")
+    m.add_argument("--context-length", type=int, default=0, help="max prompt+output tokens; 0: the model's")
+    m.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds")
+    h.add_argument("--port", type=int, default=30000, help="HTTP port")
+    h.add_argument("--api-key", default=os.environ.get("TRIDENT_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (env TRIDENT_API_KEY)")
+    h.add_argument("--max-queued-requests", type=int, default=1024, help="beyond this, answer 503")
+    s = p.add_argument_group("scheduling and memory")
+    s.add_argument("--max-running-requests", type=int, default=64, help="requests in the batch at once")
+    s.add_argument("--max-total-tokens", type=int, default=0, help="KV pool size in tokens; 0: use --mem-fraction")
+    s.add_argument("--mem-fraction", type=float, default=0.1,
+                   help="fraction of free host (cpu) or GPU (cuda) memory for the KV pool")
+    s.add_argument("--page-size", type=int, default=1, help="tokens per KV page")
+    s.add_argument("--chunked-prefill-size", type=int, default=512, help="max prompt tokens of one request per step")
+    s.add_argument("--max-prefill-tokens", type=int, default=2048, help="max prompt tokens per step")
+    s.add_argument("--schedule-policy", choices=["fcfs", "lpm"], default="fcfs",
+                   help="queue order: first come first served, or longest cached prefix first")
+    s.add_argument("--disable-radix-cache", action="store_true", help="do not reuse KV of shared prefixes")
+    s.add_argument("--disable-overlap", action="store_true",
+                   help="plain loop: build step N+1 only after step N's results are processed")
+    s.add_argument("--check-seq-lens", action="store_true",
+                   help="debug: assert the scheduler's seq_lens mirror against the worker's every step")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one worker process each)")
+    o = p.add_argument_group("processes")
+    o.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    o.add_argument("--startup-timeout", type=float, default=300.0, help="seconds each process may take to be ready")
+    return p
+
+
+def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: str, run_dir: str) -> ServerArgs:
+    return ServerArgs(
+        model_path=model_path, served_model_name=ns.served_model_name or served_name, device=ns.device,
+        dtype=ns.dtype, context_length=ns.context_length, seed=ns.seed, host=ns.host, port=ns.port,
+        api_key=ns.api_key, max_queued_requests=ns.max_queued_requests,
+        max_running_requests=ns.max_running_requests, max_total_tokens=ns.max_total_tokens,
+        mem_fraction=ns.mem_fraction, page_size=ns.page_size, chunked_prefill_size=ns.chunked_prefill_size,
+        max_prefill_tokens=ns.max_prefill_tokens, schedule_policy=ns.schedule_policy,
+        disable_radix_cache=ns.disable_radix_cache, disable_overlap=ns.disable_overlap,
+        check_seq_lens=ns.check_seq_lens, tp_size=ns.tp_size, run_dir=run_dir, log_level=ns.log_level,
+        startup_timeout_s=ns.startup_timeout,
+    )
+
+
+@dataclass
+class Child:
+    role: str
+    rank: int
+    proc: subprocess.Popen
+
+    @property
+    def name(self) -> str:
+        return f"worker[tp{self.rank}]" if self.role == "worker" else self.role
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class Launcher:
+    """Owns the run directory and the children; one instance per server."""
+
+    def __init__(self, args: ServerArgs, args_file: str) -> None:
+        self.args = args
+        self.args_file = args_file
+        self.children: list[Child] = []
+        self.zmq_ctx = zmq.Context()
+        self.control = PullSocket(self.zmq_ctx, endpoint(args.run_dir, ENDPOINT_LAUNCHER), bind=True,
+                                  union=LauncherMessage, name="launcher.control")
+
+    def spawn(self, role: str, module: str, rank: int = 0) -> Child:
+        cmd = [sys.executable, "-m", module, "--args-file", self.args_file, "--parent-pid", str(os.getpid()),
+               "--rank", str(rank)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
+        child = Child(role, rank, subprocess.Popen(cmd, cwd=REPO_ROOT, env=env))
+        self.children.append(child)
+        return child
+
+    def start_all(self) -> None:
+        for rank in range(self.args.tp_size):
+            self.spawn("worker", "gpu_worker", rank)
+        self.spawn("scheduler", "scheduler_proc")
+        self.wait_ready({("worker", r) for r in range(self.args.tp_size)} | {("scheduler", 0)})
+        self.spawn("tokenizer", "tokenizer_proc")
+        self.wait_ready({("tokenizer", 0)})
+
+    def wait_ready(self, expected: set[tuple[str, int]]) -> None:
+        deadline = time.monotonic() + self.args.startup_timeout_s
+        while expected:
+            for child in self.children:
+                if child.proc.poll() is not None and (child.role, child.rank) in expected:
+                    msg = self.control.recv(timeout_ms=500)  # a ProcessFailed may still be queued
+                    if isinstance(msg, ProcessFailed):
+                        raise StartupError(msg.error)
+                    raise StartupError(f"{child.name} exited with code {child.proc.returncode} during start-up")
+            if time.monotonic() > deadline:
+                names = ", ".join(f"{r}" + (f"[tp{k}]" if r == "worker" else "") for r, k in sorted(expected))
+                raise StartupError(f"{names} did not report ready within {self.args.startup_timeout_s:.0f} s")
+            msg = self.control.recv(timeout_ms=200)
+            if isinstance(msg, ProcessFailed):
+                raise StartupError(msg.error)
+            if isinstance(msg, ProcessReady):
+                check_protocol_version(msg.role, msg.protocol_version)
+                logger.info("%s ready (pid %d) %s", msg.role + (f"[tp{msg.rank}]" if msg.role == "worker" else ""),
+                            msg.pid, msg.detail)
+                expected.discard((msg.role, msg.rank))
+
+    def supervise(self, stop_requested) -> int:
+        """Waits until a child dies or a stop is requested; returns the exit code."""
+        while not stop_requested():
+            ready = wait_sentinels([c.proc.sentinel for c in self.children], timeout=0.5)
+            for child in self.children:
+                if child.proc.sentinel in ready:
+                    logger.error("%s (pid %d) exited with code %s; stopping the server",
+                                 child.name, child.proc.pid, child.proc.returncode)
+                    return 1
+        return 0
+
+    def stop_all(self) -> None:
+        for child in self.children:
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children:
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+        self.control.close()
+        self.zmq_ctx.term()
+
+
+def ready_banner(args: ServerArgs) -> str:
+    url = f"http://{args.host}:{args.port}"
+    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    return (
+        f"trident ready: {url} serving {args.served_model_name!r}. Try: curl {url}/v1/completions"
+        f" -H 'Content-Type: application/json'{auth} -d '{{\"model\": \"{args.served_model_name}\", "
+        f"\"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s trident::launch %(levelname)s %(message)s")
+    try:
+        model_path, served_name = resolve_model(ns.model)
+    except ModelNotFound as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run_dir = tempfile.mkdtemp(prefix="trident-")  # mode 0700
+    stop = {"requested": False}
+
+    def on_signal(signum, _frame) -> None:
+        stop["requested"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    args = server_args_from_cli(ns, model_path, served_name, run_dir)
+    args_file = os.path.join(run_dir, "server_args.msgpack")
+    write_server_args(args, args_file)
+    launcher = Launcher(args, args_file)
+    code = 0
+    try:
+        launcher.start_all()
+        print(ready_banner(args), flush=True)
+        code = launcher.supervise(lambda: stop["requested"])
+    except StartupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    finally:
+        launcher.stop_all()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Admission and chunking: which prompt tokens run this step.
+
+Per step at most `max_prefill_tokens` prompt tokens run, and one request contributes at
+most `chunked_prefill_size` of them, so a long prompt is spread over several steps while
+the running decodes keep going. A request whose prefill is unfinished keeps its place
+in the batch and is served before new ones are admitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from scheduler_proc.kv_cache import KVCacheManager, pages_for
+from scheduler_proc.request import Req
+from scheduler_proc.schedule_batch import ScheduleBatch
+
+
+class WaitingQueue:
+    """Requests not yet in the batch, in the order the policy serves them."""
+
+    def __init__(self, policy: str, kv: KVCacheManager) -> None:
+        self.policy = policy
+        self.kv = kv
+        self.queue: deque[Req] = deque()
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def push(self, req: Req) -> None:
+        self.queue.append(req)
+
+    def push_front(self, req: Req) -> None:
+        self.queue.appendleft(req)
+
+    def remove(self, rid: str) -> Req | None:
+        for req in self.queue:
+            if req.rid == rid:
+                self.queue.remove(req)
+                return req
+        return None
+
+    def ordered(self) -> list[Req]:
+        if self.policy == "lpm" and len(self.queue) > 1:
+            # Longest cached prefix first; the stable sort keeps arrival order among equals.
+            return sorted(self.queue, key=lambda r: -self.kv.radix.match_prefix(r.fill_ids)[1])
+        return list(self.queue)
+
+
+class PrefillPlanner:
+    def __init__(self, kv: KVCacheManager, max_prefill_tokens: int, chunk_size: int, max_running: int) -> None:
+        self.kv = kv
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_size = chunk_size
+        self.max_running = max_running
+        self.free_slots = list(range(max_running - 1, -1, -1))
+
+    def plan(self, batch: ScheduleBatch, waiting: WaitingQueue) -> None:
+        """Adds this step's prompt chunks to the batch (continuing ones, then new requests)."""
+        budget = self.max_prefill_tokens
+        chunks: list[tuple[int, int]] = []
+        for i, req in enumerate(batch.reqs):
+            if req.decoding or req.finished or budget <= 0:
+                continue
+            start = batch.seq_len(i)
+            n = min(len(req.fill_ids) - start, self.chunk_size, budget)
+            if not self.kv.grow(req, start + n):
+                break
+            chunks.append((i, n))
+            budget -= n
+
+        decode_reserve = sum(1 for r in batch.reqs if r.decoding)
+        admitted: list[Req] = []
+        for req in waiting.ordered():
+            if req.pending_results:
+                continue  # retracted while a step was in flight: wait for its token
+            if budget <= 0 or not self.free_slots or len(batch) + len(admitted) >= self.max_running:
+                break
+            if not self._admit(req, budget, decode_reserve):
+                break
+            waiting.queue.remove(req)
+            n = min(len(req.fill_ids) - req.prefix_len, self.chunk_size, budget)
+            chunks.append((len(batch) + len(admitted), n))
+            admitted.append(req)
+            budget -= n
+        batch.merge_batch(admitted)
+        batch.prepare_for_extend(chunks)
+
+    def _admit(self, req: Req, budget: int, decode_reserve: int) -> bool:
+        """Takes the cached prefix and the pages of the first chunk, or nothing at all."""
+        req.fill_ids = req.all_token_ids()
+        self.kv.match_prefix(req)
+        n = min(len(req.fill_ids) - req.prefix_len, self.chunk_size, budget)
+        need = pages_for(req.prefix_len + n, self.kv.page_size) - len(req.pages)
+        # Keep one page per running decode in reserve so admission does not force a retraction.
+        if self.kv.available_pages() - need < decode_reserve or not self.kv.grow(req, req.prefix_len + n):
+            self.kv.allocator.decref(req.pages)
+            req.pages, req.prefix_len = [], 0
+            return False
+        if req.num_retractions == 0:
+            req.cached_tokens = req.prefix_len
+        req.slot = self.free_slots.pop()
+        return True
+
+    def release_slot(self, req: Req) -> None:
+        self.free_slots.append(req.slot)
+        req.slot = None

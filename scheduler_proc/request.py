@@ -1,0 +1,81 @@
+"""One request as the scheduler sees it: tokens, KV pages held, progress, finish state."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import numpy as np
+
+from wire.frontend import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class Req:
+    """Owned by the scheduler from GenerateReq until its final TokenOut.
+
+    KV of a running request (page_size 4, 10 tokens computed, 2 more in this step):
+
+        fill_ids   [p p p p p p p p o o|o o]     p: prompt, o: outputs before a resume
+        pages      [ page a | page b | page c ]  held: one reference each
+                   ^-prefix_len (from cache)^    ^ kv_len: KV written by past steps
+    """
+
+    def __init__(self, rid: str, prompt_ids: np.ndarray, sampling: SamplingParams) -> None:
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.output_ids: list[int] = []
+        self.arrival_time = time.monotonic()
+
+        # KV state, valid while the request is in the running batch
+        self.slot: int | None = None
+        self.pages: list[int] = []
+        self.kv_len = 0
+        """Tokens whose KV the worker has written (the mirror's notion of seq_len)."""
+        self.prefix_len = 0
+        """Tokens matched in the prefix cache at admission."""
+        self.fill_ids: np.ndarray = prompt_ids
+        """What must be prefilled: the prompt, plus earlier outputs after a retraction."""
+        self.decoding = False
+        """Prefill done: each step runs one token."""
+        self.pages_sent = 0
+        """How many of `pages` the worker's page table already holds."""
+
+        self.cached_tokens = 0
+        """Prompt tokens served from the prefix cache (first admission only)."""
+        self.finish_reason: FinishReason | None = None
+        self.error = ""
+        self.num_retractions = 0
+        self.sent_output_len = 0
+        """Output tokens already sent to the tokenizer."""
+        self.pending_results = 0
+        """Steps in flight that will sample a token for this request (overlap: up to 2).
+        A retracted request is not re-admitted until they are processed."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_prefill(self) -> int:
+        return len(self.fill_ids) - self.kv_len
+
+    def all_token_ids(self) -> np.ndarray:
+        if not self.output_ids:
+            return self.prompt_ids
+        return np.concatenate([self.prompt_ids, np.asarray(self.output_ids, dtype=np.int32)])
+
+    def remaining_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens - len(self.output_ids)
+
+    def finish(self, reason: FinishReason, error: str = "") -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.error = error

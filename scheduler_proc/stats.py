@@ -1,0 +1,74 @@
+"""Scheduler counters: the periodic SchedulerStats frame and the "Decode batch" log line."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from wire.backend import WorkerCounters
+from wire.frontend import SchedulerStats
+
+if TYPE_CHECKING:
+    from scheduler_proc.scheduler import Scheduler, Step
+    from wire.backend import StepResult
+
+logger = logging.getLogger("scheduler_proc")
+
+PUBLISH_INTERVAL_S = 0.5
+LOG_INTERVAL_S = 10.0
+
+
+class SchedulerCounters:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.retractions = 0
+        self.seq_lens_syncs = 0
+        self.steps = 0
+        self.last_step_time_s = 0.0
+        self.worker = WorkerCounters()
+        """Mirror of the worker's cumulative counters, as of the last StepResult."""
+        self._last_publish = 0.0
+        self._last_log = time.monotonic()
+        self._gen_at_last_log = 0
+
+    def on_step(self, step: Step, result: StepResult) -> None:
+        self.steps += 1
+        self.last_step_time_s = time.perf_counter() - step.sent_at
+        self.worker = result.counters
+
+    def snapshot(self) -> SchedulerStats:
+        s = self.scheduler
+        kv = s.kv
+        return SchedulerStats(
+            running_requests=len(s.batch.reqs),
+            queued_requests=len(s.waiting),
+            kv_used_tokens=kv.used_tokens(),
+            kv_total_tokens=kv.total_tokens,
+            cache_hit_tokens=sum(r.cached_tokens for r in s.batch.reqs),
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            steps=self.steps,
+            last_step_time_s=self.last_step_time_s,
+            prefill_tokens_computed=self.worker.prefill_tokens_computed,
+            seq_lens_d2h_copies=self.worker.seq_lens_d2h_copies,
+            dropped_frames=s.io.dropped_frames,
+            retractions=self.retractions,
+        )
+
+    def maybe_publish(self) -> None:
+        now = time.monotonic()
+        if now - self._last_publish >= PUBLISH_INTERVAL_S:
+            self._last_publish = now
+            self.scheduler.io.tokenizer.send(self.snapshot())
+        if now - self._last_log >= LOG_INTERVAL_S and self.scheduler.batch.reqs:
+            rate = (self.generation_tokens - self._gen_at_last_log) / (now - self._last_log)
+            st = self.snapshot()
+            logger.info(
+                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.1f, "
+                "#queue-req: %d", st.running_requests, st.kv_used_tokens,
+                st.kv_used_tokens / max(1, st.kv_total_tokens), rate, st.queued_requests,
+            )
+            self._last_log, self._gen_at_last_log = now, self.generation_tokens
