@@ -94,6 +94,8 @@ class Child:
     role: str
     rank: int
     proc: subprocess.Popen
+    sentinel: int
+    """A pidfd: readable once the process has exited, so supervision never polls."""
 
     @property
     def name(self) -> str:
@@ -119,7 +121,8 @@ class Launcher:
         cmd = [sys.executable, "-m", module, "--args-file", self.args_file, "--parent-pid", str(os.getpid()),
                "--rank", str(rank)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
-        child = Child(role, rank, subprocess.Popen(cmd, cwd=REPO_ROOT, env=env))
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
+        child = Child(role, rank, proc, os.pidfd_open(proc.pid))
         self.children.append(child)
         return child
 
@@ -155,9 +158,10 @@ class Launcher:
     def supervise(self, stop_requested) -> int:
         """Waits until a child dies or a stop is requested; returns the exit code."""
         while not stop_requested():
-            ready = wait_sentinels([c.proc.sentinel for c in self.children], timeout=0.5)
+            ready = wait_sentinels([c.sentinel for c in self.children], timeout=0.5)
             for child in self.children:
-                if child.proc.sentinel in ready:
+                if child.sentinel in ready:
+                    child.proc.poll()
                     logger.error("%s (pid %d) exited with code %s; stopping the server",
                                  child.name, child.proc.pid, child.proc.returncode)
                     return 1
@@ -174,6 +178,8 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
+        for child in self.children:
+            os.close(child.sentinel)
         self.control.close()
         self.zmq_ctx.term()
 

@@ -30,6 +30,10 @@ class StepGapError(RuntimeError):
     """The descriptor stream skipped a step: the worker's state would be stale."""
 
 
+class SeqLensSumMismatch(RuntimeError):
+    pass
+
+
 @dataclass
 class ForwardInputs:
     input_ids: torch.Tensor
@@ -190,6 +194,15 @@ class BatchState:
             self.last_token[torch.tensor(inputs.sampling_slots, device=self.device)] = next_tokens
         for slot in inputs.finishing_prefill_slots:
             self.decoding[slot] = True
+
+    def check_seq_lens_sum(self, desc: BatchDescriptor) -> None:
+        """`--check-seq-lens`: the descriptor's sum must equal this worker's after the step."""
+        own = int(self.row_lens_host[self.order].sum()) if self.order else 0
+        if own != desc.seq_lens_sum:
+            raise SeqLensSumMismatch(
+                f"step {desc.step_id}: descriptor seq_lens_sum {desc.seq_lens_sum} != worker's {own}: "
+                "the scheduler read a stale sum (a producer skipped its refresh)"
+            )
 
     def copy_seq_lens_to_host(self, for_debug_check: bool = False) -> np.ndarray:
         """A device-to-host copy of seq_lens in batch order; every call is counted."""

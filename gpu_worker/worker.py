@@ -120,8 +120,14 @@ class Worker:
         self.counters.steps += 1
         seq_lens = None
         if self.args.check_seq_lens:
+            try:
+                self.state.check_seq_lens_sum(desc)
+            except Exception as e:
+                logger.error("%s", e)
+                return WorkerError(desc.step_id, str(e))
             seq_lens = pack_int32(self.state.copy_seq_lens_to_host(for_debug_check=True))
         self.counters.seq_lens_d2h_copies = self.state.seq_lens_d2h_copies
+        self.counters.dropped_frames = self.inbox.dropped
         return StepResult(
             step_id=desc.step_id,
             next_token_ids=pack_int32(next_tokens.cpu()),

@@ -84,6 +84,10 @@ class PrefillPlanner:
             budget -= n
         batch.merge_batch(admitted)
         batch.prepare_for_extend(chunks)
+        # Offer each chunk's pages to the prefix cache now, so requests admitted in later
+        # steps share them while this one still runs (the worker writes them in order).
+        for i, _ in chunks:
+            self.kv.cache_prefix(batch.reqs[i].fill_ids, batch.reqs[i], batch.seq_len(i))
 
     def _admit(self, req: Req, budget: int, decode_reserve: int) -> bool:
         """Takes the cached prefix and the pages of the first chunk, or nothing at all."""

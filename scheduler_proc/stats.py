@@ -54,7 +54,7 @@ class SchedulerCounters:
             last_step_time_s=self.last_step_time_s,
             prefill_tokens_computed=self.worker.prefill_tokens_computed,
             seq_lens_d2h_copies=self.worker.seq_lens_d2h_copies,
-            dropped_frames=s.io.dropped_frames,
+            dropped_frames=s.io.dropped_frames + self.worker.dropped_frames,
             retractions=self.retractions,
         )
 

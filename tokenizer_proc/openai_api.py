@@ -1,0 +1,274 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+Each handler validates (protocol models, then `sampling` against the model), tokenizes,
+submits n requests with rids `{id}-{i}` through the `RequestManager`, and answers either
+with one JSON body (`serving.collect`) or with server-sent events. Response shapes are
+built by `openai_format`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tokenizer_proc import openai_format as fmt
+from tokenizer_proc.errors import APIError
+from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
+from tokenizer_proc.request_manager import RequestHandle
+from tokenizer_proc.sampling import (
+    SamplingRequest,
+    build_sampling_params,
+    check_model,
+    check_prompt_ids,
+    with_seed_offset,
+)
+from tokenizer_proc.serving import (
+    SSE_DONE,
+    ChoiceResult,
+    ClientDisconnected,
+    collect,
+    merge_outputs,
+    sse,
+    stream_error_event,
+    usage_of,
+)
+from tokenizer_proc.state import FrontendState, get_state
+from tokenizer_proc.tokenization import apply_chat_template, encode_text
+
+router = APIRouter()
+
+CLIENT_CLOSED = 499
+"""Status logged for a request whose client left first (nginx's convention)."""
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE response that closes (aborts) its requests however the stream ends, even unstarted."""
+
+    def __init__(self, content: AsyncIterator[str], handles: Sequence[RequestHandle]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._handles = handles
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for handle in self._handles:
+                handle.close()
+
+
+def sampling_request(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                     logprobs: bool, top_logprobs: int) -> SamplingRequest:
+    return SamplingRequest(
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        ignore_eos=body.ignore_eos,
+        stop_token_ids=body.stop_token_ids or (),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+async def submit_choices(
+    st: FrontendState, prompt_ids: list[int], body: CompletionRequest | ChatCompletionRequest,
+    sreq: SamplingRequest, cid: str, max_tokens_param: str,
+) -> list[RequestHandle]:
+    params = build_sampling_params(sreq, len(prompt_ids), st.limits, max_tokens_param)
+    return await st.manager.submit(
+        prompt_ids,
+        [with_seed_offset(params, i) for i in range(body.n)],
+        rids=[f"{cid}-{i}" for i in range(body.n)],
+        stop=body.stop_list(),
+        skip_special_tokens=body.skip_special_tokens,
+    )
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    st = get_state(request)
+    return {"object": "list", "data": [_model_card(st)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> dict[str, Any]:
+    st = get_state(request)
+    check_model(model, st.limits)
+    return _model_card(st)
+
+
+def _model_card(st: FrontendState) -> dict[str, Any]:
+    return {
+        "id": st.args.served_model_name,
+        "object": "model",
+        "created": st.started_at,
+        "owned_by": "trident",
+        "max_model_len": st.limits.context_length,
+    }
+
+
+def completion_prompt(st: FrontendState, prompt: Any) -> tuple[str | None, list[int]]:
+    """(text, ids) of a completions prompt: a string, [string], token ids or [token ids]."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise APIError("Only one prompt per request is supported.", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError("The prompt is empty.", param="prompt", code="empty_prompt")
+        text: str | None = prompt
+        ids = encode_text(st.tokenizer, prompt)
+    else:
+        text, ids = None, list(prompt)
+    check_prompt_ids(ids, st.limits, "prompt")
+    return text, ids
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    st = get_state(request)
+    check_model(body.model, st.limits)
+    prompt_text, prompt_ids = completion_prompt(st, body.prompt)
+    want_lp = body.logprobs is not None
+    sreq = sampling_request(body, body.max_tokens, want_lp, body.logprobs or 0)
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    handles = await submit_choices(st, prompt_ids, body, sreq, cid, "max_tokens")
+    created = int(time.time())
+    model = st.args.served_model_name
+    if body.echo and prompt_text is None:
+        prompt_text = st.tokenizer.decode(prompt_ids)
+    echo_text = prompt_text if body.echo else None
+
+    if body.stream:
+        gen = _stream_completion(st, body, handles, cid, created, model, prompt_ids, echo_text)
+        return EventStreamResponse(gen, handles)
+    try:
+        results = await collect(request, handles)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    choices = []
+    for r in results:
+        logprobs = None
+        if want_lp:
+            builder = fmt.CompletionLogprobs(st.strings)
+            logprobs = builder.prompt_part(prompt_ids) if echo_text is not None else None
+            part = builder.part(r.token_ids, r.token_logprobs, r.top_logprobs)
+            logprobs = fmt.merge_completion_logprobs(logprobs, part)
+        choices.append(fmt.completion_choice(r.index, (echo_text or "") + r.text, logprobs, r.finish_reason))
+    usage = usage_of(results, len(prompt_ids))
+    return JSONResponse(fmt.completion_body(cid, created, model, choices, usage))
+
+
+async def _stream_completion(
+    st: FrontendState, body: CompletionRequest, handles: Sequence[RequestHandle], cid: str, created: int,
+    model: str, prompt_ids: list[int], echo_text: str | None,
+) -> AsyncIterator[str]:
+    include_usage = body.include_usage()
+    want_lp = body.logprobs is not None
+    builders = [fmt.CompletionLogprobs(st.strings) for _ in handles]
+    results = [ChoiceResult(i) for i in range(len(handles))]
+
+    def chunk(index: int, text: str, logprobs: dict | None, finish: str | None) -> str:
+        obj = fmt.completion_body(cid, created, model, [fmt.completion_choice(index, text, logprobs, finish)], None)
+        if include_usage:
+            obj["usage"] = None
+        return sse(obj)
+
+    if echo_text is not None:
+        for i, builder in enumerate(builders):
+            yield chunk(i, echo_text, builder.prompt_part(prompt_ids) if want_lp else None, None)
+    async for out in merge_outputs(handles):
+        results[out.index].add(out)
+        if out.finish_reason == "error":
+            yield stream_error_event(f"generation failed: {out.error or 'unknown error'}")
+            yield SSE_DONE
+            return
+        lp = None
+        if want_lp and out.token_ids:
+            lp = builders[out.index].part(out.token_ids, out.token_logprobs, out.top_logprobs)
+        if out.text or lp is not None or out.finish_reason is not None:
+            yield chunk(out.index, out.text, lp, out.finish_reason)
+    if include_usage:
+        yield sse(fmt.usage_chunk(cid, created, model, "text_completion", usage_of(results, len(prompt_ids))))
+    yield SSE_DONE
+
+
+def chat_prompt(st: FrontendState, body: ChatCompletionRequest) -> list[int]:
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+    ]
+    try:
+        _, ids = apply_chat_template(st.tokenizer, messages)
+    except Exception as e:  # the template rejects this conversation (e.g. role order)
+        raise APIError(f"The messages do not fit the model's chat template: {e}", param="messages") from e
+    check_prompt_ids(ids, st.limits, "messages")
+    return ids
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    st = get_state(request)
+    check_model(body.model, st.limits)
+    prompt_ids = chat_prompt(st, body)
+    use_mct = body.max_completion_tokens is not None
+    max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
+    sreq = sampling_request(body, max_tokens, body.logprobs, body.top_logprobs or 0)
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    param = "max_completion_tokens" if use_mct else "max_tokens"
+    handles = await submit_choices(st, prompt_ids, body, sreq, cid, param)
+    created = int(time.time())
+    model = st.args.served_model_name
+
+    if body.stream:
+        return EventStreamResponse(_stream_chat(st, body, handles, cid, created, model, len(prompt_ids)), handles)
+    try:
+        results = await collect(request, handles)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    logprobs = [
+        fmt.chat_logprobs(st.strings, r.token_ids, r.token_logprobs, r.top_logprobs) if body.logprobs else None
+        for r in results
+    ]
+    return JSONResponse(fmt.chat_body(cid, created, model, results, logprobs, usage_of(results, len(prompt_ids))))
+
+
+async def _stream_chat(
+    st: FrontendState, body: ChatCompletionRequest, handles: Sequence[RequestHandle], cid: str, created: int,
+    model: str, prompt_len: int,
+) -> AsyncIterator[str]:
+    include_usage = body.include_usage()
+    results = [ChoiceResult(i) for i in range(len(handles))]
+
+    def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
+        return sse(fmt.chat_chunk(cid, created, model, index, delta, finish, logprobs, include_usage))
+
+    for i in range(len(handles)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async for out in merge_outputs(handles):
+        results[out.index].add(out)
+        if out.finish_reason == "error":
+            yield stream_error_event(f"generation failed: {out.error or 'unknown error'}")
+            yield SSE_DONE
+            return
+        lp = None
+        if body.logprobs and out.token_ids:
+            lp = fmt.chat_logprobs(st.strings, out.token_ids, out.token_logprobs, out.top_logprobs)
+        if out.text or lp is not None:
+            yield chunk(out.index, {"content": out.text}, logprobs=lp)
+        if out.finish_reason is not None:
+            yield chunk(out.index, {}, out.finish_reason)
+    if include_usage:
+        yield sse(fmt.usage_chunk(cid, created, model, "chat.completion.chunk", usage_of(results, prompt_len)))
+    yield SSE_DONE

@@ -1,0 +1,148 @@
+"""OpenAI response bodies: completion and chat objects, stream chunks, logprobs formats.
+
+Pure functions from accumulated results to JSON-ready dicts; the routes in `openai_api`
+decide when to send what. Token ids become strings here, through `TokenStrings`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tokenizer_proc.serving import ChoiceResult
+from tokenizer_proc.tokenization import TokenStrings
+
+
+def client_finish_reason(reason: str | None) -> str | None:
+    """What clients see: stop | length | abort (an error is reported as an error, not here)."""
+    if reason is None or reason in ("stop", "length", "abort"):
+        return reason
+    return "abort"
+
+
+class CompletionLogprobs:
+    """Builds the legacy completions `logprobs` object, chunk by chunk (offsets carry over)."""
+
+    def __init__(self, strings: TokenStrings, text_offset: int = 0) -> None:
+        self._strings = strings
+        self._offset = text_offset
+
+    def prompt_part(self, prompt_ids: Sequence[int]) -> dict[str, Any]:
+        """The echoed prompt: its tokens, with no logprobs (prompt logprobs are not computed)."""
+        tokens = [self._strings.text(t) for t in prompt_ids]
+        offsets = self._advance(tokens)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None] * len(tokens),
+            "top_logprobs": [None] * len(tokens),
+            "text_offset": offsets,
+        }
+
+    def part(
+        self, token_ids: Sequence[int], token_logprobs: Sequence[float], top: Sequence[Sequence[tuple[int, float]]]
+    ) -> dict[str, Any]:
+        tokens = [self._strings.text(t) for t in token_ids]
+        tops: list[dict[str, float] | None] = []
+        for i in range(len(tokens)):
+            pairs = top[i] if i < len(top) else []
+            tops.append({self._strings.text(tid): lp for tid, lp in pairs})
+        return {
+            "tokens": tokens,
+            "token_logprobs": list(token_logprobs)[: len(tokens)],
+            "top_logprobs": tops,
+            "text_offset": self._advance(tokens),
+        }
+
+    def _advance(self, tokens: Sequence[str]) -> list[int]:
+        offsets = []
+        for tok in tokens:
+            offsets.append(self._offset)
+            self._offset += len(tok)
+        return offsets
+
+
+def merge_completion_logprobs(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
+    if a is None:
+        return b
+    return {k: a[k] + b[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def chat_logprobs(
+    strings: TokenStrings,
+    token_ids: Sequence[int],
+    token_logprobs: Sequence[float],
+    top: Sequence[Sequence[tuple[int, float]]],
+) -> dict[str, Any]:
+    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    content = []
+    for i, tid in enumerate(token_ids):
+        pairs = top[i] if i < len(top) else []
+        content.append({
+            "token": strings.text(tid),
+            "logprob": token_logprobs[i] if i < len(token_logprobs) else None,
+            "bytes": strings.raw_bytes(tid),
+            "top_logprobs": [
+                {"token": strings.text(t), "logprob": lp, "bytes": strings.raw_bytes(t)} for t, lp in pairs
+            ],
+        })
+    return {"content": content}
+
+
+def completion_body(
+    cid: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
+
+
+def chat_body(cid: str, created: int, model: str, results: Sequence[ChoiceResult], logprobs: list[dict | None],
+              usage: dict[str, Any]) -> dict[str, Any]:
+    choices = [
+        {
+            "index": r.index,
+            "message": {"role": "assistant", "content": r.text},
+            "logprobs": logprobs[r.index],
+            "finish_reason": client_finish_reason(r.finish_reason),
+        }
+        for r in results
+    ]
+    return {
+        "id": cid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+        "usage": usage,
+    }
+
+
+def chat_chunk(
+    cid: str,
+    created: int,
+    model: str,
+    index: int,
+    delta: dict[str, Any],
+    finish: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    with_usage_field: bool = False,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
+        ],
+    }
+    if with_usage_field:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(cid: str, created: int, model: str, obj: str, usage: dict[str, Any]) -> dict[str, Any]:
+    return {"id": cid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}

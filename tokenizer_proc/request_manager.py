@@ -1,0 +1,360 @@
+"""Open requests of the tokenizer process and its two sockets to the scheduler.
+
+Ownership: the scheduler owns each request's state (queue position, KV, produced tokens);
+this manager holds, per open rid, only what the HTTP side needs: the queue of `TokenOut`s
+the receive task dispatches to, the prompt and the tokens seen so far (to resubmit after a
+scheduler restart), and the detokenizer. A request is open from `submit` until its
+`RequestHandle` sees a finish or is closed; closing an unfinished one (client gone, stop
+string hit, task cancelled) sends `AbortReq` so that the scheduler frees its KV.
+
+The manager also keeps the latest `SchedulerStats` (a mirror, refreshed only by the
+receive task) and answers `FlushCacheReq` with the matching `FlushCacheDone`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq.asyncio
+
+from tokenizer_proc.detokenizer import RequestDetokenizer
+from tokenizer_proc.errors import SERVER_ERROR, APIError
+from tokenizer_proc.metrics import Metrics
+from wire.codec import pack_int32
+from wire.control import PROTOCOL_VERSION, check_protocol_version
+from wire.frontend import (
+    AbortReq,
+    FlushCacheDone,
+    FlushCacheReq,
+    GenerateReq,
+    SamplingParams,
+    SchedulerStats,
+    ServerInfo,
+    TokenizerHello,
+    TokenizerInput,
+    TokenOut,
+    TokenOutBatch,
+)
+from wire.server_args import ServerArgs
+from wire.transport import ENDPOINT_SCHEDULER_IN, ENDPOINT_TOKENIZER_IN, AsyncPullSocket, AsyncPushSocket, endpoint
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class GenerationOutput:
+    """What one request produced since its previous output, ready for the HTTP layer."""
+
+    rid: str
+    index: int
+    """Choice index within its HTTP request (n > 1)."""
+    text: str
+    token_ids: list[int]
+    token_logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: str | None
+    """stop | length | abort | error; None while running."""
+    prompt_tokens: int
+    completion_tokens: int
+    """Cumulative."""
+    cached_tokens: int
+    error: str = ""
+
+
+@dataclass
+class _OpenRequest:
+    rid: str
+    index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    detok: RequestDetokenizer
+    queue: asyncio.Queue[TokenOut] = field(default_factory=asyncio.Queue)
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    created: float = field(default_factory=time.monotonic)
+    scheduler_done: bool = False
+    """The scheduler finished it, or was already told to abort it: no AbortReq is due."""
+
+
+class RequestHandle:
+    """One submitted request; iterate `outputs()` once, or `close()` it."""
+
+    def __init__(self, manager: RequestManager, req: _OpenRequest) -> None:
+        self._manager = manager
+        self._req = req
+        self._closed = False
+
+    @property
+    def rid(self) -> str:
+        return self._req.rid
+
+    async def outputs(self) -> AsyncIterator[GenerationOutput]:
+        req = self._req
+        metrics = self._manager.metrics
+        last = req.created
+        try:
+            while True:
+                out = await req.queue.get()
+                now = time.monotonic()
+                if out.token_ids and metrics is not None:
+                    if not req.generated:
+                        metrics.ttft.observe(now - req.created)
+                    else:
+                        metrics.itl.observe(now - last)
+                    metrics.generation_tokens.inc(len(out.token_ids))
+                if out.token_ids:
+                    last = now
+                req.generated.extend(out.token_ids)
+                req.cached_tokens = max(req.cached_tokens, out.cached_tokens)
+                finish = out.finish_reason
+                if finish is not None:
+                    req.scheduler_done = True
+                step = req.detok.step(out.token_ids, finish)
+                if step.stop_string_hit and finish is None:
+                    finish = "stop"  # the scheduler still runs it: close() aborts it there
+                yield GenerationOutput(
+                    rid=req.rid,
+                    index=req.index,
+                    text=step.text,
+                    token_ids=list(out.token_ids),
+                    token_logprobs=list(out.token_logprobs),
+                    top_logprobs=[list(t) for t in out.top_logprobs],
+                    finish_reason=finish,
+                    prompt_tokens=len(req.prompt_ids),
+                    completion_tokens=len(req.generated),
+                    cached_tokens=req.cached_tokens,
+                    error=out.error,
+                )
+                if finish is not None:
+                    if metrics is not None:
+                        metrics.e2e.observe(now - req.created)
+                        metrics.finished.labels(finish_reason=finish).inc()
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Unregister; abort in the scheduler unless it already finished. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._manager._release(self._req)
+
+
+class Overloaded(APIError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"The server is overloaded ({limit} requests open); retry later.",
+            503,
+            type_=SERVER_ERROR,
+            code="overloaded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+
+class RequestManager:
+    """The tokenizer side of the tokenizer<->scheduler link; one per process."""
+
+    def __init__(
+        self, zmq_ctx: zmq.asyncio.Context, args: ServerArgs, tokenizer: Any, metrics: Metrics | None = None
+    ) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self._push = AsyncPushSocket(zmq_ctx, endpoint(args.run_dir, ENDPOINT_SCHEDULER_IN), bind=False)
+        self._pull = AsyncPullSocket(
+            zmq_ctx, endpoint(args.run_dir, ENDPOINT_TOKENIZER_IN), bind=True, union=TokenizerInput,
+            name="tokenizer.in",
+        )
+        self._open: dict[str, _OpenRequest] = {}
+        self.server_info: ServerInfo | None = None
+        self.stats: SchedulerStats | None = None
+        self._flush_lock = asyncio.Lock()
+        self._flush_waiter: asyncio.Future[FlushCacheDone] | None = None
+        self._recv_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ---- start-up -------------------------------------------------------------------
+
+    async def handshake(self, timeout_s: float) -> ServerInfo:
+        """Send TokenizerHello, wait for ServerInfo; raises ProtocolMismatch or TimeoutError."""
+        await self._push.send(TokenizerHello(PROTOCOL_VERSION, os.getpid()))
+
+        async def wait_info() -> ServerInfo:
+            while True:
+                msg = await self._pull.recv()
+                if isinstance(msg, ServerInfo):
+                    return msg
+                if isinstance(msg, SchedulerStats):
+                    self.stats = msg
+                else:
+                    logger.warning("ignoring %s received before ServerInfo", type(msg).__name__)
+
+        info = await asyncio.wait_for(wait_info(), timeout_s)
+        check_protocol_version("the scheduler", info.protocol_version)
+        self.server_info = info
+        return info
+
+    def start(self) -> None:
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop(), name="tokenizer-recv")
+
+    async def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self._push.close()
+        self._pull.close()
+
+    # ---- requests -------------------------------------------------------------------
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    @property
+    def capacity(self) -> int:
+        running = self.server_info.max_running_requests if self.server_info else self.args.max_running_requests
+        return running + self.args.max_queued_requests
+
+    @property
+    def dropped_frames(self) -> int:
+        """Frames this process dropped as malformed (the scheduler's are in its stats)."""
+        return self._pull.dropped
+
+    @staticmethod
+    def new_rid(prefix: str = "req") -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    async def submit(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: Sequence[SamplingParams] | SamplingParams,
+        *,
+        rids: Sequence[str] | None = None,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        check_capacity: bool = True,
+    ) -> list[RequestHandle]:
+        """Open one request per SamplingParams (n > 1) and send them; raises Overloaded (503)."""
+        params = [sampling] if isinstance(sampling, SamplingParams) else list(sampling)
+        rids = list(rids) if rids is not None else [self.new_rid() for _ in params]
+        if check_capacity and len(self._open) + len(params) > self.capacity:
+            raise Overloaded(self.capacity)
+        for rid in rids:
+            if rid in self._open:
+                raise APIError(f"Request id {rid!r} is already in use.", param="rid")
+        prompt = list(prompt_ids)
+        packed = pack_int32(prompt)
+        handles = []
+        for index, (rid, sp) in enumerate(zip(rids, params, strict=True)):
+            detok = RequestDetokenizer(self.tokenizer, stop, skip_special_tokens, sp.stop_token_ids)
+            req = _OpenRequest(rid, index, prompt, sp, detok)
+            self._open[rid] = req
+            handles.append(RequestHandle(self, req))
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(prompt) * len(params))
+        try:
+            for handle, sp in zip(handles, params, strict=True):
+                await self._push.send(GenerateReq(handle.rid, packed, sp))
+        except BaseException:
+            for handle in handles:
+                handle.close()
+            raise
+        return handles
+
+    def abort(self, rid: str) -> list[str]:
+        """Abort `rid` and its choices (`rid-0`, `rid-1`...); they finish with "abort"."""
+        hits = [r for r in self._open if r == rid or r.startswith(rid + "-")]
+        for r in hits:
+            req = self._open[r]
+            if not req.scheduler_done:
+                req.scheduler_done = True
+                self._send_soon(AbortReq(r))
+            req.queue.put_nowait(TokenOut(r, [], finish_reason="abort"))
+        return hits
+
+    def abort_all(self) -> int:
+        """Finish every open request with "abort" (shutdown): streams end cleanly, not cut."""
+        rids = list(self._open)
+        for rid in rids:
+            self.abort(rid)
+        return len(rids)
+
+    def _release(self, req: _OpenRequest) -> None:
+        if self._open.get(req.rid) is req:
+            del self._open[req.rid]
+        if not req.scheduler_done:
+            req.scheduler_done = True
+            self._send_soon(AbortReq(req.rid))
+
+    def _send_soon(self, msg: Any) -> None:
+        """Send from sync code (a generator's finally, a cancelled task) without awaiting."""
+        task = asyncio.get_running_loop().create_task(self._push.send(msg))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- control --------------------------------------------------------------------
+
+    async def flush_cache(self, timeout_s: float = 30.0) -> FlushCacheDone:
+        async with self._flush_lock:
+            self._flush_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._push.send(FlushCacheReq())
+                return await asyncio.wait_for(self._flush_waiter, timeout_s)
+            except asyncio.TimeoutError:
+                return FlushCacheDone(False, f"the scheduler did not answer within {timeout_s:g}s")
+            finally:
+                self._flush_waiter = None
+
+    # ---- receive task ---------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self._pull.recv()
+            try:
+                self._dispatch(msg)
+            except Exception:  # one bad message must not stop every request
+                logger.exception("failed to handle %s from the scheduler", type(msg).__name__)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, TokenOutBatch):
+            for out in msg.outputs:
+                req = self._open.get(out.rid)
+                if req is not None:  # else: aborted or finished here already; drop it
+                    req.queue.put_nowait(out)
+        elif isinstance(msg, SchedulerStats):
+            self.stats = msg
+        elif isinstance(msg, FlushCacheDone):
+            if self._flush_waiter is not None and not self._flush_waiter.done():
+                self._flush_waiter.set_result(msg)
+        elif isinstance(msg, ServerInfo):
+            self._on_scheduler_restart(msg)
+
+    def _on_scheduler_restart(self, info: ServerInfo) -> None:
+        """A new ServerInfo means a new scheduler: resubmit every open request.
+
+        Each goes back as a prefill of its prompt plus the tokens it already produced, with
+        its budget reduced by those, so the client sees latency, not an error.
+        """
+        check_protocol_version("the restarted scheduler", info.protocol_version)
+        self.server_info = info
+        logger.warning("scheduler restarted: resubmitting %d open requests", len(self._open))
+        for req in self._open.values():
+            if req.scheduler_done:
+                continue
+            produced = len(req.generated)
+            sp = msgspec.structs.replace(
+                req.sampling,
+                max_new_tokens=max(1, req.sampling.max_new_tokens - produced),
+                min_new_tokens=max(0, req.sampling.min_new_tokens - produced),
+            )
+            self._send_soon(GenerateReq(req.rid, pack_int32(req.prompt_ids + req.generated), sp))

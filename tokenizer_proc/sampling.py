@@ -1,0 +1,131 @@
+"""Validation that needs the served model, and the mapping to `wire.frontend.SamplingParams`.
+
+`protocol` checks each field alone; here the checks need what the scheduler announced in
+`ServerInfo` (context length, vocabulary size) or the prompt's length. Every failure is an
+`APIError` (HTTP 400, or 404 for an unknown model) with the OpenAI error body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from tokenizer_proc.errors import APIError
+from tokenizer_proc.protocol import MAX_LOGPROBS
+from wire.frontend import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What requests are validated against; from the scheduler's `ServerInfo` and ServerArgs."""
+
+    served_model_name: str
+    context_length: int
+    vocab_size: int
+
+
+@dataclass
+class SamplingRequest:
+    """The sampling knobs of any endpoint, before the max-token default is resolved."""
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: Sequence[int] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def check_model(requested: str | None, limits: ModelLimits) -> None:
+    if requested is not None and requested != limits.served_model_name:
+        raise APIError(
+            f"The model `{requested}` does not exist; this server serves `{limits.served_model_name}`.",
+            404,
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_prompt_ids(ids: Sequence[int], limits: ModelLimits, param: str = "prompt") -> None:
+    if not ids:
+        raise APIError("The prompt is empty.", param=param, code="empty_prompt")
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            f"Token id {bad} is out of range: token ids must be in [0, {limits.vocab_size}).",
+            param=param,
+            code="invalid_token_id",
+        )
+
+
+def resolve_max_tokens(prompt_len: int, max_tokens: int | None, limits: ModelLimits, param: str) -> int:
+    """The output budget: the requested one if it fits, else a 400; None means the rest."""
+    ctx = limits.context_length
+    if prompt_len >= ctx:
+        raise APIError(
+            f"This model's maximum context length is {ctx} tokens, but the prompt has {prompt_len} tokens.",
+            param="messages" if param == "max_completion_tokens" else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return ctx - prompt_len
+    if max_tokens < 1:
+        raise APIError(f"{param} must be at least 1, got {max_tokens}.", param=param)
+    if prompt_len + max_tokens > ctx:
+        raise APIError(
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+            f"Please reduce the prompt or {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def build_sampling_params(
+    req: SamplingRequest, prompt_len: int, limits: ModelLimits, max_tokens_param: str = "max_tokens"
+) -> SamplingParams:
+    """Validate against the model and map to the wire struct (max_tokens -> max_new_tokens...)."""
+    max_new = resolve_max_tokens(prompt_len, req.max_tokens, limits, max_tokens_param)
+    if req.min_tokens > max_new:
+        raise APIError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_new}).", param="min_tokens")
+    bad = next((t for t in req.stop_token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            f"stop_token_ids holds {bad}, outside [0, {limits.vocab_size}).", param="stop_token_ids"
+        )
+    if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(f"top logprobs must be in [0, {MAX_LOGPROBS}].", param="logprobs")
+    return SamplingParams(
+        max_new_tokens=max_new,
+        temperature=float(req.temperature),
+        top_p=float(req.top_p),
+        top_k=int(req.top_k),
+        min_p=float(req.min_p),
+        frequency_penalty=float(req.frequency_penalty),
+        presence_penalty=float(req.presence_penalty),
+        repetition_penalty=float(req.repetition_penalty),
+        seed=req.seed,
+        min_new_tokens=int(req.min_tokens),
+        ignore_eos=bool(req.ignore_eos),
+        stop_token_ids=list(req.stop_token_ids),
+        logprobs=bool(req.logprobs),
+        top_logprobs=int(req.top_logprobs) if req.logprobs else 0,
+    )
+
+
+def with_seed_offset(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of an n > 1 request: a distinct seed so that choices differ."""
+    if params.seed is None or index == 0:
+        return params
+    return msgspec.structs.replace(params, seed=params.seed + index)

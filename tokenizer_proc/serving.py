@@ -1,0 +1,160 @@
+"""Glue between `RequestHandle`s and HTTP responses, shared by every generating endpoint.
+
+- `merge_outputs`: the outputs of the n choices of one HTTP request, in arrival order.
+- `collect`: run the choices to the end for a non-streaming response, aborting them if
+  the client disconnects first (Starlette does not notice a disconnect on its own there).
+- `ChoiceResult`: what a finished choice accumulated.
+- `sse` / `SSE_DONE`: server-sent-event framing.
+
+Closing any of these generators closes the handles, which aborts unfinished requests in
+the scheduler: that is how a vanished streaming client frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from tokenizer_proc.errors import SERVER_ERROR, APIError
+from tokenizer_proc.request_manager import GenerationOutput, RequestHandle
+
+SSE_DONE = "data: [DONE]\n\n"
+_END = object()
+
+
+def sse(obj: Any) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+async def merge_outputs(handles: Sequence[RequestHandle]) -> AsyncIterator[GenerationOutput]:
+    """Yield outputs of all handles as they arrive; closing this closes (aborts) them all."""
+    try:
+        if len(handles) == 1:
+            async for out in handles[0].outputs():
+                yield out
+            return
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump(handle: RequestHandle) -> None:
+            try:
+                async for out in handle.outputs():
+                    queue.put_nowait(out)
+            except Exception as e:  # surfaced to the consumer below
+                queue.put_nowait(e)
+            finally:
+                queue.put_nowait(_END)
+
+        tasks = [asyncio.create_task(pump(h)) for h in handles]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is _END:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+    finally:
+        for handle in handles:
+            handle.close()
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one choice produced, accumulated over its outputs."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+    def add(self, out: GenerationOutput) -> None:
+        self.text += out.text
+        self.token_ids.extend(out.token_ids)
+        self.token_logprobs.extend(out.token_logprobs)
+        self.top_logprobs.extend(out.top_logprobs)
+        self.prompt_tokens = out.prompt_tokens
+        self.completion_tokens = out.completion_tokens
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+            self.error = out.error
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(request: Request | None, handles: Sequence[RequestHandle]) -> list[ChoiceResult]:
+    """Run every choice to its end; raise ClientDisconnected (after aborting) if the client leaves."""
+    results = [ChoiceResult(i) for i in range(len(handles))]
+
+    async def run() -> None:
+        async for out in merge_outputs(handles):
+            results[out.index].add(out)
+
+    runner = asyncio.create_task(run())
+    watcher = asyncio.create_task(_wait_disconnect(request)) if request is not None else None
+    try:
+        waiting = {runner} | ({watcher} if watcher else set())
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if runner not in done:
+            raise ClientDisconnected()
+        runner.result()
+    finally:
+        for task in (runner, watcher):
+            if task is not None and not task.done():
+                task.cancel()
+        for handle in handles:
+            handle.close()
+    raise_if_error(results)
+    return results
+
+
+def raise_if_error(results: Sequence[ChoiceResult]) -> None:
+    """A choice the scheduler failed (finish_reason "error") fails the whole response with a 500."""
+    for r in results:
+        if r.finish_reason == "error":
+            raise APIError(f"generation failed: {r.error or 'unknown error'}", 500, type_=SERVER_ERROR)
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def usage_of(results: Sequence[ChoiceResult], prompt_tokens: int) -> dict[str, Any]:
+    """OpenAI counts the prompt once, whatever n is."""
+    completion = sum(r.completion_tokens for r in results)
+    cached = max((r.cached_tokens for r in results), default=0)
+    return usage_dict(prompt_tokens, completion, cached)
+
+
+def stream_error_event(message: str) -> str:
+    return sse({"error": {"message": message, "type": SERVER_ERROR, "param": None, "code": None}})
