@@ -100,7 +100,7 @@ def trident_processes() -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["name", "cmdline"]):
         try:
-            cmd = " ".join(p.info["cmdline"] or [])
+            cmd = " ".join(p.info["cmdline"] or []).strip()
         except psutil.Error:
             continue
         if cmd.startswith("trident::"):
