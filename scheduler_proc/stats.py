@@ -31,6 +31,7 @@ class SchedulerCounters:
         self.worker = WorkerCounters()
         """Mirror of the worker's cumulative counters, as of the last StepResult."""
         self._last_publish = 0.0
+        self._published_busy = False
         self._last_log = time.monotonic()
         self._gen_at_last_log = 0
 
@@ -59,9 +60,12 @@ class SchedulerCounters:
         )
 
     def maybe_publish(self) -> None:
+        """Every PUBLISH_INTERVAL_S, and at once when the server goes idle (final numbers)."""
         now = time.monotonic()
-        if now - self._last_publish >= PUBLISH_INTERVAL_S:
+        went_idle = self._published_busy and not self.scheduler.has_work()
+        if went_idle or now - self._last_publish >= PUBLISH_INTERVAL_S:
             self._last_publish = now
+            self._published_busy = self.scheduler.has_work()
             self.scheduler.io.tokenizer.send(self.snapshot())
         if now - self._last_log >= LOG_INTERVAL_S and self.scheduler.batch.reqs:
             rate = (self.generation_tokens - self._gen_at_last_log) / (now - self._last_log)

@@ -49,7 +49,9 @@ def serve_workload(extra_args: list[str], model: str) -> tuple[list[list[int]], 
 
         with ThreadPoolExecutor(len(workload())) as pool:
             outputs = list(pool.map(one, workload()))
-        stats = http.get("/server_info").json()["scheduler_stats"]
+        total = len(workload()) * MAX_NEW
+        assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] >= total, 10)
+        stats = scheduler_stats(http)
     return outputs, stats
 
 
