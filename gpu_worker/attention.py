@@ -1,9 +1,10 @@
 """Attention over the paged KV pool, for a flat batch of rows of different lengths.
 
-Rows that decode (one query token) are gathered into one padded batch and run as a
-single SDPA call with a length mask. Rows that extend (a prompt chunk) run one SDPA
-call each with a causal mask shifted by the row's cached prefix, so a long prefill
-never pads the decode rows up to its length.
+Short rows (a decode token, or a decode token plus a few draft tokens to verify) are
+gathered into one padded batch and run as a single SDPA call with a mask built from each
+row's length. Long rows (prompt chunks) run one SDPA call each with a causal mask
+shifted by the row's cached prefix, so a long prefill never pads the short rows up to
+its length.
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ class ExtendRow:
 class AttentionMetadata:
     out_cache_loc: torch.Tensor
     """Pool index each new token's K/V is written to, [num_tokens]."""
-    decode_token_idx: torch.Tensor
-    """Positions in the flat batch of the decode rows' query tokens, [num_decode]."""
-    decode_kv_indices: torch.Tensor
-    """Pool indices per decode row, padded with 0, [num_decode, max_kv_len]."""
-    decode_mask: torch.Tensor
-    """True where a decode row's padded index is real, [num_decode, 1, 1, max_kv_len]."""
+    short_token_idx: torch.Tensor
+    """Flat-batch index of each short row's query tokens, padded by repeating the row's
+    last token, [num_short, max_q]."""
+    short_q_valid: torch.Tensor
+    """True where short_token_idx is a real query, [num_short, max_q]."""
+    short_kv_indices: torch.Tensor
+    """Pool indices per short row, padded with 0, [num_short, max_kv_len]."""
+    short_mask: torch.Tensor
+    """Query i of a row sees keys 0..prefix+i, [num_short, 1, max_q, max_kv_len]."""
     extend_rows: list[ExtendRow]
 
 
@@ -45,12 +49,16 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [num_tokens, heads, dim] -> [num_tokens, heads, dim]."""
     out = torch.empty_like(q)
-    if meta.decode_token_idx.numel():
-        qd = q[meta.decode_token_idx].unsqueeze(2)  # [B, H, 1, D]
-        kd = k_cache[meta.decode_kv_indices].transpose(1, 2)  # [B, KVH, L, D]
-        vd = v_cache[meta.decode_kv_indices].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
-        out[meta.decode_token_idx] = od.squeeze(2)
+    if meta.short_token_idx.numel():
+        qs = q[meta.short_token_idx].transpose(1, 2)  # [B, H, Q, D]
+        ks = k_cache[meta.short_kv_indices].transpose(1, 2)  # [B, KVH, L, D]
+        vs = v_cache[meta.short_kv_indices].transpose(1, 2)
+        os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.short_mask, enable_gqa=True)
+        os_ = os_.transpose(1, 2)  # [B, Q, H, D]
+        if meta.short_token_idx.shape[1] == 1:
+            out[meta.short_token_idx[:, 0]] = os_[:, 0]
+        else:
+            out[meta.short_token_idx[meta.short_q_valid]] = os_[meta.short_q_valid]
     for row in meta.extend_rows:
         sl = slice(row.q_start, row.q_start + row.q_len)
         qe = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

@@ -25,6 +25,8 @@ from gpu_worker.sampler import SamplingTable
 from wire.backend import BatchDescriptor
 from wire.codec import unpack_int32
 
+_NO_DRAFT = np.zeros(0, dtype=np.int64)
+
 
 class StepGapError(RuntimeError):
     """The descriptor stream skipped a step: the worker's state would be stale."""
@@ -40,9 +42,14 @@ class ForwardInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    """Flat-batch index of the last token of each sampling row."""
+    """Flat-batch indices whose logits are needed: the last token of each sampling row,
+    and every position of a row verifying drafts."""
     sampling_slots: list[int]
     """Slots of the sampling rows, in batch order."""
+    num_logits: list[int]
+    """Logit rows per sampling row (1, or 1 + drafts), aligned with sampling_slots."""
+    drafts: dict[int, np.ndarray]
+    """Draft tokens per verifying slot."""
     computing_slots: np.ndarray
     q_lens: np.ndarray
     """Tokens each computing row runs this step (aligned with computing_slots)."""
@@ -51,8 +58,9 @@ class ForwardInputs:
 
 
 class BatchState:
-    def __init__(self, max_slots: int, max_pages_per_row: int, page_size: int,
-                 sampling: SamplingTable, device: torch.device) -> None:
+    def __init__(
+        self, max_slots: int, max_pages_per_row: int, page_size: int, sampling: SamplingTable, device: torch.device
+    ) -> None:
         self.device = device
         self.page_size = page_size
         self.page_table = np.zeros((max_slots, max_pages_per_row), dtype=np.int64)
@@ -102,14 +110,21 @@ class BatchState:
             self.page_table[pa.slot, pa.first_index : pa.first_index + len(ids)] = ids
         return {c.slot: (unpack_int32(c.token_ids), c.is_last) for c in desc.extends}
 
-    def build_forward(self, chunks: dict[int, tuple[np.ndarray, bool]]) -> ForwardInputs | None:
-        ps = self.page_size
+    def build_forward(
+        self, chunks: dict[int, tuple[np.ndarray, bool]], drafts: dict[int, np.ndarray] | None = None
+    ) -> ForwardInputs | None:
+        """Flat inputs for the rows that compute this step, in batch order.
+
+        A prefilling row runs its chunk (if it has one this step); a decoding row runs its
+        last sampled token, followed by its draft tokens when it verifies a draft.
+        """
+        drafts = drafts or {}
         host_ids: list[np.ndarray] = []
-        slots, q_lens, sampling_slots, finishing = [], [], [], []
-        decode_flat_idx, decode_slots, extend_rows = [], [], []
-        logits_idx = []
-        offset = 0
-        num_prefill = 0
+        slots, q_lens, sampling_slots, num_logits, finishing = [], [], [], [], []
+        short_rows: list[tuple[int, int, int]] = []  # (flat offset, q_len, slot)
+        extend_rows: list[tuple[int, int, int, int]] = []  # (flat offset, q_len, prefix, slot)
+        logits_idx: list[int] = []
+        offset = num_prefill = 0
         for slot in self.order:
             if slot in chunks:
                 tokens, is_last = chunks[slot]
@@ -119,79 +134,101 @@ class BatchState:
                 num_prefill += n
                 if is_last:
                     finishing.append(slot)
+                    sampling_slots.append(slot)
+                    num_logits.append(1)
+                    logits_idx.append(offset + n - 1)
             elif self.decoding[slot]:
-                n = 1
-                host_ids.append(np.zeros(1, dtype=np.int64))
-                decode_flat_idx.append(offset)
-                decode_slots.append(slot)
+                draft = drafts.get(slot, _NO_DRAFT)
+                n = 1 + len(draft)
+                host_ids.append(np.concatenate([[0], draft]).astype(np.int64))  # [0] = last token, filled below
+                short_rows.append((offset, n, slot))
+                sampling_slots.append(slot)
+                num_logits.append(n)
+                logits_idx.extend(range(offset, offset + n))
             else:
                 continue  # a chunked prefill waiting for its next chunk
             slots.append(slot)
             q_lens.append(n)
-            if slot not in chunks or chunks[slot][1]:
-                sampling_slots.append(slot)
-                logits_idx.append(offset + n - 1)
             offset += n
         if not slots:
             return None
 
-        slots_arr = np.asarray(slots)
-        q_lens_arr = np.asarray(q_lens)
+        dev = self.device
+        slots_arr, q_lens_arr = np.asarray(slots), np.asarray(q_lens)
         starts = self.row_lens_host[slots_arr]
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens_arr)])
-        row_of_token = np.repeat(slots_arr, q_lens_arr)
-        out_loc = self.page_table[row_of_token, positions // ps] * ps + positions % ps
-
-        dev = self.device
+        out_loc = self._pool_index(np.repeat(slots_arr, q_lens_arr), positions)
         input_ids = torch.from_numpy(np.concatenate(host_ids)).to(dev)
-        decode_idx_t = torch.tensor(decode_flat_idx, dtype=torch.int64, device=dev)
-        if decode_slots:
-            input_ids[decode_idx_t] = self.last_token[torch.tensor(decode_slots, device=dev)]
-        kv_idx, kv_mask = self._decode_kv_indices(np.asarray(decode_slots, dtype=np.int64))
+        if short_rows:
+            first = torch.tensor([o for o, _, _ in short_rows], device=dev)
+            input_ids[first] = self.last_token[torch.tensor([s for _, _, s in short_rows], device=dev)]
         rows = []
         for q_start, n, prefix, slot in extend_rows:
-            kv_pos = np.arange(prefix + n)
-            kv = self.page_table[slot, kv_pos // ps] * ps + kv_pos % ps
+            kv = self._pool_index(np.full(prefix + n, slot), np.arange(prefix + n))
             mask = shifted_causal_mask(n, prefix, dev) if prefix else None
             rows.append(ExtendRow(q_start, n, prefix, torch.from_numpy(kv).to(dev), mask))
-        meta = AttentionMetadata(
-            out_cache_loc=torch.from_numpy(out_loc).to(dev),
-            decode_token_idx=decode_idx_t,
-            decode_kv_indices=kv_idx,
-            decode_mask=kv_mask,
-            extend_rows=rows,
-        )
+        meta = AttentionMetadata(torch.from_numpy(out_loc).to(dev), *self._short_row_metadata(short_rows), rows)
         return ForwardInputs(
             input_ids=input_ids,
             positions=torch.from_numpy(positions).to(dev),
             meta=meta,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
             sampling_slots=sampling_slots,
+            num_logits=num_logits,
+            drafts=drafts,
             computing_slots=slots_arr,
             q_lens=q_lens_arr,
             finishing_prefill_slots=finishing,
             num_prefill_tokens=num_prefill,
         )
 
-    def _decode_kv_indices(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded pool indices for decode rows, including the token written this step."""
+    def _pool_index(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         ps = self.page_size
-        kv_lens = self.row_lens_host[slots] + 1
-        max_len = int(kv_lens.max()) if len(slots) else 0
-        pos = np.arange(max_len)
-        valid = pos[None, :] < kv_lens[:, None]
-        idx = self.page_table[slots[:, None], pos[None, :] // ps] * ps + pos[None, :] % ps
-        idx = np.where(valid, idx, 0)
-        mask = torch.from_numpy(valid).to(self.device)[:, None, None, :]
-        return torch.from_numpy(idx).to(self.device), mask
+        return self.page_table[slots, positions // ps] * ps + positions % ps
 
-    def advance(self, inputs: ForwardInputs, next_tokens: torch.Tensor) -> None:
-        """After the forward: lengths grow by what each row ran; sampled tokens feed next."""
-        self.row_lens_host[inputs.computing_slots] += inputs.q_lens
-        slots_t = torch.from_numpy(inputs.computing_slots).to(self.device)
-        self.seq_lens[slots_t] += torch.from_numpy(inputs.q_lens).to(self.device)
+    def _short_row_metadata(self, rows: list[tuple[int, int, int]]):
+        """Padded query indices, key indices and masks for the rows batched in one SDPA call."""
+        dev = self.device
+        if not rows:
+            empty = torch.zeros((0, 1), dtype=torch.int64, device=dev)
+            return empty, empty.bool(), empty, torch.zeros((0, 1, 1, 1), dtype=torch.bool, device=dev)
+        offsets = np.asarray([o for o, _, _ in rows])
+        q_lens = np.asarray([n for _, n, _ in rows])
+        slots = np.asarray([s for _, _, s in rows])
+        prefix = self.row_lens_host[slots]
+        max_q, kv_lens = int(q_lens.max()), prefix + q_lens
+        q = np.arange(max_q)
+        q_valid = q[None, :] < q_lens[:, None]
+        token_idx = offsets[:, None] + np.minimum(q[None, :], q_lens[:, None] - 1)
+        kv = np.arange(int(kv_lens.max()))
+        kv_idx = np.where(kv[None, :] < kv_lens[:, None], self._pool_index(slots[:, None], kv[None, :]), 0)
+        # Query i of a row sits at position prefix+i and sees keys 0..prefix+i.
+        mask = kv[None, None, :] <= (prefix[:, None, None] + np.minimum(q, q_lens[:, None] - 1)[:, :, None])
+        return (
+            torch.from_numpy(token_idx).to(dev),
+            torch.from_numpy(q_valid).to(dev),
+            torch.from_numpy(kv_idx).to(dev),
+            torch.from_numpy(mask).to(dev)[:, None],
+        )
+
+    def advance(self, inputs: ForwardInputs, accepted: list[np.ndarray]) -> None:
+        """After the forward: each row's length grows by the tokens whose KV is now valid
+        (a chunk, or the accepted part of a verified draft); the last accepted token feeds
+        the row's next step."""
+        grow = dict(zip(inputs.computing_slots.tolist(), inputs.q_lens.tolist()))
+        last = []
+        for slot, toks in zip(inputs.sampling_slots, accepted):
+            if self.decoding[slot]:
+                grow[slot] = len(toks)  # drafts past the first mismatch are dropped
+            last.append(int(toks[-1]))
+        slots_arr = np.fromiter(grow.keys(), dtype=np.int64, count=len(grow))
+        lens_arr = np.fromiter(grow.values(), dtype=np.int64, count=len(grow))
+        self.row_lens_host[slots_arr] += lens_arr
+        self.seq_lens[torch.from_numpy(slots_arr).to(self.device)] += torch.from_numpy(lens_arr).to(self.device)
         if inputs.sampling_slots:
-            self.last_token[torch.tensor(inputs.sampling_slots, device=self.device)] = next_tokens
+            self.last_token[torch.tensor(inputs.sampling_slots, device=self.device)] = torch.tensor(
+                last, device=self.device
+            )
         for slot in inputs.finishing_prefill_slots:
             self.decoding[slot] = True
 

@@ -19,8 +19,13 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -
 
 class KVPool:
     def __init__(
-        self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-        device: torch.device, num_kv_heads: int,
+        self,
+        cfg: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_kv_heads: int,
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size

@@ -65,8 +65,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-        kv_pool: KVPool, meta: AttentionMetadata,
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_pool: KVPool,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -112,14 +116,16 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position)
-        self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        )
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool,
-        meta: AttentionMetadata, logits_indices: torch.Tensor,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pool: KVPool,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Runs the flat token batch; returns float32 logits of the rows in logits_indices."""
         x = self.embed_tokens(input_ids)
@@ -135,8 +141,11 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         fused = {
-            "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + kv),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", cfg.intermediate_size),
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", q),
+            "v_proj": ("qkv_proj", q + kv),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size),
         }
         loaded: set[str] = set()
         for name, tensor in weights:

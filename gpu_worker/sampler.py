@@ -60,7 +60,8 @@ class SamplingTable:
             self.generated[s] += 1
         if self.output_counts is not None:
             idx = torch.tensor(slots, device=self.device)
-            self.output_counts[idx, tokens] += 1
+            ones = torch.ones(len(slots), dtype=torch.int32, device=self.device)
+            self.output_counts.index_put_((idx, tokens), ones, accumulate=True)
 
     def _ensure_penalty_tables(self) -> None:
         if self.output_counts is None:
@@ -70,9 +71,7 @@ class SamplingTable:
 
 
 def _uses_penalties(p: SamplingParams | None) -> bool:
-    return p is not None and (
-        p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
-    )
+    return p is not None and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0)
 
 
 def sample(

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 
+import numpy as np
 import psutil
 import torch
 
@@ -18,18 +19,31 @@ from gpu_worker.batch_state import BatchState, ForwardInputs
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.ngram_drafter import NgramDrafter, can_draft
 from gpu_worker.sampler import SamplingTable, sample
 from gpu_worker.weights import iter_weights, load_config
 from wire.backend import (
-    BatchDescriptor, ForwardMode, ResetBatch, SeqLensSync, Shutdown, StepResult,
-    WorkerCounters, WorkerError, WorkerInput, WorkerReady,
+    BatchDescriptor,
+    ForwardMode,
+    ResetBatch,
+    SeqLensSync,
+    Shutdown,
+    StepResult,
+    WorkerCounters,
+    WorkerError,
+    WorkerInput,
+    WorkerReady,
 )
 from wire.child import ChildContext
 from wire.codec import pack_int32
 from wire.control import PROTOCOL_VERSION
 from wire.server_args import ServerArgs
 from wire.transport import (
-    ENDPOINT_SCHEDULER_REPLY, PullSocket, PushSocket, endpoint, worker_endpoint,
+    ENDPOINT_SCHEDULER_REPLY,
+    PullSocket,
+    PushSocket,
+    endpoint,
+    worker_endpoint,
 )
 
 logger = logging.getLogger(__name__)
@@ -76,20 +90,40 @@ class Worker:
         pool_tokens = kv_pool_tokens(args, self.cfg, self.dtype, self.device)
         self.num_pages = pool_tokens // args.page_size + 1  # page 0 is the padding page
         self.kv_pool = KVPool(self.cfg, self.num_pages, args.page_size, self.dtype, self.device, self.cfg.num_kv_heads)
-        max_pages_per_row = -(-self.context_length // args.page_size) + 1
-        self.sampling = SamplingTable(args.max_running_requests, self.cfg.vocab_size, list(self.cfg.eos_token_ids), self.device)
-        self.state = BatchState(args.max_running_requests, max_pages_per_row, args.page_size, self.sampling, self.device)
+        self.num_draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
+        self.drafter = NgramDrafter(args.max_running_requests, self.num_draft_tokens) if self.num_draft_tokens else None
+        # Slack for drafts: the scheduler may allocate up to 2K+1 tokens past a row's length.
+        max_pages_per_row = -(-(self.context_length + 2 * self.num_draft_tokens + 2) // args.page_size) + 1
+        self.sampling = SamplingTable(
+            args.max_running_requests, self.cfg.vocab_size, list(self.cfg.eos_token_ids), self.device
+        )
+        self.state = BatchState(
+            args.max_running_requests, max_pages_per_row, args.page_size, self.sampling, self.device
+        )
         self.counters = WorkerCounters()
 
-        self.inbox = PullSocket(ctx.zmq_ctx, endpoint(args.run_dir, worker_endpoint(ctx.rank)), bind=True,
-                                union=WorkerInput, name=f"worker[tp{ctx.rank}].in")
-        self.reply = PushSocket(ctx.zmq_ctx, endpoint(args.run_dir, ENDPOINT_SCHEDULER_REPLY), bind=False) if ctx.rank == 0 else None
+        self.inbox = PullSocket(
+            ctx.zmq_ctx,
+            endpoint(args.run_dir, worker_endpoint(ctx.rank)),
+            bind=True,
+            union=WorkerInput,
+            name=f"worker[tp{ctx.rank}].in",
+        )
+        self.reply = (
+            PushSocket(ctx.zmq_ctx, endpoint(args.run_dir, ENDPOINT_SCHEDULER_REPLY), bind=False)
+            if ctx.rank == 0
+            else None
+        )
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
-            protocol_version=PROTOCOL_VERSION, rank=self.rank, num_pages=self.num_pages,
-            page_size=self.args.page_size, vocab_size=self.cfg.vocab_size,
-            context_length=self.context_length, eos_token_ids=list(self.cfg.eos_token_ids),
+            protocol_version=PROTOCOL_VERSION,
+            rank=self.rank,
+            num_pages=self.num_pages,
+            page_size=self.args.page_size,
+            vocab_size=self.cfg.vocab_size,
+            context_length=self.context_length,
+            eos_token_ids=list(self.cfg.eos_token_ids),
             max_running_requests=self.args.max_running_requests,
         )
 
@@ -111,31 +145,54 @@ class Worker:
             logger.error("step %d rejected: %s", desc.step_id, e)
             return WorkerError(desc.step_id, str(e))
         t0 = time.perf_counter()
-        inputs = self.state.build_forward(chunks)
-        for slot, (tokens, _) in chunks.items():
-            self.sampling.note_prompt_tokens(slot, torch.from_numpy(tokens.astype("int64")).to(self.device))
+        self._note_new_tokens(desc, chunks)
+        inputs = self.state.build_forward(chunks, self._propose_drafts())
         if self._is_overlapped(desc):
             self._publish_seq_lens_sync(desc.step_id)
-        next_tokens, logprobs = self._forward_and_sample(inputs)
+        accepted, logprobs = self._forward_and_sample(inputs)
         self.counters.steps += 1
         seq_lens = None
         if self.args.check_seq_lens:
             try:
-                self.state.check_seq_lens_sum(desc)
+                if not self.drafter:  # with drafts the descriptor's sum is an estimate
+                    self.state.check_seq_lens_sum(desc)
             except Exception as e:
                 logger.error("%s", e)
                 return WorkerError(desc.step_id, str(e))
             seq_lens = pack_int32(self.state.copy_seq_lens_to_host(for_debug_check=True))
         self.counters.seq_lens_d2h_copies = self.state.seq_lens_d2h_copies
         self.counters.dropped_frames = self.inbox.dropped
+        flat = np.concatenate(accepted) if accepted else np.zeros(0, dtype=np.int64)
         return StepResult(
             step_id=desc.step_id,
-            next_token_ids=pack_int32(next_tokens.cpu()),
+            next_token_ids=pack_int32(flat),
             counters=WorkerCounters(**{f: getattr(self.counters, f) for f in WorkerCounters.__struct_fields__}),
             forward_time_s=time.perf_counter() - t0,
             logprobs=logprobs,
+            accept_lens=pack_int32([len(a) for a in accepted]) if self.drafter else b"",
             seq_lens=seq_lens,
         )
+
+    def _note_new_tokens(self, desc: BatchDescriptor, chunks: dict[int, tuple[np.ndarray, bool]]) -> None:
+        for slot, (tokens, _) in chunks.items():
+            self.sampling.note_prompt_tokens(slot, torch.from_numpy(tokens.astype("int64")).to(self.device))
+        if self.drafter:
+            for add in desc.added:
+                self.drafter.reset_slot(add.slot)
+            for slot, (tokens, _) in chunks.items():
+                self.drafter.note_tokens(slot, tokens)
+
+    def _propose_drafts(self) -> dict[int, np.ndarray]:
+        if not self.drafter:
+            return {}
+        drafts = {}
+        for slot in self.state.order:
+            if self.state.decoding[slot] and can_draft(self.sampling.params[slot]):
+                room = self.context_length - int(self.state.row_lens_host[slot]) - 1
+                draft = self.drafter.propose(slot)[: max(0, room)]
+                if len(draft):
+                    drafts[slot] = draft
+        return drafts
 
     def _is_overlapped(self, desc: BatchDescriptor) -> bool:
         return not self.args.disable_overlap and desc.forward_mode in (ForwardMode.DECODE, ForwardMode.MIXED)
@@ -145,14 +202,41 @@ class Worker:
         host = self.state.copy_seq_lens_to_host()
         self._send(SeqLensSync(step_id, pack_int32(host), int(host.sum())))
 
-    def _forward_and_sample(self, inputs: ForwardInputs | None) -> tuple[torch.Tensor, list]:
+    def _forward_and_sample(self, inputs: ForwardInputs | None) -> tuple[list[np.ndarray], list]:
+        """Runs the batch; returns the accepted tokens of each sampling row, and logprobs."""
         if inputs is None:
-            return torch.zeros(0, dtype=torch.int64), []
+            return [], []
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_pool, inputs.meta, inputs.logits_indices)
         self.counters.prefill_tokens_computed += inputs.num_prefill_tokens
-        tokens, logprobs = sample(logits, inputs.sampling_slots, self.sampling)
-        self.state.advance(inputs, tokens)
-        return tokens, logprobs
+        ends = np.cumsum(inputs.num_logits)
+        plain = [i for i, s in enumerate(inputs.sampling_slots) if s not in inputs.drafts]
+        accepted: list[np.ndarray] = [None] * len(inputs.sampling_slots)  # type: ignore[list-item]
+        logprobs: list = []
+        if plain:
+            rows = torch.from_numpy(ends[plain] - 1).to(self.device)
+            tokens, plain_logprobs = sample(logits[rows], [inputs.sampling_slots[i] for i in plain], self.sampling)
+            for i, t in zip(plain, tokens.cpu().numpy()):
+                accepted[i] = t.reshape(1)
+            if plain_logprobs:
+                logprobs = [None] * len(inputs.sampling_slots)
+                for i, lp in zip(plain, plain_logprobs):
+                    logprobs[i] = lp
+        for i, slot in enumerate(inputs.sampling_slots):
+            if slot in inputs.drafts:
+                accepted[i] = self._verify(logits[ends[i] - inputs.num_logits[i] : ends[i]], inputs.drafts[slot], slot)
+        self.state.advance(inputs, accepted)
+        if self.drafter:
+            for slot, toks in zip(inputs.sampling_slots, accepted):
+                self.drafter.note_tokens(slot, toks)
+        return accepted, logprobs
+
+    def _verify(self, logits: torch.Tensor, draft: np.ndarray, slot: int) -> np.ndarray:
+        """Greedy verification: keep drafts while they equal the model's argmax, plus one."""
+        targets = logits.argmax(dim=-1).cpu().numpy()
+        matches = targets[:-1] == draft
+        accepted_drafts = len(draft) if matches.all() else int(np.argmin(matches))
+        self.sampling.generated[slot] += accepted_drafts + 1
+        return targets[: accepted_drafts + 1]
 
     def _send(self, msg) -> None:
         if self.reply is not None:

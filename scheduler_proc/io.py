@@ -11,8 +11,13 @@ from wire.control import check_protocol_version
 from wire.frontend import SchedulerInput
 from wire.server_args import ServerArgs
 from wire.transport import (
-    ENDPOINT_SCHEDULER_IN, ENDPOINT_SCHEDULER_REPLY, ENDPOINT_TOKENIZER_IN,
-    PullSocket, PushSocket, endpoint, worker_endpoint,
+    ENDPOINT_SCHEDULER_IN,
+    ENDPOINT_SCHEDULER_REPLY,
+    ENDPOINT_TOKENIZER_IN,
+    PullSocket,
+    PushSocket,
+    endpoint,
+    worker_endpoint,
 )
 
 
@@ -23,11 +28,13 @@ class WorkerStartTimeout(RuntimeError):
 class SchedulerIO:
     def __init__(self, ctx: zmq.Context, args: ServerArgs) -> None:
         run = args.run_dir
-        self.requests = PullSocket(ctx, endpoint(run, ENDPOINT_SCHEDULER_IN), bind=True,
-                                   union=SchedulerInput, name="scheduler.in")
+        self.requests = PullSocket(
+            ctx, endpoint(run, ENDPOINT_SCHEDULER_IN), bind=True, union=SchedulerInput, name="scheduler.in"
+        )
         self.tokenizer = PushSocket(ctx, endpoint(run, ENDPOINT_TOKENIZER_IN), bind=False)
-        self.replies = PullSocket(ctx, endpoint(run, ENDPOINT_SCHEDULER_REPLY), bind=True,
-                                  union=SchedulerReply, name="scheduler.reply")
+        self.replies = PullSocket(
+            ctx, endpoint(run, ENDPOINT_SCHEDULER_REPLY), bind=True, union=SchedulerReply, name="scheduler.reply"
+        )
         self.workers = [PushSocket(ctx, endpoint(run, worker_endpoint(r)), bind=False) for r in range(args.tp_size)]
         self._encoder = FrameEncoder()
         self.descriptor_bytes_sent = 0

@@ -66,9 +66,17 @@ class KVCacheManager:
         req.pages.extend(new)
         return True
 
+    def trim(self, req: Req, kv_tokens: int) -> None:
+        """Drops pages past what kv_tokens needs (unaccepted speculative drafts)."""
+        keep = pages_for(kv_tokens, self.page_size)
+        if len(req.pages) > keep:
+            self.allocator.decref(req.pages[keep:])
+            del req.pages[keep:]
+            req.pages_sent = min(req.pages_sent, keep)
+
     def cache_prefix(self, token_ids: np.ndarray, req: Req, kv_len: int) -> None:
         """Offers the request's written KV to the prefix cache, whole pages only."""
-        full = kv_len // self.page_size
+        full = min(kv_len, len(token_ids)) // self.page_size
         self.radix.insert(token_ids[: full * self.page_size], req.pages[:full])
 
     def release(self, req: Req, kv_len: int) -> None:

@@ -41,6 +41,8 @@ class ScheduleBatch:
         self._added: list[AddedRequest] = []
         self._extends: list[ExtendChunk] = []
         self._decode_rows = 0
+        self.step_increments = np.zeros(0, dtype=np.int64)
+        """Tokens the step being built adds to each row; reset by build_descriptor."""
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -53,14 +55,19 @@ class ScheduleBatch:
     def merge_batch(self, new_reqs: list[Req]) -> None:
         """Appends admitted requests (prefix already in the cache) as prefilling rows."""
         for req in new_reqs:
-            self._added.append(AddedRequest(
-                slot=req.slot, prefix_len=req.prefix_len, sampling=req.sampling,
-                generated_ids=pack_int32(req.output_ids) if req.output_ids else b"",
-            ))
+            self._added.append(
+                AddedRequest(
+                    slot=req.slot,
+                    prefix_len=req.prefix_len,
+                    sampling=req.sampling,
+                    generated_ids=pack_int32(req.output_ids) if req.output_ids else b"",
+                )
+            )
         self.reqs.extend(new_reqs)
         self.seq_lens_cpu = np.concatenate(
             [self.seq_lens_cpu, np.asarray([r.prefix_len for r in new_reqs], dtype=np.int64)]
         )
+        self.step_increments = np.concatenate([self.step_increments, np.zeros(len(new_reqs), dtype=np.int64)])
         self.seq_lens_sum = None
 
     def filter_batch(self, remove: list[Req]) -> None:
@@ -72,6 +79,7 @@ class ScheduleBatch:
         self._removed_slots.extend(r.slot for r in remove)
         self.reqs = [r for r, k in zip(self.reqs, keep) if k]
         self.seq_lens_cpu = self.seq_lens_cpu[keep]
+        self.step_increments = self.step_increments[keep]
         self.seq_lens_sum = None
 
     def prepare_for_extend(self, chunks: list[tuple[int, int]]) -> None:
@@ -82,13 +90,21 @@ class ScheduleBatch:
             is_last = start + n == len(req.fill_ids)
             self._extends.append(ExtendChunk(req.slot, pack_int32(req.fill_ids[start : start + n]), is_last))
             self.seq_lens_cpu[index] += n
+            self.step_increments[index] += n
             # The worker starts decoding this row right after the step; so does the mirror.
             req.decoding = is_last
+        self.seq_lens_sum = None
+
+    def add_accepted_drafts(self, rows: np.ndarray, accepted_drafts: np.ndarray) -> None:
+        """Plain loop with speculative decoding: rows verified drafts and grew by more than
+        the one token prepare_for_decode counted (the CPU mirror is current again)."""
+        self.seq_lens_cpu[rows] += accepted_drafts
         self.seq_lens_sum = None
 
     def prepare_for_decode(self, decode_mask: np.ndarray) -> None:
         """Every decoding row writes one more token this step."""
         self.seq_lens_cpu += decode_mask
+        self.step_increments += decode_mask
         self._decode_rows = int(decode_mask.sum())
         self.seq_lens_sum = None
 
@@ -104,7 +120,6 @@ class ScheduleBatch:
             self.seq_lens_cpu = published.astype(np.int64)
         self.seq_lens_sum = int(self.seq_lens_cpu.sum())
 
-
     # --- the descriptor ----------------------------------------------------------------
 
     def build_descriptor(self, step_id: int, page_appends: list[PageAppend]) -> BatchDescriptor:
@@ -113,18 +128,26 @@ class ScheduleBatch:
         has_extend = bool(self._extends)
         has_decode = self._decode_rows > 0
         mode = (
-            ForwardMode.MIXED if has_extend and has_decode
-            else ForwardMode.EXTEND if has_extend
-            else ForwardMode.DECODE if has_decode
+            ForwardMode.MIXED
+            if has_extend and has_decode
+            else ForwardMode.EXTEND
+            if has_extend
+            else ForwardMode.DECODE
+            if has_decode
             else ForwardMode.IDLE
         )
         desc = BatchDescriptor(
-            step_id=step_id, forward_mode=int(mode), removed_slots=self._removed_slots,
-            added=self._added, page_appends=page_appends, extends=self._extends,
+            step_id=step_id,
+            forward_mode=int(mode),
+            removed_slots=self._removed_slots,
+            added=self._added,
+            page_appends=page_appends,
+            extends=self._extends,
             seq_lens_sum=self.seq_lens_sum,
         )
         self._removed_slots, self._added, self._extends = [], [], []
         self._decode_rows = 0
+        self.step_increments = np.zeros(len(self.reqs), dtype=np.int64)
         return desc
 
 

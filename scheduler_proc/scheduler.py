@@ -22,13 +22,27 @@ from scheduler_proc.request import FinishReason, Req
 from scheduler_proc.schedule_batch import ScheduleBatch, check_seq_lens
 from scheduler_proc.stats import SchedulerCounters
 from wire.backend import (
-    BatchDescriptor, PageAppend, SeqLensSync, Shutdown, StepResult, WorkerError, WorkerReady,
+    BatchDescriptor,
+    ForwardMode,
+    PageAppend,
+    SeqLensSync,
+    Shutdown,
+    StepResult,
+    WorkerError,
+    WorkerReady,
 )
 from wire.child import ChildContext
 from wire.codec import pack_int32, unpack_int32
 from wire.control import PROTOCOL_VERSION, check_protocol_version
 from wire.frontend import (
-    AbortReq, FlushCacheDone, FlushCacheReq, GenerateReq, ServerInfo, TokenizerHello, TokenOut, TokenOutBatch,
+    AbortReq,
+    FlushCacheDone,
+    FlushCacheReq,
+    GenerateReq,
+    ServerInfo,
+    TokenizerHello,
+    TokenOut,
+    TokenOutBatch,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,8 +60,12 @@ class Step:
 
     descriptor: BatchDescriptor
     sampling_reqs: list[Req]
+    sampling_rows: np.ndarray
+    """Batch index of each sampling request at build time."""
     expected_seq_lens: np.ndarray
-    """The mirror after this step, kept for --check-seq-lens."""
+    """The mirror after this step (one token per decoding row), for --check-seq-lens."""
+    increments: np.ndarray
+    """What this step adds to each row as built (chunk length, or 1 per decoding row)."""
     sent_at: float = field(default_factory=time.perf_counter)
 
 
@@ -59,12 +77,16 @@ class Scheduler:
         self.eos_ids = frozenset(self.worker.eos_token_ids)
         self.kv = KVCacheManager(self.worker.num_pages, self.worker.page_size, args.disable_radix_cache)
         self.waiting = WaitingQueue(args.schedule_policy, self.kv)
-        self.prefill = PrefillPlanner(self.kv, args.max_prefill_tokens, args.chunked_prefill_size,
-                                      args.max_running_requests)
+        self.prefill = PrefillPlanner(
+            self.kv, args.max_prefill_tokens, args.chunked_prefill_size, args.max_running_requests
+        )
         self.batch = ScheduleBatch()
         self.reqs: dict[str, Req] = {}
         self.next_step_id = 1
         self.in_flight: list[Step] = []
+        self.pending_syncs: dict[int, SeqLensSync] = {}
+        """SeqLensSync frames that arrived while waiting for a result, by step id."""
+        self.num_draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
         self.counters = SchedulerCounters(self)
 
     # ------------------------------------------------------------------ loops
@@ -111,8 +133,14 @@ class Scheduler:
 
     def server_info(self) -> ServerInfo:
         w = self.worker
-        return ServerInfo(PROTOCOL_VERSION, w.context_length, w.vocab_size, self.args.max_running_requests,
-                          self.kv.total_tokens, list(w.eos_token_ids))
+        return ServerInfo(
+            PROTOCOL_VERSION,
+            w.context_length,
+            w.vocab_size,
+            self.args.max_running_requests,
+            self.kv.total_tokens,
+            list(w.eos_token_ids),
+        )
 
     def handle_generate(self, msg: GenerateReq) -> None:
         req = Req(msg.rid, unpack_int32(msg.input_ids).copy(), msg.sampling)
@@ -120,8 +148,11 @@ class Scheduler:
         if msg.rid in self.reqs:
             req.finish(FinishReason.ERROR, f"request id {msg.rid!r} is already running")
         elif len(req.prompt_ids) == 0 or need > self.worker.context_length or need > self.kv.total_tokens:
-            req.finish(FinishReason.ERROR, f"prompt of {len(req.prompt_ids)} tokens does not fit the "
-                       f"context ({self.worker.context_length}) or the KV pool ({self.kv.total_tokens})")
+            req.finish(
+                FinishReason.ERROR,
+                f"prompt of {len(req.prompt_ids)} tokens does not fit the "
+                f"context ({self.worker.context_length}) or the KV pool ({self.kv.total_tokens})",
+            )
         if req.finished:
             self.io.tokenizer.send(TokenOutBatch([token_out(req, [])]))
             return
@@ -149,26 +180,30 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule_step(self) -> Step | None:
-        """Builds the next descriptor: drop finished rows, grow decodes, add prefill."""
+        """Builds the next descriptor: sync the mirror, drop finished rows, grow decodes, add prefill."""
+        if self.in_flight and self.is_overlapped(self.in_flight[-1]):
+            self.apply_seq_lens_sync(self.in_flight[-1])
         self.remove_rows([r for r in self.batch.reqs if r.finished])
         self.reserve_decode_pages()
         self.batch.prepare_for_decode(np.asarray([r.decoding for r in self.batch.reqs], dtype=np.int64))
         self.prefill.plan(self.batch, self.waiting)
         if not self.batch.reqs:
             return None  # rows that left are told with the next descriptor
-        sampling = [r for r in self.batch.reqs if r.decoding]
+        rows = np.asarray([i for i, r in enumerate(self.batch.reqs) if r.decoding], dtype=np.int64)
+        sampling = [self.batch.reqs[i] for i in rows]
         for req in sampling:
             req.pending_results += 1
+        increments = self.batch.step_increments.copy()
         desc = self.batch.build_descriptor(self.next_step_id, self.collect_page_appends())
         self.next_step_id += 1
-        return Step(desc, sampling, self.batch.seq_lens_cpu.copy())
+        return Step(desc, sampling, rows, self.batch.seq_lens_cpu.copy(), increments)
 
     def reserve_decode_pages(self) -> None:
         """Every decoding row needs room for one more token; retract rows if the pool is short."""
         i = 0
         while i < len(self.batch.reqs):
             req = self.batch.reqs[i]
-            if not req.decoding or self.kv.grow(req, self.batch.seq_len(i) + 1):
+            if not req.decoding or self.kv.grow(req, self.batch.seq_len(i) + self.draft_room(req)):
                 i += 1
                 continue
             if len(self.batch.reqs) == 1:
@@ -180,8 +215,9 @@ class Scheduler:
             i = 0  # rows moved; rows already grown pass straight through
 
     def retract(self, req: Req) -> None:
-        logger.warning("KV pool short: retracting %s (%d tokens generated) back to the queue",
-                       req.rid, len(req.output_ids))
+        logger.warning(
+            "KV pool short: retracting %s (%d tokens generated) back to the queue", req.rid, len(req.output_ids)
+        )
         self.remove_rows([req])
         req.decoding = False
         req.num_retractions += 1
@@ -212,37 +248,89 @@ class Scheduler:
 
     def launch(self, step: Step) -> None:
         self.io.send_to_workers(step.descriptor)
+        self.counters.overlapped_steps += self.is_overlapped(step)
         self.in_flight.append(step)
 
     def wait_result(self) -> tuple[Step, StepResult]:
         step = self.in_flight.pop(0)
         while True:
-            msg = self.io.replies.recv()
-            if isinstance(msg, SeqLensSync):
-                self.apply_seq_lens_sync(msg)
-            elif isinstance(msg, WorkerError):
-                raise WorkerFailed(f"worker rejected step {msg.step_id}: {msg.error}")
-            elif isinstance(msg, StepResult):
+            msg = self.next_reply()
+            if isinstance(msg, StepResult):
                 if msg.step_id != step.descriptor.step_id:
                     raise WorkerFailed(f"expected result of step {step.descriptor.step_id}, got {msg.step_id}")
                 return step, msg
+            self.pending_syncs[msg.step_id] = msg
 
-    def apply_seq_lens_sync(self, sync: SeqLensSync) -> None:
+    def next_reply(self) -> StepResult | SeqLensSync:
+        msg = self.io.replies.recv()
+        if isinstance(msg, WorkerError):
+            raise WorkerFailed(f"worker rejected step {msg.step_id}: {msg.error}")
+        if not isinstance(msg, (StepResult, SeqLensSync)):
+            raise WorkerFailed(f"unexpected {type(msg).__name__} from the worker")
+        return msg
+
+    def is_overlapped(self, step: Step) -> bool:
+        return not self.args.disable_overlap and step.descriptor.forward_mode in (ForwardMode.DECODE, ForwardMode.MIXED)
+
+    def apply_seq_lens_sync(self, step: Step) -> None:
+        """The one sync point: the worker's seq_lens before `step` ran (published before its
+        forward), plus what the step adds, become the mirror. The batch has not changed since
+        `step` was built, so the rows line up."""
+        while step.descriptor.step_id not in self.pending_syncs:
+            msg = self.next_reply()
+            if isinstance(msg, StepResult):
+                raise WorkerFailed(f"result of step {msg.step_id} arrived before its seq_lens sync")
+            self.pending_syncs[msg.step_id] = msg
+        sync = self.pending_syncs.pop(step.descriptor.step_id)
         self.counters.seq_lens_syncs += 1
+        published = unpack_int32(sync.seq_lens).astype(np.int64) + step.increments
+        if self.args.check_seq_lens and not self.num_draft_tokens:
+            check_seq_lens(self.batch.seq_lens_cpu, published, sync.step_id)
+        self.batch.refresh_seq_lens_cpu(sync=True, published=published)
+        step.expected_seq_lens = published  # with drafts, the build-time guess was short
+        self.trim_draft_pages()
+
+    def draft_room(self, req: Req) -> int:
+        """KV tokens a decoding row may need past its mirrored length for the next step."""
+        if not self.num_draft_tokens or not req.sampling.drafts_allowed():
+            return 1
+        # Overlap: the step in flight may accept up to K+1 tokens the mirror does not know yet.
+        k = self.num_draft_tokens
+        return 1 + k + (0 if self.args.disable_overlap else k)
+
+    def trim_draft_pages(self) -> None:
+        """Frees pages reserved for drafts that were not accepted."""
+        if not self.num_draft_tokens:
+            return
+        for i, req in enumerate(self.batch.reqs):
+            if req.decoding:
+                self.kv.trim(req, self.batch.seq_len(i) + self.draft_room(req))
 
     def process_result(self, done: tuple[Step, StepResult]) -> None:
         step, result = done
         self.counters.on_step(step, result)
+        tokens = unpack_int32(result.next_token_ids)
+        counts = unpack_int32(result.accept_lens) if result.accept_lens else np.ones(len(step.sampling_reqs), np.int32)
         if self.args.check_seq_lens and result.seq_lens is not None:
-            check_seq_lens(step.expected_seq_lens, unpack_int32(result.seq_lens), result.step_id)
-        tokens = unpack_int32(result.next_token_ids).tolist()
+            expected = step.expected_seq_lens.copy()
+            expected[step.sampling_rows] += counts - 1
+            check_seq_lens(expected, unpack_int32(result.seq_lens), result.step_id)
+        if self.num_draft_tokens:
+            self.counters.on_drafts(counts)
+            if self.args.disable_overlap:  # the CPU mirror is authoritative: correct it here
+                self.batch.add_accepted_drafts(step.sampling_rows, counts.astype(np.int64) - 1)
+                self.trim_draft_pages()
         outputs: list[TokenOut] = []
-        for i, (req, token) in enumerate(zip(step.sampling_reqs, tokens)):
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for i, req in enumerate(step.sampling_reqs):
             req.pending_results -= 1
             if req.finished:
                 continue  # overlap ran one token past the finish (or an abort): discard it
-            append_token(req, token, self.eos_ids, self.worker.context_length)
-            self.counters.generation_tokens += 1
+            for token in tokens[starts[i] : starts[i + 1]].tolist():
+                append_token(req, token, self.eos_ids, self.worker.context_length)
+                self.counters.generation_tokens += 1
+                if req.finished:
+                    break  # accepted drafts past a stop are dropped
             lp = [result.logprobs[i]] if result.logprobs and result.logprobs[i] is not None else []
             outputs.append(token_out(req, lp))
             if req.finished and self.waiting.remove(req.rid) is not None:

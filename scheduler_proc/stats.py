@@ -26,6 +26,9 @@ class SchedulerCounters:
         self.generation_tokens = 0
         self.retractions = 0
         self.seq_lens_syncs = 0
+        self.spec_verify_rows = 0
+        self.overlapped_steps = 0
+        self.spec_accepted_drafts = 0
         self.steps = 0
         self.last_step_time_s = 0.0
         self.worker = WorkerCounters()
@@ -39,6 +42,11 @@ class SchedulerCounters:
         self.steps += 1
         self.last_step_time_s = time.perf_counter() - step.sent_at
         self.worker = result.counters
+
+    def on_drafts(self, tokens_per_row) -> None:
+        verified = tokens_per_row[tokens_per_row > 1]
+        self.spec_verify_rows += int(len(tokens_per_row))
+        self.spec_accepted_drafts += int((verified - 1).sum())
 
     def snapshot(self) -> SchedulerStats:
         s = self.scheduler
@@ -57,6 +65,9 @@ class SchedulerCounters:
             seq_lens_d2h_copies=self.worker.seq_lens_d2h_copies,
             dropped_frames=s.io.dropped_frames + self.worker.dropped_frames,
             retractions=self.retractions,
+            overlapped_steps=self.overlapped_steps,
+            spec_verify_rows=self.spec_verify_rows,
+            spec_accepted_drafts=self.spec_accepted_drafts,
         )
 
     def maybe_publish(self) -> None:
@@ -72,7 +83,11 @@ class SchedulerCounters:
             st = self.snapshot()
             logger.info(
                 "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.1f, "
-                "#queue-req: %d", st.running_requests, st.kv_used_tokens,
-                st.kv_used_tokens / max(1, st.kv_total_tokens), rate, st.queued_requests,
+                "#queue-req: %d",
+                st.running_requests,
+                st.kv_used_tokens,
+                st.kv_used_tokens / max(1, st.kv_total_tokens),
+                rate,
+                st.queued_requests,
             )
             self._last_log, self._gen_at_last_log = now, self.generation_tokens

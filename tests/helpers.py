@@ -108,8 +108,17 @@ def trident_processes() -> list[psutil.Process]:
     return out
 
 
-def make_random_llama(path: str, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                      intermediate: int = 128, seed: int = 0, max_position: int = 4096) -> str:
+def make_random_llama(
+    path: str,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    seed: int = 0,
+    max_position: int = 4096,
+) -> str:
     """A random-weight LLaMA in Hugging Face layout, with the SmolLM2 tokenizer beside it."""
     import torch
     from safetensors.torch import save_file
@@ -121,11 +130,21 @@ def make_random_llama(path: str, *, hidden: int = 64, layers: int = 2, heads: in
     os.makedirs(path, exist_ok=True)
     tok.save_pretrained(path)
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-        "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": max_position,
-        "tie_word_embeddings": True, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": max_position,
+        "tie_word_embeddings": True,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
         "torch_dtype": "float32",
     }
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -139,13 +158,19 @@ def make_random_llama(path: str, *, hidden: int = 64, layers: int = 2, heads: in
     tensors = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "self_attn.q_proj.weight": w(heads * hd, hidden), p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden),
-            p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * hd),
-            p + "mlp.gate_proj.weight": w(intermediate, hidden), p + "mlp.up_proj.weight": w(intermediate, hidden),
-            p + "mlp.down_proj.weight": w(hidden, intermediate),
-            p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
-        })
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": w(heads * hd, hidden),
+                p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden),
+                p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden),
+                p + "self_attn.o_proj.weight": w(hidden, heads * hd),
+                p + "mlp.gate_proj.weight": w(intermediate, hidden),
+                p + "mlp.up_proj.weight": w(intermediate, hidden),
+                p + "mlp.down_proj.weight": w(hidden, intermediate),
+                p + "input_layernorm.weight": torch.ones(hidden),
+                p + "post_attention_layernorm.weight": torch.ones(hidden),
+            }
+        )
     save_file(tensors, os.path.join(path, "model.safetensors"))
     return path
 

@@ -8,7 +8,8 @@ import pytest
 
 def test_completion_through_the_official_client(smollm2_server):
     res = smollm2_server.client().completions.create(
-        model="smollm2-135m", prompt="The capital of France is", max_tokens=8, temperature=0)
+        model="smollm2-135m", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
     assert res.choices[0].text.strip().startswith("Paris")
     assert res.usage.prompt_tokens == 5 and res.usage.completion_tokens == 8
     assert res.choices[0].finish_reason == "length"
@@ -16,8 +17,11 @@ def test_completion_through_the_official_client(smollm2_server):
 
 def test_chat_completion_through_the_official_client(smollm2_server):
     res = smollm2_server.client().chat.completions.create(
-        model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=32, temperature=0)
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=32,
+        temperature=0,
+    )
     msg = res.choices[0].message
     assert msg.role == "assistant" and "Paris" in msg.content
     assert res.usage.total_tokens == res.usage.prompt_tokens + res.usage.completion_tokens
@@ -27,9 +31,16 @@ def test_streamed_chat_completion_matches_the_non_streamed_one(smollm2_server):
     client = smollm2_server.client()
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
     full = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=20, temperature=0)
-    chunks = list(client.chat.completions.create(
-        model="smollm2-135m", messages=messages, max_tokens=20, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2-135m",
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content

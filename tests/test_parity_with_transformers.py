@@ -34,8 +34,9 @@ def test_concurrent_greedy_completions_equal_transformers_token_for_token(smollm
     http = smollm2_server.http()
 
     def serve(prompt: str) -> list[int]:
-        r = http.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": MAX_TOKENS,
-                                                                             "temperature": 0}})
+        r = http.post(
+            "/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}
+        )
         r.raise_for_status()
         return r.json()["output_ids"]
 
@@ -49,10 +50,14 @@ def test_openai_completion_text_equals_transformers_text(smollm2_server, hf_refe
     tok, _ = hf_reference
     client = smollm2_server.client()
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(
-            lambda p: client.completions.create(model="smollm2-135m", prompt=p, max_tokens=MAX_TOKENS, temperature=0),
-            PROMPTS[:4],
-        ))
+        results = list(
+            pool.map(
+                lambda p: client.completions.create(
+                    model="smollm2-135m", prompt=p, max_tokens=MAX_TOKENS, temperature=0
+                ),
+                PROMPTS[:4],
+            )
+        )
     for prompt, res in zip(PROMPTS, results):
         want = tok.decode(reference_ids(hf_reference, prompt), skip_special_tokens=True)
         assert res.choices[0].text == want, prompt

@@ -33,8 +33,13 @@ def test_sigterm_leaves_no_process_and_no_run_directory(tmp_path):
 
 
 def test_missing_model_is_a_one_line_error():
-    res = subprocess.run([sys.executable, "launch.py", "--model", "/nonexistent/model.gguf"], cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "launch.py", "--model", "/nonexistent/model.gguf"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == ["error: /nonexistent/model.gguf: no such file or directory"]
 
@@ -42,15 +47,29 @@ def test_missing_model_is_a_one_line_error():
 def test_corrupt_model_is_a_one_line_error(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf at all")
-    res = subprocess.run([sys.executable, "launch.py", "--model", str(bad)], cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "launch.py", "--model", str(bad)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 2
     assert "not a GGUF file" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_help_explains_every_flag():
-    res = subprocess.run([sys.executable, "launch.py", "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=60)
-    for flag in ["--model", "--model-path", "--host", "--port", "--device", "--dtype", "--max-running-requests",
-                 "--max-total-tokens", "--mem-fraction", "--log-level", "--page-size", "--chunked-prefill-size"]:
+    res = subprocess.run(
+        [sys.executable, "launch.py", "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    for flag in [
+        "--model",
+        "--model-path",
+        "--host",
+        "--port",
+        "--device",
+        "--dtype",
+        "--max-running-requests",
+        "--max-total-tokens",
+        "--mem-fraction",
+        "--log-level",
+        "--page-size",
+        "--chunked-prefill-size",
+    ]:
         assert flag in res.stdout

@@ -42,8 +42,13 @@ def serve_workload(extra_args: list[str], model: str) -> tuple[list[list[int]], 
         http = server.http()
 
         def one(ids: list[int]) -> list[int]:
-            r = http.post("/generate", json={"input_ids": ids, "sampling_params": {
-                "max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}})
+            r = http.post(
+                "/generate",
+                json={
+                    "input_ids": ids,
+                    "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
+                },
+            )
             assert r.status_code == 200, r.text
             return r.json()["output_ids"]
 
@@ -57,8 +62,9 @@ def serve_workload(extra_args: list[str], model: str) -> tuple[list[list[int]], 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model) -> list[list[int]]:
-    outputs, _ = serve_workload(["--max-total-tokens", "65536", "--disable-overlap", "--disable-radix-cache"],
-                                tiny_model)
+    outputs, _ = serve_workload(
+        ["--max-total-tokens", "65536", "--disable-overlap", "--disable-radix-cache"], tiny_model
+    )
     assert all(len(o) == MAX_NEW for o in outputs)
     return outputs
 
@@ -95,14 +101,16 @@ def test_shared_system_prompt_cuts_prefill_work_tenfold(tiny_model):
     prompts = [system + rng.integers(100, 20000, 4).tolist() for _ in range(16)]
 
     def computed_prefill(extra: list[str]) -> int:
-        with running_server(["--model", tiny_model, "--dtype", "float32", "--max-total-tokens", "65536",
-                             "--check-seq-lens", *extra]) as server:
+        with running_server(
+            ["--model", tiny_model, "--dtype", "float32", "--max-total-tokens", "65536", "--check-seq-lens", *extra]
+        ) as server:
             http = server.http()
             body = {"sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
             assert http.post("/generate", json={"input_ids": prompts[0], **body}).status_code == 200
             with ThreadPoolExecutor(15) as pool:
-                codes = list(pool.map(lambda p: http.post("/generate", json={"input_ids": p, **body}).status_code,
-                                      prompts[1:]))
+                codes = list(
+                    pool.map(lambda p: http.post("/generate", json={"input_ids": p, **body}).status_code, prompts[1:])
+                )
             assert codes == [200] * 15
             # Stats are published periodically: wait for the frame that counts every token.
             assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] == 16 * 4, 10)

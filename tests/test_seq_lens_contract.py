@@ -53,7 +53,7 @@ class Lockstep:
         chunks = self.worker.apply(desc)
         inputs = self.worker.build_forward(chunks)
         if inputs is not None:
-            self.worker.advance(inputs, torch.full((len(inputs.sampling_slots),), 7, dtype=torch.int64))
+            self.worker.advance(inputs, [np.array([7]) for _ in inputs.sampling_slots])
         self.worker.check_seq_lens_sum(desc)
         check_seq_lens(self.batch.seq_lens_cpu, self.worker.copy_seq_lens_to_host(for_debug_check=True), desc.step_id)
 

@@ -12,7 +12,14 @@ import zmq
 
 from tests.test_process_lifecycle import run_dir_of
 from wire.backend import (
-    AddedRequest, BatchDescriptor, ExtendChunk, PageAppend, SchedulerReply, StepResult, WorkerCounters, WorkerInput,
+    AddedRequest,
+    BatchDescriptor,
+    ExtendChunk,
+    PageAppend,
+    SchedulerReply,
+    StepResult,
+    WorkerCounters,
+    WorkerInput,
 )
 from wire.codec import FrameDecoder, FrameEncoder, pack_int32, unpack_int32
 from wire.control import ProtocolMismatch, check_protocol_version
@@ -22,7 +29,9 @@ from wire.transport import ENDPOINT_SCHEDULER_IN, worker_endpoint
 
 def sample_descriptor() -> BatchDescriptor:
     return BatchDescriptor(
-        step_id=7, forward_mode=3, removed_slots=[2],
+        step_id=7,
+        forward_mode=3,
+        removed_slots=[2],
         added=[AddedRequest(slot=4, prefix_len=16, sampling=SamplingParams(max_new_tokens=32, temperature=0.7))],
         page_appends=[PageAppend(slot=4, first_index=0, page_ids=pack_int32([5, 6, 7]))],
         extends=[ExtendChunk(slot=4, token_ids=pack_int32([101, 102, 103]), is_last=True)],

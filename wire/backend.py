@@ -129,6 +129,9 @@ class StepResult(msgspec.Struct, array_like=True, tag="result"):
     forward_time_s: float
     logprobs: list[RowLogprobs | None] = []
     """Per sampling row when any row asked for logprobs, else empty."""
+    accept_lens: bytes = b""
+    """int32 tokens per sampling row (speculative decoding: 1 + accepted drafts); empty
+    means one token per row. next_token_ids holds them back to back."""
     seq_lens: bytes | None = None
     """int32 device seq_lens of the batch rows after the step (only with --check-seq-lens)."""
 

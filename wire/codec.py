@@ -63,7 +63,10 @@ class FrameDecoder(Generic[T]):
             self.dropped += 1
             logger.warning(
                 "dropped malformed frame on %s (%d bytes): %s (%d dropped so far)",
-                self.socket_name, len(frame), e, self.dropped,
+                self.socket_name,
+                len(frame),
+                e,
+                self.dropped,
             )
             return None
 

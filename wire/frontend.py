@@ -31,6 +31,18 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: bool = False
     top_logprobs: int = 0
 
+    def drafts_allowed(self) -> bool:
+        """Speculative drafts are verified by exact argmax match, so only plain greedy
+        requests draft; the scheduler (KV reservation) and the worker (drafting) agree on it."""
+        return (
+            self.temperature <= 0.0
+            and self.frequency_penalty == 0.0
+            and self.presence_penalty == 0.0
+            and self.repetition_penalty == 1.0
+            and self.min_new_tokens == 0
+            and not self.logprobs
+        )
+
 
 class TokenizerHello(msgspec.Struct, array_like=True, tag="hello"):
     """First frame the tokenizer sends; the scheduler checks the version."""
@@ -103,6 +115,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats"):
     """Counted by the worker: device-to-host copies of seq_lens."""
     dropped_frames: int
     retractions: int
+    overlapped_steps: int = 0
+    """Steps sent on the overlapped path (each must cost the worker one seq_lens copy)."""
+    spec_verify_rows: int = 0
+    """Rows that verified a speculative draft."""
+    spec_accepted_drafts: int = 0
+    """Draft tokens accepted over those rows (mean accepted length = 1 + this / rows)."""
 
 
 class FlushCacheDone(msgspec.Struct, array_like=True, tag="flushed"):

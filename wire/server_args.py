@@ -47,6 +47,9 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     disable_radix_cache: bool = False
     disable_overlap: bool = False
     check_seq_lens: bool = False
+    speculative_algorithm: str | None = None
+    """None, or "ngram" (prompt-lookup drafts verified in one forward)."""
+    speculative_num_draft_tokens: int = 4
 
     # Parallelism
     tp_size: int = 1

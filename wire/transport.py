@@ -110,9 +110,7 @@ class AsyncPushSocket:
 
 
 class AsyncPullSocket:
-    def __init__(
-        self, ctx: zmq.asyncio.Context, address: str, bind: bool, union: Any, name: str
-    ) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, bind: bool, union: Any, name: str) -> None:
         self.sock = ctx.socket(zmq.PULL)
         _configure(self.sock, bind, address)
         self.decoder: FrameDecoder = FrameDecoder(union, name)
