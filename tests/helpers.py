@@ -118,8 +118,12 @@ def make_random_llama(
     intermediate: int = 128,
     seed: int = 0,
     max_position: int = 4096,
+    scale: float = 0.2,
 ) -> str:
-    """A random-weight LLaMA in Hugging Face layout, with the SmolLM2 tokenizer beside it."""
+    """A random-weight LLaMA in Hugging Face layout, with the SmolLM2 tokenizer beside it.
+
+    `scale` is the weights' standard deviation; small values leave the tied embedding in
+    charge, and the model then tends to repeat its context (useful for drafting tests)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
@@ -153,7 +157,7 @@ def make_random_llama(
     hd = hidden // heads
 
     def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.2
+        return torch.randn(*shape, generator=g) * scale
 
     tensors = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
     for i in range(layers):

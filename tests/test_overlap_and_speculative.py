@@ -1,0 +1,153 @@
+"""Overlap scheduling and speculative decoding change speed, never greedy output.
+
+Every server here runs with --check-seq-lens, so the scheduler's mirror is asserted
+against the worker's seq_lens at every step and every sync.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from tests.helpers import make_random_llama, running_server, wait_until
+
+MAX_NEW = 24
+OVERLAP = {"overlap_on": [], "overlap_off": ["--disable-overlap"]}
+SPEC = {"spec_off": [], "spec_ngram": ["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4"]}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return make_random_llama(str(tmp_path_factory.mktemp("tiny_llama_spec")), seed=2, scale=0.1)
+
+
+def repetitive_workload() -> list[list[int]]:
+    """Prompts whose continuations repeat what they contain, so drafts get accepted."""
+    rng = np.random.default_rng(5)
+    phrase = rng.integers(100, 20000, 12).tolist()
+    prompts = [phrase * 6, rng.integers(100, 20000, 40).tolist() * 3, rng.integers(100, 20000, 200).tolist()]
+    prompts += [phrase * 2 + rng.integers(100, 20000, n).tolist() for n in (5, 60, 130)]
+    return prompts
+
+
+def retraction_workload() -> list[list[int]]:
+    """Short prompts with long outputs: admitted together, they outgrow a small pool while decoding."""
+    rng = np.random.default_rng(6)
+    phrase = rng.integers(100, 20000, 6).tolist()
+    return [phrase * 3 + rng.integers(100, 20000, n).tolist() for n in (2, 5, 9, 14, 20, 27)]
+
+
+RETRACTION_NEW = 64
+
+
+def scheduler_stats(http) -> dict:
+    return http.get("/server_info").json()["scheduler_stats"] or {"generation_tokens": -1}
+
+
+def serve(model: str, flags: list[str], prompts: list[list[int]], max_new: int = MAX_NEW):
+    with running_server(["--model", model, "--dtype", "float32", "--check-seq-lens", *flags]) as server:
+        http = server.http()
+
+        def one(ids: list[int]) -> list[int]:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
+                                                          "ignore_eos": True}}
+            r = http.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["output_ids"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outputs = list(pool.map(one, prompts))
+        assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] >= len(prompts) * max_new, 10)
+        return outputs, scheduler_stats(http)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    outputs, _ = serve(tiny_model, ["--disable-overlap", "--max-total-tokens", "65536"], repetitive_workload())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def retraction_reference(tiny_model):
+    outputs, _ = serve(tiny_model, ["--disable-overlap", "--max-total-tokens", "65536"], retraction_workload(),
+                       RETRACTION_NEW)
+    return outputs
+
+
+@pytest.mark.parametrize("spec", list(SPEC))
+@pytest.mark.parametrize("overlap", list(OVERLAP))
+@pytest.mark.parametrize("shape", ["batched", "chunked_prefill"])
+def test_greedy_output_is_identical_with_overlap_and_speculation(shape, overlap, spec, tiny_model, reference):
+    flags = {
+        "batched": ["--max-total-tokens", "65536"],
+        "chunked_prefill": ["--max-total-tokens", "65536", "--chunked-prefill-size", "16", "--page-size", "4"],
+    }[shape]
+    outputs, stats = serve(tiny_model, flags + OVERLAP[overlap] + SPEC[spec], repetitive_workload())
+    assert outputs == reference
+    if spec == "spec_ngram":
+        assert stats["spec_accepted_drafts"] > 0  # drafts were really accepted, not just proposed
+
+
+@pytest.mark.parametrize("spec", list(SPEC))
+@pytest.mark.parametrize("overlap", list(OVERLAP))
+def test_greedy_output_is_identical_under_retraction_with_overlap_and_speculation(
+    overlap, spec, tiny_model, retraction_reference
+):
+    flags = ["--max-total-tokens", "240", "--page-size", "4", "--max-prefill-tokens", "4096"]
+    outputs, stats = serve(tiny_model, flags + OVERLAP[overlap] + SPEC[spec], retraction_workload(), RETRACTION_NEW)
+    assert stats["retractions"] > 0
+    assert outputs == retraction_reference
+
+
+def test_exactly_one_seq_lens_copy_per_overlapped_step(tiny_model):
+    """Hundreds of steps with requests joining and leaving: the worker's copy counter equals
+    the number of overlapped steps the scheduler sent, and the plain loop makes none."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(100, 20000, int(n)).tolist() for n in rng.integers(3, 120, 24)]
+    lengths = [int(n) for n in rng.integers(5, 160, 24)]
+
+    def run(flags: list[str]) -> dict:
+        with running_server(["--model", tiny_model, "--dtype", "float32", "--check-seq-lens",
+                             "--max-running-requests", "6", "--max-total-tokens", "65536", *flags]) as server:
+            http = server.http()
+
+            def one(i: int) -> int:
+                body = {"input_ids": prompts[i], "sampling_params": {"max_new_tokens": lengths[i], "temperature": 0,
+                                                                     "ignore_eos": True}}
+                return http.post("/generate", json=body).status_code
+
+            with ThreadPoolExecutor(24) as pool:
+                assert list(pool.map(one, range(24))) == [200] * 24
+            assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] >= sum(lengths), 10)
+            return scheduler_stats(http)
+
+    overlapped = run([])
+    assert overlapped["steps"] >= 200
+    assert overlapped["overlapped_steps"] > 0.8 * overlapped["steps"]
+    assert overlapped["seq_lens_d2h_copies"] == overlapped["overlapped_steps"]
+    plain = run(["--disable-overlap"])
+    assert plain["steps"] >= 200 and plain["overlapped_steps"] == 0 and plain["seq_lens_d2h_copies"] == 0
+
+
+@pytest.mark.parametrize("flags", [["--disable-overlap"], ["--speculative-algorithm", "ngram"],
+                                   ["--speculative-algorithm", "ngram", "--disable-overlap"]],
+                         ids=["overlap_off", "spec_overlap_on", "spec_overlap_off"])
+def test_real_smollm2_greedy_text_is_identical_with_overlap_and_speculation(flags, smollm2_server, smollm2_path):
+    prompts = ["Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox",
+               "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+               "The capital of France is"]
+    http = smollm2_server.http()
+
+    def reference(p: str) -> list[int]:
+        body = {"text": p, "sampling_params": {"max_new_tokens": 32, "temperature": 0}}
+        return http.post("/generate", json=body).json()["output_ids"]
+
+    want = [reference(p) for p in prompts]
+    with running_server(["--dtype", "float32", "--check-seq-lens", "--max-total-tokens", "8192", *flags]) as server:
+        other = server.http()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: other.post("/generate", json={
+                "text": p, "sampling_params": {"max_new_tokens": 32, "temperature": 0}}).json()["output_ids"], prompts))
+    assert got == want
