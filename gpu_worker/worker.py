@@ -130,9 +130,17 @@ class Worker:
     def run_forever(self) -> None:
         self._send(self.ready_message())
         while True:
+            wait_start = time.perf_counter()
             msg = self.inbox.recv()
+            step_start = time.perf_counter()
             if isinstance(msg, BatchDescriptor):
-                self._send(self.step(msg))
+                if self.state.order:  # waiting with rows in the batch is time the scheduler cost
+                    self.counters.idle_s += step_start - wait_start
+                result = self.step(msg)
+                self.counters.busy_s += time.perf_counter() - step_start
+                if isinstance(result, StepResult):
+                    result.counters.busy_s, result.counters.idle_s = self.counters.busy_s, self.counters.idle_s
+                self._send(result)
             elif isinstance(msg, ResetBatch):
                 self.state.reset(msg.next_step_id)
             elif isinstance(msg, Shutdown):

@@ -112,6 +112,10 @@ class WorkerCounters(msgspec.Struct, array_like=True):
     """Copies of device seq_lens to the host made for the sync point (one per overlapped step)."""
     dropped_frames: int = 0
     """Frames this rank could not decode and dropped."""
+    busy_s: float = 0.0
+    """Seconds spent running steps (apply, forward, sample, reply)."""
+    idle_s: float = 0.0
+    """Seconds spent waiting for the next descriptor while requests were running."""
 
 
 class RowLogprobs(msgspec.Struct, array_like=True):

@@ -115,6 +115,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats"):
     """Counted by the worker: device-to-host copies of seq_lens."""
     dropped_frames: int
     retractions: int
+    worker_busy_s: float = 0.0
+    worker_idle_s: float = 0.0
+    """Worker time waiting for a descriptor while it had running rows."""
+    descriptor_bytes: int = 0
+    """Size of the last descriptor sent."""
     overlapped_steps: int = 0
     """Steps sent on the overlapped path (each must cost the worker one seq_lens copy)."""
     spec_verify_rows: int = 0
