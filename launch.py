@@ -1,9 +1,10 @@
 """Start, supervise and stop trident: `python launch.py [--model PATH] [--port N] ...`.
 
 launch.py parses the command line, resolves the model, makes the private run directory
-(mode 0700) that holds every ipc:// endpoint, starts the worker ranks, the scheduler and
-the tokenizer, waits for each to report ready, and then watches them. SIGINT/SIGTERM
-stop every child and remove the run directory.
+(mode 0700) that holds every ipc:// endpoint, and hands the processes to `supervisor.py`,
+which starts the worker ranks, the scheduler and the tokenizer, waits for each to report
+ready and restarts what dies. SIGINT/SIGTERM drain and stop every child and remove the
+run directory.
 """
 
 from __future__ import annotations
@@ -13,23 +14,14 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
-from multiprocessing.connection import wait as wait_sentinels
-
-import zmq
 
 from model_source import ModelNotFound, resolve_model
-from wire.control import LauncherMessage, ProcessFailed, ProcessReady, check_protocol_version
+from supervisor import Launcher, StartupError
 from wire.server_args import ServerArgs, write_server_args
-from wire.transport import ENDPOINT_LAUNCHER, PullSocket, endpoint
 
-logger = logging.getLogger("trident.launch")
-REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
-STOP_GRACE_S = 5.0
+__all__ = ["Launcher", "StartupError", "build_parser", "main", "server_args_from_cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("processes")
     o.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     o.add_argument("--startup-timeout", type=float, default=300.0, help="seconds each process may take to be ready")
+    o.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=60.0,
+        help="a step with no result for this long counts as a hung worker, which is restarted",
+    )
+    o.add_argument("--max-restarts", type=int, default=5, help="restarts allowed within --restart-window")
+    o.add_argument("--restart-window", type=float, default=300.0, help="seconds over which restarts are counted")
+    o.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM/Ctrl-C, seconds open requests may finish before they are aborted",
+    )
     return p
 
 
@@ -138,124 +144,11 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
         run_dir=run_dir,
         log_level=ns.log_level,
         startup_timeout_s=ns.startup_timeout,
+        watchdog_timeout_s=ns.watchdog_timeout,
+        max_restarts=ns.max_restarts,
+        restart_window_s=ns.restart_window,
+        shutdown_timeout_s=ns.shutdown_timeout,
     )
-
-
-@dataclass
-class Child:
-    role: str
-    rank: int
-    proc: subprocess.Popen
-    sentinel: int
-    """A pidfd: readable once the process has exited, so supervision never polls."""
-
-    @property
-    def name(self) -> str:
-        return f"worker[tp{self.rank}]" if self.role == "worker" else self.role
-
-
-class StartupError(RuntimeError):
-    pass
-
-
-class Launcher:
-    """Owns the run directory and the children; one instance per server."""
-
-    def __init__(self, args: ServerArgs, args_file: str) -> None:
-        self.args = args
-        self.args_file = args_file
-        self.children: list[Child] = []
-        self.zmq_ctx = zmq.Context()
-        self.control = PullSocket(
-            self.zmq_ctx,
-            endpoint(args.run_dir, ENDPOINT_LAUNCHER),
-            bind=True,
-            union=LauncherMessage,
-            name="launcher.control",
-        )
-
-    def spawn(self, role: str, module: str, rank: int = 0) -> Child:
-        cmd = [
-            sys.executable,
-            "-m",
-            module,
-            "--args-file",
-            self.args_file,
-            "--parent-pid",
-            str(os.getpid()),
-            "--rank",
-            str(rank),
-        ]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
-        child = Child(role, rank, proc, os.pidfd_open(proc.pid))
-        self.children.append(child)
-        return child
-
-    def start_all(self) -> None:
-        for rank in range(self.args.tp_size):
-            self.spawn("worker", "gpu_worker", rank)
-        self.spawn("scheduler", "scheduler_proc")
-        self.wait_ready({("worker", r) for r in range(self.args.tp_size)} | {("scheduler", 0)})
-        self.spawn("tokenizer", "tokenizer_proc")
-        self.wait_ready({("tokenizer", 0)})
-
-    def wait_ready(self, expected: set[tuple[str, int]]) -> None:
-        deadline = time.monotonic() + self.args.startup_timeout_s
-        while expected:
-            for child in self.children:
-                if child.proc.poll() is not None and (child.role, child.rank) in expected:
-                    msg = self.control.recv(timeout_ms=500)  # a ProcessFailed may still be queued
-                    if isinstance(msg, ProcessFailed):
-                        raise StartupError(msg.error)
-                    raise StartupError(f"{child.name} exited with code {child.proc.returncode} during start-up")
-            if time.monotonic() > deadline:
-                names = ", ".join(f"{r}" + (f"[tp{k}]" if r == "worker" else "") for r, k in sorted(expected))
-                raise StartupError(f"{names} did not report ready within {self.args.startup_timeout_s:.0f} s")
-            msg = self.control.recv(timeout_ms=200)
-            if isinstance(msg, ProcessFailed):
-                raise StartupError(msg.error)
-            if isinstance(msg, ProcessReady):
-                check_protocol_version(msg.role, msg.protocol_version)
-                logger.info(
-                    "%s ready (pid %d) %s",
-                    msg.role + (f"[tp{msg.rank}]" if msg.role == "worker" else ""),
-                    msg.pid,
-                    msg.detail,
-                )
-                expected.discard((msg.role, msg.rank))
-
-    def supervise(self, stop_requested) -> int:
-        """Waits until a child dies or a stop is requested; returns the exit code."""
-        while not stop_requested():
-            ready = wait_sentinels([c.sentinel for c in self.children], timeout=0.5)
-            for child in self.children:
-                if child.sentinel in ready:
-                    child.proc.poll()
-                    logger.error(
-                        "%s (pid %d) exited with code %s; stopping the server",
-                        child.name,
-                        child.proc.pid,
-                        child.proc.returncode,
-                    )
-                    return 1
-        return 0
-
-    def stop_all(self) -> None:
-        for child in self.children:
-            if child.proc.poll() is None:
-                child.proc.terminate()
-        deadline = time.monotonic() + STOP_GRACE_S
-        for child in self.children:
-            try:
-                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
-        for child in self.children:
-            os.close(child.sentinel)
-        self.control.close()
-        self.zmq_ctx.term()
 
 
 def ready_banner(args: ServerArgs) -> str:

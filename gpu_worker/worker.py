@@ -27,7 +27,6 @@ from wire.backend import (
     ForwardMode,
     ResetBatch,
     SeqLensSync,
-    Shutdown,
     StepResult,
     WorkerCounters,
     WorkerError,
@@ -143,8 +142,10 @@ class Worker:
                 self._send(result)
             elif isinstance(msg, ResetBatch):
                 self.state.reset(msg.next_step_id)
-            elif isinstance(msg, Shutdown):
-                return
+                if self.drafter:
+                    for slot in range(len(self.drafter.history)):
+                        self.drafter.reset_slot(slot)
+                self._send(self.ready_message())
 
     def step(self, desc: BatchDescriptor) -> StepResult | WorkerError:
         try:

@@ -21,9 +21,8 @@ def main() -> None:
         ctx.report_failed(f"scheduler could not start: {type(e).__name__}: {e}")
         sys.exit(1)
     ctx.report_ready(f"KV pool {scheduler.kv.total_tokens} tokens, page size {scheduler.kv.page_size}")
-    loop = scheduler.event_loop_normal if ctx.args.disable_overlap else scheduler.event_loop_overlap
     try:
-        loop()
+        scheduler.run()
     except Exception:
         logger.exception("scheduler loop crashed")
         sys.exit(1)

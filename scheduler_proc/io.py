@@ -3,9 +3,11 @@ replies from rank 0. No socket code lives in the loop."""
 
 from __future__ import annotations
 
+import time
+
 import zmq
 
-from wire.backend import SchedulerReply, WorkerReady
+from wire.backend import ResetBatch, SchedulerReply, WorkerReady
 from wire.codec import FrameEncoder
 from wire.control import check_protocol_version
 from wire.frontend import SchedulerInput
@@ -37,17 +39,31 @@ class SchedulerIO:
         )
         self.workers = [PushSocket(ctx, endpoint(run, worker_endpoint(r)), bind=False) for r in range(args.tp_size)]
         self._encoder = FrameEncoder()
+        self._poller = zmq.Poller()
+        self._poller.register(self.replies.sock, zmq.POLLIN)
+        self._poller.register(self.requests.sock, zmq.POLLIN)
         self.descriptor_bytes_sent = 0
         self.last_descriptor_bytes = 0
 
-    def wait_worker_ready(self, timeout_s: float) -> WorkerReady:
-        msg = self.replies.recv(timeout_ms=int(timeout_s * 1000))
-        if msg is None:
-            raise WorkerStartTimeout(f"worker rank 0 did not report ready within {timeout_s:.0f} s")
-        if not isinstance(msg, WorkerReady):
-            raise RuntimeError(f"expected WorkerReady from the worker, got {type(msg).__name__}")
-        check_protocol_version("worker[tp0]", msg.protocol_version)
-        return msg
+    def connect_workers(self, timeout_s: float) -> WorkerReady:
+        """Resets every rank's batch and waits for rank 0's WorkerReady.
+
+        Used at start (a restarted scheduler finds workers holding stale rows) and after the
+        workers were restarted; replies of an earlier generation still queued are skipped.
+        """
+        self.send_to_workers(ResetBatch(next_step_id=1))
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            msg = self.replies.recv(timeout_ms=int(left * 1000) + 1)
+            if isinstance(msg, WorkerReady):
+                check_protocol_version("worker[tp0]", msg.protocol_version)
+                return msg
+        raise WorkerStartTimeout(f"worker rank 0 did not report ready within {timeout_s:.0f} s")
+
+    def wait_any(self, timeout_ms: int) -> tuple[bool, bool]:
+        """Blocks until a reply or a request is queued: (reply ready, request ready)."""
+        events = dict(self._poller.poll(timeout_ms))
+        return self.replies.sock in events, self.requests.sock in events
 
     def send_to_workers(self, msg) -> None:
         """Encodes once; every rank gets the same bytes."""

@@ -18,9 +18,10 @@ from scheduler_proc.schedule_batch import ScheduleBatch
 class WaitingQueue:
     """Requests not yet in the batch, in the order the policy serves them."""
 
-    def __init__(self, policy: str, kv: KVCacheManager) -> None:
+    def __init__(self, policy: str, kv: KVCacheManager | None = None) -> None:
         self.policy = policy
         self.kv = kv
+        """The current worker group's KV manager (replaced when the workers restart)."""
         self.queue: deque[Req] = deque()
 
     def __len__(self) -> int:
@@ -92,7 +93,12 @@ class PrefillPlanner:
     def _admit(self, req: Req, budget: int, decode_reserve: int) -> bool:
         """Takes the cached prefix and the pages of the first chunk, or nothing at all."""
         req.fill_ids = req.all_token_ids()
-        self.kv.match_prefix(req)
+        if req.sampling.repetition_penalty != 1.0:
+            # The worker's repetition penalty sees only the prompt tokens it runs: a cached
+            # prefix never runs there, so such a request takes none (it still offers its KV).
+            req.pages, req.prefix_len = [], 0
+        else:
+            self.kv.match_prefix(req)
         n = min(len(req.fill_ids) - req.prefix_len, self.chunk_size, budget)
         need = pages_for(req.prefix_len + n, self.kv.page_size) - len(req.pages)
         # Keep one page per running decode in reserve so admission does not force a retraction.

@@ -59,6 +59,16 @@ class Req:
         """Steps in flight that will sample a token for this request (overlap: up to 2).
         A retracted request is not re-admitted until they are processed."""
 
+    def reset_kv_state(self) -> None:
+        """The worker group that held this request's KV is gone: start over from the queue."""
+        self.slot = None
+        self.pages = []
+        self.pages_sent = 0
+        self.prefix_len = 0
+        self.decoding = False
+        self.pending_results = 0
+        self.num_retractions += 1
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

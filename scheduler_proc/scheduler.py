@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,14 +27,13 @@ from wire.backend import (
     ForwardMode,
     PageAppend,
     SeqLensSync,
-    Shutdown,
     StepResult,
     WorkerError,
     WorkerReady,
 )
 from wire.child import ChildContext
 from wire.codec import pack_int32, unpack_int32
-from wire.control import PROTOCOL_VERSION, check_protocol_version
+from wire.control import PROTOCOL_VERSION, RestartWorkers, check_protocol_version
 from wire.frontend import (
     AbortReq,
     FlushCacheDone,
@@ -43,6 +43,7 @@ from wire.frontend import (
     TokenizerHello,
     TokenOut,
     TokenOutBatch,
+    WorkerGroupLost,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,8 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 100
 
 
-class WorkerFailed(RuntimeError):
-    pass
+class WorkerLost(RuntimeError):
+    """The worker group died, hung, or answered out of step: requeue and reconnect."""
 
 
 @dataclass
@@ -71,25 +72,43 @@ class Step:
 
 class Scheduler:
     def __init__(self, ctx: ChildContext) -> None:
+        self.ctx = ctx
         self.args = args = ctx.args
+        self.boot_id = uuid.uuid4().hex
         self.io = SchedulerIO(ctx.zmq_ctx, args)
-        self.worker: WorkerReady = self.io.wait_worker_ready(args.startup_timeout_s)
-        self.eos_ids = frozenset(self.worker.eos_token_ids)
-        self.kv = KVCacheManager(self.worker.num_pages, self.worker.page_size, args.disable_radix_cache)
-        self.waiting = WaitingQueue(args.schedule_policy, self.kv)
+        self.reqs: dict[str, Req] = {}
+        self.tokenizer_pid: int | None = None
+        self.num_draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
+        self.waiting = WaitingQueue(args.schedule_policy)
+        self.counters = SchedulerCounters(self)
+        self.install_workers(self.io.connect_workers(args.startup_timeout_s))
+        # A restarted scheduler announces itself: the tokenizer resubmits what it still holds.
+        self.io.tokenizer.send(self.server_info())
+
+    def install_workers(self, ready: WorkerReady) -> None:
+        """Fresh KV bookkeeping and an empty batch for a worker group that just reported ready."""
+        self.worker = ready
+        self.eos_ids = frozenset(ready.eos_token_ids)
+        self.kv = KVCacheManager(ready.num_pages, ready.page_size, self.args.disable_radix_cache)
+        self.waiting.kv = self.kv
         self.prefill = PrefillPlanner(
-            self.kv, args.max_prefill_tokens, args.chunked_prefill_size, args.max_running_requests
+            self.kv, self.args.max_prefill_tokens, self.args.chunked_prefill_size, self.args.max_running_requests
         )
         self.batch = ScheduleBatch()
-        self.reqs: dict[str, Req] = {}
         self.next_step_id = 1
         self.in_flight: list[Step] = []
         self.pending_syncs: dict[int, SeqLensSync] = {}
         """SeqLensSync frames that arrived while waiting for a result, by step id."""
-        self.num_draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
-        self.counters = SchedulerCounters(self)
 
     # ------------------------------------------------------------------ loops
+
+    def run(self) -> None:
+        loop = self.event_loop_normal if self.args.disable_overlap else self.event_loop_overlap
+        while True:
+            try:
+                loop()
+            except WorkerLost as e:
+                self.recover_from_worker_loss(str(e))
 
     def event_loop_normal(self) -> None:
         while True:
@@ -120,16 +139,30 @@ class Scheduler:
             first = self.io.requests.recv(timeout_ms=IDLE_POLL_MS)
             msgs = ([first] if first is not None else []) + self.io.requests.recv_nowait()
         for msg in msgs:
-            if isinstance(msg, GenerateReq):
-                self.handle_generate(msg)
-            elif isinstance(msg, AbortReq):
-                self.handle_abort(msg.rid)
-            elif isinstance(msg, TokenizerHello):
-                check_protocol_version("tokenizer", msg.protocol_version)
-                self.io.tokenizer.send(self.server_info())
-            elif isinstance(msg, FlushCacheReq):
-                self.handle_flush()
+            self.handle_request(msg)
         self.counters.maybe_publish()
+
+    def handle_request(self, msg) -> None:
+        if isinstance(msg, GenerateReq):
+            self.handle_generate(msg)
+        elif isinstance(msg, AbortReq):
+            self.handle_abort(msg.rid)
+        elif isinstance(msg, TokenizerHello):
+            self.handle_tokenizer_hello(msg)
+        elif isinstance(msg, FlushCacheReq):
+            self.handle_flush()
+        elif isinstance(msg, WorkerGroupLost):
+            raise WorkerLost(f"launch.py reports the worker group lost: {msg.reason}")
+
+    def handle_tokenizer_hello(self, msg: TokenizerHello) -> None:
+        check_protocol_version("tokenizer", msg.protocol_version)
+        if self.tokenizer_pid is not None and msg.pid != self.tokenizer_pid:
+            # A new tokenizer process: the old one's clients are gone, so is their work.
+            logger.warning("tokenizer restarted (pid %d): aborting its %d open requests", msg.pid, len(self.reqs))
+            for rid in list(self.reqs):
+                self.handle_abort(rid)
+        self.tokenizer_pid = msg.pid
+        self.io.tokenizer.send(self.server_info())
 
     def server_info(self) -> ServerInfo:
         w = self.worker
@@ -140,6 +173,7 @@ class Scheduler:
             self.args.max_running_requests,
             self.kv.total_tokens,
             list(w.eos_token_ids),
+            self.boot_id,
         )
 
     def handle_generate(self, msg: GenerateReq) -> None:
@@ -252,22 +286,57 @@ class Scheduler:
         self.in_flight.append(step)
 
     def wait_result(self) -> tuple[Step, StepResult]:
-        step = self.in_flight.pop(0)
+        step = self.in_flight[0]
         while True:
             msg = self.next_reply()
             if isinstance(msg, StepResult):
                 if msg.step_id != step.descriptor.step_id:
-                    raise WorkerFailed(f"expected result of step {step.descriptor.step_id}, got {msg.step_id}")
+                    raise WorkerLost(f"expected result of step {step.descriptor.step_id}, got {msg.step_id}")
+                self.in_flight.pop(0)
                 return step, msg
             self.pending_syncs[msg.step_id] = msg
 
     def next_reply(self) -> StepResult | SeqLensSync:
-        msg = self.io.replies.recv()
-        if isinstance(msg, WorkerError):
-            raise WorkerFailed(f"worker rejected step {msg.step_id}: {msg.error}")
-        if not isinstance(msg, (StepResult, SeqLensSync)):
-            raise WorkerFailed(f"unexpected {type(msg).__name__} from the worker")
-        return msg
+        """The next reply about a step in flight. Requests that arrive meanwhile are taken in;
+        replies about no step in flight (stale or forged) are counted and dropped; no reply
+        within the watchdog time means a hung worker."""
+        deadline = time.monotonic() + self.args.watchdog_timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                self.ctx.tell_launcher(RestartWorkers(f"no step progress for {self.args.watchdog_timeout_s:.0f} s"))
+                raise WorkerLost(f"watchdog: no reply for {self.args.watchdog_timeout_s:.0f} s")
+            reply_ready, request_ready = self.io.wait_any(left_ms)
+            if request_ready:
+                for msg in self.io.requests.recv_nowait():
+                    self.handle_request(msg)
+            msg = self.io.replies.recv(timeout_ms=0) if reply_ready else None
+            if msg is None or isinstance(msg, WorkerReady):
+                continue  # a WorkerReady here answers the ResetBatch sent at (re)connection
+            in_flight = {s.descriptor.step_id for s in self.in_flight}
+            step_id = getattr(msg, "step_id", None)
+            if step_id not in in_flight:
+                self.counters.ignored_replies += 1
+                logger.warning("ignoring %s for step %s, which is not in flight", type(msg).__name__, step_id)
+                continue
+            if isinstance(msg, WorkerError):
+                self.ctx.tell_launcher(RestartWorkers(f"worker rejected step {msg.step_id}: {msg.error}"))
+                raise WorkerLost(f"worker rejected step {msg.step_id}: {msg.error}")
+            return msg
+
+    def recover_from_worker_loss(self, reason: str) -> None:
+        """Every running request goes back to the front of the queue as a prefill of its
+        prompt plus the tokens it already produced; KV and prefix cache start empty."""
+        running = [r for r in self.batch.reqs if not r.finished]
+        for req in reversed(running):
+            req.reset_kv_state()
+            self.waiting.push_front(req)
+        for req in self.waiting.queue:
+            req.pending_results = 0
+        self.counters.resumed_requests += len(running)
+        logger.warning("worker group lost (%s): %d requests requeued; reconnecting", reason, len(running))
+        self.install_workers(self.io.connect_workers(self.args.startup_timeout_s))
+        logger.warning("worker group back: %d requests resume from their prompt plus output", len(running))
 
     def is_overlapped(self, step: Step) -> bool:
         return not self.args.disable_overlap and step.descriptor.forward_mode in (ForwardMode.DECODE, ForwardMode.MIXED)
@@ -279,7 +348,7 @@ class Scheduler:
         while step.descriptor.step_id not in self.pending_syncs:
             msg = self.next_reply()
             if isinstance(msg, StepResult):
-                raise WorkerFailed(f"result of step {msg.step_id} arrived before its seq_lens sync")
+                raise WorkerLost(f"result of step {msg.step_id} arrived before its seq_lens sync")
             self.pending_syncs[msg.step_id] = msg
         sync = self.pending_syncs.pop(step.descriptor.step_id)
         self.counters.seq_lens_syncs += 1
@@ -338,5 +407,3 @@ class Scheduler:
         if outputs:
             self.io.tokenizer.send(TokenOutBatch(outputs))
 
-    def shutdown(self) -> None:
-        self.io.send_to_workers(Shutdown())

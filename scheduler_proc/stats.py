@@ -28,6 +28,10 @@ class SchedulerCounters:
         self.seq_lens_syncs = 0
         self.spec_verify_rows = 0
         self.overlapped_steps = 0
+        self.ignored_replies = 0
+        """Worker replies about no step in flight (stale after a restart, or forged)."""
+        self.resumed_requests = 0
+        """Requests requeued as prefills after their worker group was lost."""
         self.spec_accepted_drafts = 0
         self.steps = 0
         self.last_step_time_s = 0.0
@@ -63,12 +67,13 @@ class SchedulerCounters:
             last_step_time_s=self.last_step_time_s,
             prefill_tokens_computed=self.worker.prefill_tokens_computed,
             seq_lens_d2h_copies=self.worker.seq_lens_d2h_copies,
-            dropped_frames=s.io.dropped_frames + self.worker.dropped_frames,
+            dropped_frames=s.io.dropped_frames + self.worker.dropped_frames + self.ignored_replies,
             retractions=self.retractions,
             worker_busy_s=self.worker.busy_s,
             worker_idle_s=self.worker.idle_s,
             descriptor_bytes=s.io.last_descriptor_bytes,
             overlapped_steps=self.overlapped_steps,
+            resumed_requests=self.resumed_requests,
             spec_verify_rows=self.spec_verify_rows,
             spec_accepted_drafts=self.spec_accepted_drafts,
         )

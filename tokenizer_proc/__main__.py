@@ -16,6 +16,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from collections.abc import Generator
 
 import uvicorn
@@ -47,6 +48,11 @@ class _Server(uvicorn.Server):
         self._manager = manager
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # Drain: admit nothing new, let open requests finish within the shutdown timeout.
+        self._manager.draining = True
+        deadline = time.monotonic() + self._manager.args.shutdown_timeout_s
+        while self._manager.num_open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         aborted = self._manager.abort_all()
         if aborted:
             logger.info("shutting down: aborted %d open requests", aborted)

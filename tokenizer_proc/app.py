@@ -80,8 +80,9 @@ def create_app(state: FrontendState) -> FastAPI:
     )
 
     @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
+    async def health(request: Request) -> Response:
+        health = get_state(request).manager.health
+        return Response(status_code=200 if health.healthy else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -18,6 +18,10 @@ INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 
 
+SERVER_UNAVAILABLE = "server unavailable"
+"""Prefix of errors that mean the server gave up restarting: answered 503, not 500."""
+
+
 class APIError(Exception):
     """An error to return to the client as-is (status code plus OpenAI error body)."""
 

@@ -76,6 +76,12 @@ class Metrics:
         self.itl = Histogram(
             PREFIX + "inter_token_latency_seconds", "Between token outputs.", buckets=LATENCY_BUCKETS, registry=r
         )
+        self.restarts = Counter(
+            PREFIX + "restarts", "Process restarts by launch.py (any role).", registry=r
+        )
+        self.resumed_requests = Counter(
+            PREFIX + "resumed_requests", "Requests resubmitted after a scheduler restart.", registry=r
+        )
         self.e2e = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Submit to finish.", buckets=E2E_BUCKETS, registry=r
         )

@@ -26,7 +26,7 @@ import msgspec
 import zmq.asyncio
 
 from tokenizer_proc.detokenizer import RequestDetokenizer
-from tokenizer_proc.errors import SERVER_ERROR, APIError
+from tokenizer_proc.errors import SERVER_ERROR, SERVER_UNAVAILABLE, APIError
 from tokenizer_proc.metrics import Metrics
 from wire.codec import pack_int32
 from wire.control import PROTOCOL_VERSION, check_protocol_version
@@ -37,6 +37,7 @@ from wire.frontend import (
     GenerateReq,
     SamplingParams,
     SchedulerStats,
+    ServerHealth,
     ServerInfo,
     TokenizerHello,
     TokenizerInput,
@@ -179,6 +180,10 @@ class RequestManager:
         self._open: dict[str, _OpenRequest] = {}
         self.server_info: ServerInfo | None = None
         self.stats: SchedulerStats | None = None
+        self.draining = False
+        """Set on SIGTERM: new requests get 503 while open ones finish."""
+        self.health = ServerHealth(healthy=True, restarts=0)
+        """launch.py's latest word on restarts; unhealthy means every request gets 503."""
         self._flush_lock = asyncio.Lock()
         self._flush_waiter: asyncio.Future[FlushCacheDone] | None = None
         self._recv_task: asyncio.Task[None] | None = None
@@ -245,6 +250,11 @@ class RequestManager:
         check_capacity: bool = True,
     ) -> list[RequestHandle]:
         """Open one request per SamplingParams (n > 1) and send them; raises Overloaded (503)."""
+        if self.draining:
+            raise APIError("the server is shutting down", 503, type_=SERVER_ERROR, headers={"Retry-After": "5"})
+        if not self.health.healthy:
+            raise APIError(f"{SERVER_UNAVAILABLE}: too many restarts ({self.health.last_cause})", 503,
+                           type_=SERVER_ERROR)
         params = [sampling] if isinstance(sampling, SamplingParams) else list(sampling)
         rids = list(rids) if rids is not None else [self.new_rid() for _ in params]
         if check_capacity and len(self._open) + len(params) > self.capacity:
@@ -337,7 +347,22 @@ class RequestManager:
             if self._flush_waiter is not None and not self._flush_waiter.done():
                 self._flush_waiter.set_result(msg)
         elif isinstance(msg, ServerInfo):
+            if self.server_info is not None and msg.boot_id == self.server_info.boot_id:
+                return  # the same scheduler announcing itself and answering our hello
             self._on_scheduler_restart(msg)
+        elif isinstance(msg, ServerHealth):
+            self._on_health(msg)
+
+    def _on_health(self, health: ServerHealth) -> None:
+        """launch.py's word after a restart; past the restart limit, fail everything with 503."""
+        self.metrics.restarts.inc(max(0, health.restarts - self.health.restarts))
+        self.health = health
+        if health.healthy:
+            return
+        logger.error("server unhealthy after %d restarts (%s): failing %d open requests",
+                     health.restarts, health.last_cause, len(self._open))
+        for req in self._open.values():
+            req.queue.put_nowait(TokenOut(req.rid, [], "error", error=f"{SERVER_UNAVAILABLE}: {health.last_cause}"))
 
     def _on_scheduler_restart(self, info: ServerInfo) -> None:
         """A new ServerInfo means a new scheduler: resubmit every open request.
@@ -358,3 +383,4 @@ class RequestManager:
                 min_new_tokens=max(0, req.sampling.min_new_tokens - produced),
             )
             self._send_soon(GenerateReq(req.rid, pack_int32(req.prompt_ids + req.generated), sp))
+            self.metrics.resumed_requests.inc()

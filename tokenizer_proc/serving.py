@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import Request
 
-from tokenizer_proc.errors import SERVER_ERROR, APIError
+from tokenizer_proc.errors import SERVER_ERROR, SERVER_UNAVAILABLE, APIError
 from tokenizer_proc.request_manager import GenerationOutput, RequestHandle
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -137,6 +137,8 @@ def raise_if_error(results: Sequence[ChoiceResult]) -> None:
     """A choice the scheduler failed (finish_reason "error") fails the whole response with a 500."""
     for r in results:
         if r.finish_reason == "error":
+            if r.error.startswith(SERVER_UNAVAILABLE):
+                raise APIError(r.error, 503, type_=SERVER_ERROR, headers={"Retry-After": "30"})
             raise APIError(f"generation failed: {r.error or 'unknown error'}", 500, type_=SERVER_ERROR)
 
 

@@ -78,16 +78,13 @@ class BatchDescriptor(msgspec.Struct, array_like=True, tag="batch"):
 
 
 class ResetBatch(msgspec.Struct, array_like=True, tag="reset"):
-    """Drop every row (after a flush or a recovery); step ids restart at `next_step_id`."""
+    """Drop every row (a scheduler that just started); step ids restart at `next_step_id`.
+    The worker answers with WorkerReady."""
 
     next_step_id: int
 
 
-class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
-    pass
-
-
-WorkerInput = BatchDescriptor | ResetBatch | Shutdown
+WorkerInput = BatchDescriptor | ResetBatch
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag="worker_ready"):

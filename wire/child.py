@@ -18,7 +18,7 @@ import time
 import setproctitle
 import zmq
 
-from wire.control import PROTOCOL_VERSION, ProcessFailed, ProcessReady
+from wire.control import PROTOCOL_VERSION, ProcessFailed, ProcessReady, RestartWorkers
 from wire.server_args import ServerArgs, load_server_args
 from wire.transport import ENDPOINT_LAUNCHER, PushSocket, endpoint
 
@@ -57,6 +57,9 @@ class ChildContext:
 
     def report_ready(self, detail: str = "") -> None:
         self._launcher.send(ProcessReady(self.role, self.rank, os.getpid(), PROTOCOL_VERSION, detail))
+
+    def tell_launcher(self, msg: RestartWorkers) -> None:
+        self._launcher.send(msg)
 
     def report_failed(self, error: str) -> None:
         self._launcher.send(ProcessFailed(self.role, self.rank, os.getpid(), error))

@@ -47,4 +47,10 @@ class ProcessFailed(msgspec.Struct, array_like=True, tag="failed"):
     error: str
 
 
-LauncherMessage = ProcessReady | ProcessFailed
+class RestartWorkers(msgspec.Struct, array_like=True, tag="restart_workers"):
+    """From the scheduler: the workers stopped making progress (watchdog); restart them."""
+
+    reason: str
+
+
+LauncherMessage = ProcessReady | ProcessFailed | RestartWorkers

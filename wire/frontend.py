@@ -70,7 +70,13 @@ class FlushCacheReq(msgspec.Struct, array_like=True, tag="flush"):
     """Empty the radix prefix cache when no request is running."""
 
 
-SchedulerInput = TokenizerHello | GenerateReq | AbortReq | FlushCacheReq
+class WorkerGroupLost(msgspec.Struct, array_like=True, tag="worker_group_lost"):
+    """From launch.py: the worker ranks died and are being restarted; requeue what ran."""
+
+    reason: str
+
+
+SchedulerInput = TokenizerHello | GenerateReq | AbortReq | FlushCacheReq | WorkerGroupLost
 
 
 class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -122,6 +128,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats"):
     """Size of the last descriptor sent."""
     overlapped_steps: int = 0
     """Steps sent on the overlapped path (each must cost the worker one seq_lens copy)."""
+    resumed_requests: int = 0
+    """Requests put back as prefills after a worker group was lost."""
     spec_verify_rows: int = 0
     """Rows that verified a speculative draft."""
     spec_accepted_drafts: int = 0
@@ -134,7 +142,8 @@ class FlushCacheDone(msgspec.Struct, array_like=True, tag="flushed"):
 
 
 class ServerInfo(msgspec.Struct, array_like=True, tag="server_info"):
-    """Sent by the scheduler in answer to TokenizerHello: what the tokenizer validates against."""
+    """Sent by the scheduler when it starts and in answer to TokenizerHello: what the
+    tokenizer validates against. A new boot_id tells the tokenizer the scheduler restarted."""
 
     protocol_version: int
     context_length: int
@@ -143,6 +152,19 @@ class ServerInfo(msgspec.Struct, array_like=True, tag="server_info"):
     max_running_requests: int
     kv_total_tokens: int
     eos_token_ids: list[int]
+    boot_id: str = ""
+    """Unique per scheduler start."""
 
 
-TokenizerInput = ServerInfo | TokenOutBatch | SchedulerStats | FlushCacheDone
+class ServerHealth(msgspec.Struct, array_like=True, tag="health"):
+    """From launch.py after each restart: counts for /metrics, and whether to keep serving."""
+
+    healthy: bool
+    restarts: int
+    """Restarts of any process since launch."""
+    last_cause: str = ""
+    resumed_requests: int = 0
+    """Requests the last restart put back as prefills."""
+
+
+TokenizerInput = ServerInfo | TokenOutBatch | SchedulerStats | FlushCacheDone | ServerHealth

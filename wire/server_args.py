@@ -59,6 +59,13 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     """Private (0700) directory holding the ipc:// endpoints of this run."""
     log_level: str = "info"
     startup_timeout_s: float = 300.0
+    watchdog_timeout_s: float = 60.0
+    """A step that does not finish within this long counts as a hung worker."""
+    max_restarts: int = 5
+    restart_window_s: float = 300.0
+    """More than max_restarts within this window: stop restarting, report unhealthy."""
+    shutdown_timeout_s: float = 10.0
+    """On SIGTERM, how long open requests may run before they are aborted."""
 
 
 def write_server_args(args: ServerArgs, path: str) -> None:
