@@ -141,7 +141,7 @@ def test_random_bytes_and_wrong_messages_to_every_endpoint_kill_nothing(model):
             enc.encode(BatchDescriptor(999, 2, [], [], [], [], 0)),  # a step out of sequence
             enc.encode(StepResult(12345, pack_int32([1]), WorkerCounters(), 0.0)),  # a result for no step
             enc.encode(TokenOutBatch([TokenOut("no-such-request", [1, 2], "stop")])),
-            enc.encode(ServerInfo(1, 10, 10, 1, 10, [], "same-boot?")),
+            enc.encode(ServerInfo(999, 10, 10, 1, 10, [], "a-scheduler-from-another-version")),
             enc.encode(AbortReq("no-such-request")),
             msgpack.packb(["reset", "x"]),
         ]
