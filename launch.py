@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument("--max-restarts", type=int, default=5, help="restarts allowed within --restart-window")
     o.add_argument("--restart-window", type=float, default=300.0, help="seconds over which restarts are counted")
+    o.add_argument("--record-batches", metavar="FILE", default=None,
+                   help="record every descriptor and step result (replay: python -m gpu_worker.replay FILE)")
+    o.add_argument("--profile-steps", action="store_true",
+                   help="log scheduler, wire, forward and worker idle time of every step")
     o.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -148,6 +152,8 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
         max_restarts=ns.max_restarts,
         restart_window_s=ns.restart_window,
         shutdown_timeout_s=ns.shutdown_timeout,
+        record_batches=os.path.abspath(ns.record_batches) if ns.record_batches else None,
+        profile_steps=ns.profile_steps,
     )
 
 

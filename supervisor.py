@@ -143,6 +143,8 @@ class Launcher:
             for child in self.children:
                 poller.register(child.sentinel, zmq.POLLIN)
             events = dict(poller.poll(500))
+            if stop_requested():
+                break  # children dying now are being stopped, not failing
             if self.control.sock in events:
                 for msg in self.control.recv_nowait():
                     self._on_control(msg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from wire.child import start_child
@@ -21,6 +22,13 @@ def main() -> None:
         ctx.report_failed(f"scheduler could not start: {type(e).__name__}: {e}")
         sys.exit(1)
     ctx.report_ready(f"KV pool {scheduler.kv.total_tokens} tokens, page size {scheduler.kv.page_size}")
+
+    def on_sigterm(_signum, _frame) -> None:
+        if scheduler.io.recorder is not None:
+            scheduler.io.recorder.flush()  # a recording must survive a normal stop
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         scheduler.run()
     except Exception:

@@ -7,10 +7,11 @@ import time
 
 import zmq
 
-from wire.backend import ResetBatch, SchedulerReply, WorkerReady
+from wire.backend import ResetBatch, SchedulerReply, StepResult, WorkerReady
 from wire.codec import FrameEncoder
 from wire.control import check_protocol_version
 from wire.frontend import SchedulerInput
+from wire.recording import RECEIVED, SENT, RecordingWriter
 from wire.server_args import ServerArgs
 from wire.transport import (
     ENDPOINT_SCHEDULER_IN,
@@ -42,6 +43,7 @@ class SchedulerIO:
         self._poller = zmq.Poller()
         self._poller.register(self.replies.sock, zmq.POLLIN)
         self._poller.register(self.requests.sock, zmq.POLLIN)
+        self.recorder = RecordingWriter(args.record_batches, args) if args.record_batches else None
         self.descriptor_bytes_sent = 0
         self.last_descriptor_bytes = 0
 
@@ -72,6 +74,12 @@ class SchedulerIO:
         self.descriptor_bytes_sent += len(frame)
         for w in self.workers:
             w.send_bytes(frame)
+        if self.recorder is not None:
+            self.recorder.record(SENT, frame)
+
+    def record_result(self, result: StepResult) -> None:
+        if self.recorder is not None:
+            self.recorder.record(RECEIVED, self._encoder.encode(result))
 
     @property
     def dropped_frames(self) -> int:

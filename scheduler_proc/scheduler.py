@@ -67,6 +67,8 @@ class Step:
     """The mirror after this step (one token per decoding row), for --check-seq-lens."""
     increments: np.ndarray
     """What this step adds to each row as built (chunk length, or 1 per decoding row)."""
+    build_s: float = 0.0
+    """Scheduler CPU time spent building this step."""
     sent_at: float = field(default_factory=time.perf_counter)
 
 
@@ -136,6 +138,8 @@ class Scheduler:
     def recv_requests(self, block: bool) -> None:
         msgs = self.io.requests.recv_nowait()
         if not msgs and block:
+            if self.io.recorder is not None:
+                self.io.recorder.flush()
             first = self.io.requests.recv(timeout_ms=IDLE_POLL_MS)
             msgs = ([first] if first is not None else []) + self.io.requests.recv_nowait()
         for msg in msgs:
@@ -215,6 +219,7 @@ class Scheduler:
 
     def schedule_step(self) -> Step | None:
         """Builds the next descriptor: sync the mirror, drop finished rows, grow decodes, add prefill."""
+        t0 = time.perf_counter()
         if self.in_flight and self.is_overlapped(self.in_flight[-1]):
             self.apply_seq_lens_sync(self.in_flight[-1])
         self.remove_rows([r for r in self.batch.reqs if r.finished])
@@ -230,7 +235,8 @@ class Scheduler:
         increments = self.batch.step_increments.copy()
         desc = self.batch.build_descriptor(self.next_step_id, self.collect_page_appends())
         self.next_step_id += 1
-        return Step(desc, sampling, rows, self.batch.seq_lens_cpu.copy(), increments)
+        return Step(desc, sampling, rows, self.batch.seq_lens_cpu.copy(), increments,
+                    build_s=time.perf_counter() - t0)
 
     def reserve_decode_pages(self) -> None:
         """Every decoding row needs room for one more token; retract rows if the pool is short."""
@@ -377,6 +383,7 @@ class Scheduler:
 
     def process_result(self, done: tuple[Step, StepResult]) -> None:
         step, result = done
+        self.io.record_result(result)
         self.counters.on_step(step, result)
         tokens = unpack_int32(result.next_token_ids)
         counts = unpack_int32(result.accept_lens) if result.accept_lens else np.ones(len(step.sampling_reqs), np.int32)

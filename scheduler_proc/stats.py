@@ -45,6 +45,16 @@ class SchedulerCounters:
     def on_step(self, step: Step, result: StepResult) -> None:
         self.steps += 1
         self.last_step_time_s = time.perf_counter() - step.sent_at
+        if self.scheduler.args.profile_steps:
+            d = step.descriptor
+            logger.info(
+                "step %d mode %d rows %d: schedule %.3f ms | sent->result %.3f ms = forward %.3f ms + wire/queue "
+                "%.3f ms | worker idle before it %.3f ms | descriptor %d B",
+                d.step_id, d.forward_mode, len(step.expected_seq_lens), step.build_s * 1e3,
+                self.last_step_time_s * 1e3, result.forward_time_s * 1e3,
+                (self.last_step_time_s - result.forward_time_s) * 1e3,
+                (result.counters.idle_s - self.worker.idle_s) * 1e3, self.scheduler.io.last_descriptor_bytes,
+            )
         self.worker = result.counters
 
     def on_drafts(self, tokens_per_row) -> None:

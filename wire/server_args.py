@@ -67,6 +67,12 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     shutdown_timeout_s: float = 10.0
     """On SIGTERM, how long open requests may run before they are aborted."""
 
+    # Measurement
+    record_batches: str | None = None
+    """Append every frame sent to the workers, and every result, to this file."""
+    profile_steps: bool = False
+    """Log scheduler, wire, forward and worker idle time of every step."""
+
 
 def write_server_args(args: ServerArgs, path: str) -> None:
     with open(path, "wb") as f:
