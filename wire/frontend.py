@@ -131,9 +131,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats"):
     resumed_requests: int = 0
     """Requests put back as prefills after a worker group was lost."""
     spec_verify_rows: int = 0
-    """Rows that verified a speculative draft."""
+    """Decode row-steps run with speculation on (a row without a draft counts, accepting 0)."""
     spec_accepted_drafts: int = 0
-    """Draft tokens accepted over those rows (mean accepted length = 1 + this / rows)."""
+    """Draft tokens accepted over those row-steps (mean accepted length = 1 + this / rows)."""
 
 
 class FlushCacheDone(msgspec.Struct, array_like=True, tag="flushed"):
