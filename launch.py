@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 from model_source import ModelNotFound, resolve_model
-from supervisor import Launcher, StartupError
+from supervisor import Launcher, StartupError, free_port
 from wire.server_args import ServerArgs, write_server_args
 
 __all__ = ["Launcher", "StartupError", "build_parser", "main", "server_args_from_cli"]
@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--speculative-num-draft-tokens", type=int, default=4, help="draft tokens per step (K)")
     par = p.add_argument_group("parallelism")
     par.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one worker process each)")
+    par.add_argument("--base-gpu-id", type=int, default=0, help="with --device cuda, rank r uses GPU base-gpu-id + r")
     o = p.add_argument_group("processes")
     o.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     o.add_argument("--startup-timeout", type=float, default=300.0, help="seconds each process may take to be ready")
@@ -154,6 +155,8 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
         shutdown_timeout_s=ns.shutdown_timeout,
         record_batches=os.path.abspath(ns.record_batches) if ns.record_batches else None,
         profile_steps=ns.profile_steps,
+        dist_init_port=free_port() if ns.tp_size > 1 else 0,
+        base_gpu_id=ns.base_gpu_id,
     )
 
 
@@ -169,6 +172,9 @@ def ready_banner(args: ServerArgs) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    if ns.tp_size < 1:
+        print(f"error: --tp-size must be at least 1, not {ns.tp_size}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s trident::launch %(levelname)s %(message)s")
     try:
         model_path, served_name = resolve_model(ns.model)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -43,6 +44,15 @@ logger = logging.getLogger("trident.launch")
 REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
 STOP_GRACE_S = 5.0
 MODULE_OF_ROLE = {"worker": "gpu_worker", "scheduler": "scheduler_proc", "tokenizer": "tokenizer_proc"}
+DIST_PORT_ENV = "TRIDENT_DIST_INIT_PORT"
+"""The worker group's torch.distributed rendezvous port, fresh for every generation."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass
@@ -77,10 +87,11 @@ class Launcher:
         self.restart_times: deque[float] = deque()
         self.restarts = 0
         self.healthy = True
+        self.worker_generations = 0
 
     # ------------------------------------------------------------------ start
 
-    def spawn(self, role: str, rank: int = 0) -> Child:
+    def spawn(self, role: str, rank: int = 0, env: dict[str, str] | None = None) -> Child:
         cmd = [
             sys.executable,
             "-m",
@@ -92,15 +103,29 @@ class Launcher:
             "--rank",
             str(rank),
         ]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
+            **(env or {}),
+        )
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
         child = Child(role, rank, proc, os.pidfd_open(proc.pid))
         self.children.append(child)
         return child
 
-    def start_all(self, with_tokenizer: bool = True) -> None:
+    def spawn_workers(self) -> None:
+        """One process per TP rank. A group of several ranks rendezvous on a port chosen for
+        this generation only, so a restarted group never meets the previous one's store."""
+        env = {}
+        if self.args.tp_size > 1:
+            first = self.worker_generations == 0 and self.args.dist_init_port
+            env[DIST_PORT_ENV] = str(self.args.dist_init_port if first else free_port())
+        self.worker_generations += 1
         for rank in range(self.args.tp_size):
-            self.spawn("worker", rank)
+            self.spawn("worker", rank, env)
+
+    def start_all(self, with_tokenizer: bool = True) -> None:
+        self.spawn_workers()
         self.spawn("scheduler")
         self.wait_ready({("worker", r) for r in range(self.args.tp_size)} | {("scheduler", 0)})
         if with_tokenizer:
@@ -190,8 +215,7 @@ class Launcher:
             return
         if not scheduler_knows:
             self.to_scheduler.send(WorkerGroupLost(cause))
-        for rank in range(self.args.tp_size):
-            self.spawn("worker", rank)
+        self.spawn_workers()
 
     def _may_restart(self, cause: str) -> bool:
         now = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from wire.child import start_child
@@ -19,7 +20,12 @@ def main() -> None:
         ctx.report_failed(f"worker[tp{ctx.rank}] could not start: {type(e).__name__}: {e}")
         sys.exit(1)
     ctx.report_ready(f"{worker.num_pages - 1} KV pages of {ctx.args.page_size} tokens, {worker.dtype}")
-    worker.run_forever()
+    try:
+        worker.run_forever()
+    except Exception as e:  # e.g. a tensor-parallel peer died or a collective timed out
+        logging.getLogger(__name__).exception("worker stopped")
+        ctx.report_failed(f"worker[tp{ctx.rank}] stopped: {type(e).__name__}: {e}")
+        os._exit(1)  # no process-group teardown: the supervisor restarts the whole group
 
 
 if __name__ == "__main__":

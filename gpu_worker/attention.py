@@ -45,14 +45,28 @@ class AttentionMetadata:
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_head_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [num_tokens, heads, dim] -> [num_tokens, heads, dim]."""
+    """q: [num_tokens, heads, dim] -> [num_tokens, heads, dim].
+
+    Query head h reads KV head h // (heads // kv_heads) (SDPA's GQA grouping), unless
+    `kv_head_map` gives each query head's KV head: a tensor-parallel rank whose heads
+    straddle KV groups (parallel.py) reads gathered KV expanded to one head per query head.
+    """
     out = torch.empty_like(q)
+
+    def gather(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # [..., KVH, D]
+        rows = cache[idx]
+        return rows if kv_head_map is None else rows.index_select(-2, kv_head_map)
+
     if meta.short_token_idx.numel():
         qs = q[meta.short_token_idx].transpose(1, 2)  # [B, H, Q, D]
-        ks = k_cache[meta.short_kv_indices].transpose(1, 2)  # [B, KVH, L, D]
-        vs = v_cache[meta.short_kv_indices].transpose(1, 2)
+        ks = gather(k_cache, meta.short_kv_indices).transpose(1, 2)  # [B, KVH, L, D]
+        vs = gather(v_cache, meta.short_kv_indices).transpose(1, 2)
         os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.short_mask, enable_gqa=True)
         os_ = os_.transpose(1, 2)  # [B, Q, H, D]
         if meta.short_token_idx.shape[1] == 1:
@@ -62,8 +76,8 @@ def paged_attention(
     for row in meta.extend_rows:
         sl = slice(row.q_start, row.q_start + row.q_len)
         qe = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        ke = k_cache[row.kv_indices].transpose(0, 1).unsqueeze(0)
-        ve = v_cache[row.kv_indices].transpose(0, 1).unsqueeze(0)
+        ke = gather(k_cache, row.kv_indices).transpose(0, 1).unsqueeze(0)
+        ve = gather(v_cache, row.kv_indices).transpose(0, 1).unsqueeze(0)
         oe = F.scaled_dot_product_attention(
             qe, ke, ve, attn_mask=row.causal_mask, is_causal=row.causal_mask is None, enable_gqa=True
         )

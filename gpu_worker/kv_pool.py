@@ -12,9 +12,9 @@ import torch
 from gpu_worker.model_config import ModelConfig
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
-    kv_heads = max(1, cfg.num_kv_heads // tp_size)
-    return 2 * cfg.num_layers * kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_kv_heads: int) -> int:
+    """KV bytes one token costs on a rank holding `num_kv_heads` KV heads (its tensor-parallel share)."""
+    return 2 * cfg.num_layers * num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
 class KVPool:

@@ -4,6 +4,10 @@ RMSNorm, rotary embeddings (half-split, as Hugging Face checkpoints store q/k),
 grouped-query attention, SwiGLU MLP, optional q/k/v bias (Qwen2), tied or separate LM
 head. q/k/v and gate/up are fused into one matmul each. Attention itself lives in
 `attention.py`; this file only says what a layer does.
+
+Under tensor parallelism (`parallel.py`) every module is built with this rank's slice
+(`ShardPlan`) and `load_weights` copies only that slice out of the full checkpoint tensors;
+the all-reduces and the logits all-gather go through `TPGroup`, the identity at tp 1.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from torch import nn
 from gpu_worker.attention import AttentionMetadata, paged_attention
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.parallel import ShardPlan, TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -53,16 +58,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    """This rank's query heads and the KV heads they read; o_proj is row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.tp = tp
+        self.num_heads = plan.num_heads
+        self.num_kv_heads = plan.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        kv_map = None if plan.uniform_gqa else torch.tensor(plan.kv_of_head, dtype=torch.int64)
+        self.register_buffer("kv_head_map", kv_map, persistent=False)
 
     def forward(
         self,
@@ -79,29 +89,32 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rope(q, k, positions)
         kv_pool.write(self.layer_id, meta.out_cache_loc, k, v)
-        out = paged_attention(q, kv_pool.k[self.layer_id], kv_pool.v[self.layer_id], meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = paged_attention(q, kv_pool.k[self.layer_id], kv_pool.v[self.layer_id], meta, self.kv_head_map)
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's slice of gate and of up (column-parallel); down_proj is row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = plan.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = Attention(cfg, layer_id, plan, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, plan, tp)
 
     def forward(self, x, positions, rope, kv_pool, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_pool, meta)
@@ -109,14 +122,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.plan = plan or ShardPlan.build(cfg, 0, 1)
+        self.tp = tp or TPGroup()
+        rows = self.plan.vocab_rows
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.plan, self.tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False)
 
     @torch.inference_mode()
     def forward(
@@ -128,25 +144,32 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Runs the flat token batch; returns float32 logits of the rows in logits_indices."""
-        x = self.embed_tokens(input_ids)
+        x = self.tp.embed(input_ids, self.embed_tokens.weight, self.plan.vocab)
         for layer in self.layers:
             x = layer(x, positions, self.rope, kv_pool, meta)
         x = self.norm(x[logits_indices])
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        return self.tp.gather_vocab(F.linear(x, head), self.cfg.vocab_size).float()
 
     def load_weights(self, weights) -> None:
-        """Takes (name, tensor) pairs in Hugging Face LLaMA names; fuses q/k/v and gate/up."""
+        """Takes (name, tensor) pairs in Hugging Face LLaMA names (full, unsharded tensors);
+        fuses q/k/v and gate/up and keeps only this rank's slice of each sharded weight."""
         params = dict(self.named_parameters())
-        cfg = self.cfg
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        plan, hd = self.plan, self.cfg.head_dim
+        q, kv, inter = plan.num_heads * hd, plan.num_kv_heads * hd, plan.intermediate_size
+        heads = (plan.heads[0] * hd, q)
+        kv_heads = (plan.kv_heads[0] * hd, kv)
+        inter_slice = (plan.intermediate[0], inter)
+        # checkpoint name -> (fused target, row offset in the target, (start, length) in the source)
         fused = {
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", q),
-            "v_proj": ("qkv_proj", q + kv),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size),
+            "q_proj": ("qkv_proj", 0, heads),
+            "k_proj": ("qkv_proj", q, kv_heads),
+            "v_proj": ("qkv_proj", q + kv, kv_heads),
+            "gate_proj": ("gate_up_proj", 0, inter_slice),
+            "up_proj": ("gate_up_proj", inter, inter_slice),
         }
+        row_parallel = {"o_proj": heads, "down_proj": inter_slice}  # sliced along the input dim
+        vocab = (plan.vocab[0], plan.vocab[1] - plan.vocab[0])
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -154,9 +177,17 @@ class LlamaForCausalLM(nn.Module):
                 continue
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in fused:
-                target, offset = fused[parts[-2]]
+                target, offset, (start, length) = fused[parts[-2]]
                 name = ".".join(parts[:-2] + [target, parts[-1]])
-                dst = params[name].data.narrow(0, offset, tensor.shape[0])
+                tensor = tensor.narrow(0, start, length)
+                dst = params[name].data.narrow(0, offset, length)
+            elif len(parts) >= 2 and parts[-2] in row_parallel and name in params:
+                tensor = tensor.narrow(1, *row_parallel[parts[-2]])
+                dst = params[name].data
+            elif name in ("embed_tokens.weight", "lm_head.weight") and name in params:
+                tensor = tensor.narrow(0, *vocab)
+                dst = params[name].data.narrow(0, 0, vocab[1])  # rows past the vocabulary stay zero
+                params[name].data.zero_()
             elif name in params:
                 dst = params[name].data
             else:

@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("model_path", ns.model), ("device", ns.device), ("dtype", ns.dtype)) if v}
     # Plain loop, no debug copies: the worker's own cost for the same descriptors.
     run_dir = tempfile.mkdtemp(prefix="trident-replay-")
-    args = msgspec.structs.replace(args, run_dir=run_dir, disable_overlap=True, check_seq_lens=False, **overrides)
+    # One unsharded rank: a tensor-parallel recording replays on one process (same tokens, greedy).
+    args = msgspec.structs.replace(
+        args, run_dir=run_dir, disable_overlap=True, check_seq_lens=False, tp_size=1, **overrides
+    )
     from gpu_worker.worker import Worker
 
     worker = Worker(ChildContext(args, "worker", 0))

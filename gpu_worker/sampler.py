@@ -8,6 +8,8 @@ what else shares the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from wire.backend import RowLogprobs
@@ -75,9 +77,15 @@ def _uses_penalties(p: SamplingParams | None) -> bool:
 
 
 def sample(
-    logits: torch.Tensor, slots: list[int], table: SamplingTable
+    logits: torch.Tensor,
+    slots: list[int],
+    table: SamplingTable,
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[RowLogprobs | None]]:
-    """logits [rows, vocab] float32 -> (token ids [rows] int64, per-row logprobs or [])."""
+    """logits [rows, vocab] float32 -> (token ids [rows] int64, per-row logprobs or []).
+
+    `agree` makes the tensor-parallel ranks take one set of tokens (rank 0's) before any
+    per-row state (penalty counts, logprobs) is updated from them."""
     params = [table.params[s] for s in slots]
     raw_logprobs = None
     if any(p.logprobs for p in params):
@@ -93,6 +101,8 @@ def sample(
         probs = _filter_top_k_top_p_min_p(probs, params)
         sampled = _draw(probs, slots, table)
         tokens = torch.where(greedy, tokens, sampled)
+    if agree is not None:
+        tokens = agree(tokens)
     table.note_sampled(slots, tokens)
     return tokens, _gather_logprobs(raw_logprobs, tokens, params)
 

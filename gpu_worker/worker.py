@@ -3,6 +3,11 @@
 Each step: receive a descriptor, apply the delta to the persistent batch, (on the
 overlapped path) publish the one seq_lens sync, run the forward, sample, advance, reply.
 Only rank 0 replies.
+
+With --tp-size N every rank runs this same loop on the same descriptors, in lockstep: each
+rank that accepts a descriptor meets the others in a step-id check before the forward
+(so no rank computes a step its peers did not), the model's collectives keep the ranks
+together inside the forward, and rank 0's sampled tokens are broadcast (parallel.py).
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ import numpy as np
 import psutil
 import torch
 
-from gpu_worker.batch_state import BatchState, ForwardInputs
+from gpu_worker.batch_state import BatchState, ForwardInputs, StepGapError
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.ngram_drafter import NgramDrafter, can_draft
+from gpu_worker.parallel import ShardPlan, TPGroup, dist_port
 from gpu_worker.sampler import SamplingTable, sample
 from gpu_worker.weights import iter_weights, load_config
 from wire.backend import (
@@ -46,6 +52,7 @@ from wire.transport import (
 )
 
 logger = logging.getLogger(__name__)
+MIN_COLLECTIVE_TIMEOUT_S = 30.0
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -57,14 +64,27 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def kv_pool_tokens(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+def kv_pool_tokens(
+    args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, num_kv_heads: int
+) -> int:
+    """Tokens of KV this rank can hold (its own KV heads only)."""
     if args.max_total_tokens > 0:
         return args.max_total_tokens
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
         free = psutil.virtual_memory().available
-    return max(args.page_size * 16, int(free * args.mem_fraction) // kv_bytes_per_token(cfg, dtype, args.tp_size))
+        if args.tp_size > 1:  # the ranks share the host's memory
+            free //= args.tp_size
+    return max(args.page_size * 16, int(free * args.mem_fraction) // kv_bytes_per_token(cfg, dtype, num_kv_heads))
+
+
+def worker_device(args: ServerArgs, rank: int) -> torch.device:
+    if args.device == "cuda":
+        device = torch.device(f"cuda:{args.base_gpu_id + rank}")
+        torch.cuda.set_device(device)
+        return device
+    return torch.device(args.device)
 
 
 class Worker:
@@ -72,23 +92,32 @@ class Worker:
         args = ctx.args
         self.args = args
         self.rank = ctx.rank
-        self.device = torch.device(args.device if args.device != "cuda" else f"cuda:{ctx.rank}")
-        if self.device.type == "cpu":
-            torch.set_num_threads(os.cpu_count() or 1)
+        self.device = worker_device(args, ctx.rank)
+        if self.device.type == "cpu":  # the ranks share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.cfg = load_config(args.model_path)
         self.context_length = min(args.context_length or self.cfg.max_position, self.cfg.max_position)
+        # Checked before joining the group, so that a bad --tp-size is a clear start-up error on every rank.
+        self.plan = ShardPlan.build(self.cfg, ctx.rank, args.tp_size)
+        # A collective that waits longer than this raises, and the rank exits (a peer died or
+        # desynchronised); normally the supervisor or the scheduler's watchdog restarts the group first.
+        timeout_s = max(MIN_COLLECTIVE_TIMEOUT_S, args.watchdog_timeout_s)
+        self.tp = TPGroup.init(ctx.rank, args.tp_size, self.device, dist_port(args.dist_init_port), timeout_s)
+        if args.tp_size > 1:
+            logger.info("%s", self.plan.describe())
 
         t0 = time.monotonic()
-        model = LlamaForCausalLM(self.cfg)
+        model = LlamaForCausalLM(self.cfg, self.plan, self.tp)
         model.load_weights(iter_weights(args.model_path, self.cfg))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rope.to(dtype=torch.float32)
         logger.info("loaded %s in %.1f s (%s, %s)", args.model_path, time.monotonic() - t0, self.dtype, self.device)
 
-        pool_tokens = kv_pool_tokens(args, self.cfg, self.dtype, self.device)
+        # Every rank must hold the same pages: the scheduler allocates from one pool.
+        pool_tokens = self.tp.agree_min(kv_pool_tokens(args, self.cfg, self.dtype, self.device, self.plan.num_kv_heads))
         self.num_pages = pool_tokens // args.page_size + 1  # page 0 is the padding page
-        self.kv_pool = KVPool(self.cfg, self.num_pages, args.page_size, self.dtype, self.device, self.cfg.num_kv_heads)
+        self.kv_pool = KVPool(self.cfg, self.num_pages, args.page_size, self.dtype, self.device, self.plan.num_kv_heads)
         self.num_draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
         self.drafter = NgramDrafter(args.max_running_requests, self.num_draft_tokens) if self.num_draft_tokens else None
         # Slack for drafts: the scheduler may allocate up to 2K+1 tokens past a row's length.
@@ -148,11 +177,23 @@ class Worker:
                 self._send(self.ready_message())
 
     def step(self, desc: BatchDescriptor) -> StepResult | WorkerError:
+        failure = None
         try:
             chunks = self.state.apply(desc)
-        except Exception as e:  # a gap or a bad delta: refuse rather than compute on stale state
+        except StepGapError as e:
+            # Refused before any state changed, and before meeting the other ranks: a stale or
+            # forged frame is a no-op here. A rank that really missed a step never meets its
+            # peers again; they time out (or the scheduler's watchdog restarts the group).
             logger.error("step %d rejected: %s", desc.step_id, e)
             return WorkerError(desc.step_id, str(e))
+        except Exception as e:  # a bad delta: refuse rather than compute on stale state
+            failure = str(e)
+        # Every rank that accepted the step id meets here, failed or not: none computes alone.
+        disagreement = self.tp.check_step(desc.step_id, failed=failure is not None)
+        error = failure or disagreement
+        if error is not None:
+            logger.error("step %d rejected: %s", desc.step_id, error)
+            return WorkerError(desc.step_id, error)
         t0 = time.perf_counter()
         self._note_new_tokens(desc, chunks)
         inputs = self.state.build_forward(chunks, self._propose_drafts())
@@ -223,7 +264,9 @@ class Worker:
         logprobs: list = []
         if plain:
             rows = torch.from_numpy(ends[plain] - 1).to(self.device)
-            tokens, plain_logprobs = sample(logits[rows], [inputs.sampling_slots[i] for i in plain], self.sampling)
+            tokens, plain_logprobs = sample(
+                logits[rows], [inputs.sampling_slots[i] for i in plain], self.sampling, self.tp.broadcast
+            )
             for i, t in zip(plain, tokens.cpu().numpy()):
                 accepted[i] = t.reshape(1)
             if plain_logprobs:
@@ -241,7 +284,7 @@ class Worker:
 
     def _verify(self, logits: torch.Tensor, draft: np.ndarray, slot: int) -> np.ndarray:
         """Greedy verification: keep drafts while they equal the model's argmax, plus one."""
-        targets = logits.argmax(dim=-1).cpu().numpy()
+        targets = self.tp.broadcast(logits.argmax(dim=-1)).cpu().numpy()
         matches = targets[:-1] == draft
         accepted_drafts = len(draft) if matches.all() else int(np.argmin(matches))
         self.sampling.generated[slot] += accepted_drafts + 1

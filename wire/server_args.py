@@ -73,6 +73,13 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     profile_steps: bool = False
     """Log scheduler, wire, forward and worker idle time of every step."""
 
+    # Tensor parallelism (tp_size is above)
+    dist_init_port: int = 0
+    """TCP port on 127.0.0.1 of the first worker group's torch.distributed rendezvous (chosen
+    free by launch.py when tp_size > 1; the supervisor picks a fresh one for each restarted group)."""
+    base_gpu_id: int = 0
+    """With device cuda, rank r runs on cuda:{base_gpu_id + r}."""
+
 
 def write_server_args(args: ServerArgs, path: str) -> None:
     with open(path, "wb") as f:
