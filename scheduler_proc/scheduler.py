@@ -170,9 +170,11 @@ class Scheduler:
 
     def server_info(self) -> ServerInfo:
         w = self.worker
+        # A request that cannot fit the KV pool alone can never run: advertise the smaller
+        # limit, so the tokenizer answers such prompts with a 400 at admission.
         return ServerInfo(
             PROTOCOL_VERSION,
-            w.context_length,
+            min(w.context_length, self.kv.total_tokens),
             w.vocab_size,
             self.args.max_running_requests,
             self.kv.total_tokens,
