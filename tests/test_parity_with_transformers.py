@@ -19,7 +19,16 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
+_reference_cache: dict[str, list[int]] = {}
+
+
 def reference_ids(hf_reference, prompt: str) -> list[int]:
+    if prompt not in _reference_cache:
+        _reference_cache[prompt] = _generate_reference(hf_reference, prompt)
+    return _reference_cache[prompt]
+
+
+def _generate_reference(hf_reference, prompt: str) -> list[int]:
     tok, model = hf_reference
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():

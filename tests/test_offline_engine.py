@@ -1,0 +1,73 @@
+"""The offline Engine runs the same processes as launch.py, without HTTP, and gives the same results."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from engine import Engine
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "Q: What is the largest planet in the solar system?\nA:",
+]
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+
+
+def served_greedy(server, prompt: str) -> dict:
+    r = server.http().post("/generate", json={"text": prompt, "sampling_params": GREEDY})
+    r.raise_for_status()
+    return r.json()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_engine_greedy_output_equals_the_http_server_and_leaves_no_process(smollm2_server):
+    over_http = [served_greedy(smollm2_server, p) for p in PROMPTS]
+
+    with Engine(dtype="float32", max_total_tokens=16384) as engine:
+        pids, run_dir = engine.pids, engine.run_dir
+        titles = sorted(" ".join(psutil.Process(pid).cmdline()).strip() for pid in pids)
+        assert titles == ["trident::scheduler", "trident::worker[tp0]"]
+        offline = engine.generate(PROMPTS, GREEDY)
+        # A single prompt, per-prompt parameters and a stop string go through the same path.
+        single = engine.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 4})
+        stop = over_http[1]["text"][5:9]
+        cut = engine.generate(PROMPTS[:2], [GREEDY, {**GREEDY, "stop": stop}])
+        with pytest.raises(ValueError, match="temprature"):
+            engine.generate(PROMPTS[0], {"temprature": 0})
+        with pytest.raises(ValueError, match="temperature"):
+            engine.generate(PROMPTS[0], {"temperature": 5})
+
+    for prompt, want, got in zip(PROMPTS, over_http, offline):
+        assert got["text"] == want["text"], prompt
+        assert got["output_ids"] == want["output_ids"], prompt
+        assert got["finish_reason"] == want["meta_info"]["finish_reason"]
+        assert got["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+        assert got["completion_tokens"] == len(got["output_ids"])
+    assert single[0]["output_ids"] == over_http[0]["output_ids"][:4]
+    assert single[0]["finish_reason"] == "length"
+    assert cut[0]["text"] == over_http[0]["text"]
+    assert cut[1]["text"] == over_http[1]["text"][: over_http[1]["text"].find(stop)]
+    assert cut[1]["finish_reason"] == "stop"
+
+    assert not [pid for pid in pids if alive(pid)]
+    assert not os.path.exists(run_dir)
+    # The Engine's processes are children of this one (the HTTP server's are launch.py's).
+    assert not [p for p in psutil.Process().children() if alive(p.pid) and p.name().startswith("trident::")]
+
+
+def test_engine_rejects_unknown_flags_and_missing_models_before_starting_anything(tmp_path):
+    with pytest.raises(TypeError, match="no_such_flag"):
+        Engine(no_such_flag=1)
+    with pytest.raises(ValueError):
+        Engine(model=str(tmp_path / "missing.gguf"))
