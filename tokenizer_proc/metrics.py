@@ -2,10 +2,11 @@
 
 Two sources:
 - measured here, by `RequestHandle`: latencies (time to first token, inter-token latency,
-  end-to-end) and token counters;
+  end-to-end), token counters, and the prefix cache hit rate (cumulative, from each
+  request's first output: its prompt length and how much of it came from the cache);
 - mirrored from the scheduler's latest `SchedulerStats` at scrape time by `_SchedulerCollector`
-  (running/queued requests, KV usage, cache hit rate, retractions), plus dropped frames:
-  this process's own plus the scheduler's.
+  (running/queued requests, KV usage, step time, retractions), plus dropped frames: this
+  process's own plus the scheduler's.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300
 class _SchedulerCollector(Collector):
     """Reads the mirrored stats when Prometheus scrapes; never caches them."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats | None], own_dropped: Callable[[], int]) -> None:
+    def __init__(self, stats: Callable[[], SchedulerStats | None], own_dropped: Callable[[], int],
+                 hit_rate: Callable[[], float]) -> None:
         self._stats = stats
         self._own_dropped = own_dropped
+        self._hit_rate = hit_rate
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -38,16 +41,18 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily(
             PREFIX + "dropped_frames", "Malformed frames dropped (tokenizer + scheduler).", value=dropped
         )
+        # Not SchedulerStats.cache_hit_tokens: that covers only the requests running now.
+        yield GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
+                                "Fraction of prompt tokens served from the prefix cache.", value=self._hit_rate())
         if s is None:
             return
         usage = s.kv_used_tokens / s.kv_total_tokens if s.kv_total_tokens else 0.0
-        hit = s.cache_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
         gauges = [
             ("num_requests_running", "Requests in the running batch.", s.running_requests),
             ("num_requests_waiting", "Requests queued in the scheduler.", s.queued_requests),
             ("kv_cache_usage_ratio", "Fraction of KV token slots in use.", usage),
             ("kv_cache_used_tokens", "KV token slots in use.", s.kv_used_tokens),
-            ("prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.", hit),
+            ("step_time_seconds", "Send-to-result time of the scheduler's latest step.", s.last_step_time_s),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
@@ -85,9 +90,23 @@ class Metrics:
         self.e2e = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Submit to finish.", buckets=E2E_BUCKETS, registry=r
         )
+        self.cache_hit_tokens = Counter(
+            PREFIX + "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self._prefilled_prompt_tokens = 0
+        self._cached_prompt_tokens = 0
+
+    def observe_prefill(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's first output: its prompt ran, `cached_tokens` of it from the prefix cache."""
+        self._prefilled_prompt_tokens += prompt_tokens
+        self._cached_prompt_tokens += cached_tokens
+        self.cache_hit_tokens.inc(cached_tokens)
+
+    def cache_hit_rate(self) -> float:
+        return self._cached_prompt_tokens / self._prefilled_prompt_tokens if self._prefilled_prompt_tokens else 0.0
 
     def attach_scheduler(self, stats: Callable[[], SchedulerStats | None], own_dropped: Callable[[], int]) -> None:
-        self.registry.register(_SchedulerCollector(stats, own_dropped))
+        self.registry.register(_SchedulerCollector(stats, own_dropped, self.cache_hit_rate))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,7 +19,7 @@ from tokenizer_proc.errors import APIError, error_response
 from tokenizer_proc.openai_api import CLIENT_CLOSED, EventStreamResponse
 from tokenizer_proc.protocol import AbortRequest, GenerateRequest
 from tokenizer_proc.request_manager import RequestHandle
-from tokenizer_proc.sampling import SamplingRequest, build_sampling_params, check_prompt_ids
+from tokenizer_proc.sampling import check_prompt_ids, native_sampling_params
 from tokenizer_proc.serving import (
     SSE_DONE,
     ChoiceResult,
@@ -65,16 +65,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     limits = st.limits
     check_prompt_ids(ids, limits, param)
     sp = body.sampling_params
-    max_new = sp.max_new_tokens
-    if "max_new_tokens" not in sp.model_fields_set and max_new is not None:
-        max_new = max(1, min(max_new, limits.context_length - len(ids)))  # a default never causes a 400
-    sreq = SamplingRequest(
-        max_tokens=max_new, min_tokens=sp.min_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-        top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty, seed=sp.seed,
-        ignore_eos=sp.ignore_eos, stop_token_ids=sp.stop_token_ids or (),
-    )
-    params = build_sampling_params(sreq, len(ids), limits, "sampling_params.max_new_tokens")
+    params = native_sampling_params(sp, len(ids), limits, param)
     rid = body.rid or st.manager.new_rid("gen")
     handles = await st.manager.submit(
         ids, params, rids=[rid], stop=sp.stop_list(), skip_special_tokens=sp.skip_special_tokens

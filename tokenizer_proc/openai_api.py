@@ -86,7 +86,8 @@ async def submit_choices(
     st: FrontendState, prompt_ids: list[int], body: CompletionRequest | ChatCompletionRequest,
     sreq: SamplingRequest, cid: str, max_tokens_param: str,
 ) -> list[RequestHandle]:
-    params = build_sampling_params(sreq, len(prompt_ids), st.limits, max_tokens_param)
+    prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    params = build_sampling_params(sreq, len(prompt_ids), st.limits, max_tokens_param, prompt_param)
     return await st.manager.submit(
         prompt_ids,
         [with_seed_offset(params, i) for i in range(body.n)],

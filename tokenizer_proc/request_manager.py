@@ -110,6 +110,7 @@ class RequestHandle:
                 if out.token_ids and metrics is not None:
                     if not req.generated:
                         metrics.ttft.observe(now - req.created)
+                        metrics.observe_prefill(len(req.prompt_ids), out.cached_tokens)
                     else:
                         metrics.itl.observe(now - last)
                     metrics.generation_tokens.inc(len(out.token_ids))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import msgspec
 
 from tokenizer_proc.errors import APIError
-from tokenizer_proc.protocol import MAX_LOGPROBS
+from tokenizer_proc.protocol import MAX_LOGPROBS, NativeSamplingParams
 from wire.frontend import SamplingParams
 
 
@@ -68,13 +68,14 @@ def check_prompt_ids(ids: Sequence[int], limits: ModelLimits, param: str = "prom
         )
 
 
-def resolve_max_tokens(prompt_len: int, max_tokens: int | None, limits: ModelLimits, param: str) -> int:
+def resolve_max_tokens(prompt_len: int, max_tokens: int | None, limits: ModelLimits, param: str,
+                       prompt_param: str = "prompt") -> int:
     """The output budget: the requested one if it fits, else a 400; None means the rest."""
     ctx = limits.context_length
     if prompt_len >= ctx:
         raise APIError(
             f"This model's maximum context length is {ctx} tokens, but the prompt has {prompt_len} tokens.",
-            param="messages" if param == "max_completion_tokens" else "prompt",
+            param=prompt_param,
             code="context_length_exceeded",
         )
     if max_tokens is None:
@@ -93,10 +94,11 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, limits: ModelLim
 
 
 def build_sampling_params(
-    req: SamplingRequest, prompt_len: int, limits: ModelLimits, max_tokens_param: str = "max_tokens"
+    req: SamplingRequest, prompt_len: int, limits: ModelLimits, max_tokens_param: str = "max_tokens",
+    prompt_param: str = "prompt",
 ) -> SamplingParams:
     """Validate against the model and map to the wire struct (max_tokens -> max_new_tokens...)."""
-    max_new = resolve_max_tokens(prompt_len, req.max_tokens, limits, max_tokens_param)
+    max_new = resolve_max_tokens(prompt_len, req.max_tokens, limits, max_tokens_param, prompt_param)
     if req.min_tokens > max_new:
         raise APIError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_new}).", param="min_tokens")
     bad = next((t for t in req.stop_token_ids if not 0 <= t < limits.vocab_size), None)
@@ -122,6 +124,21 @@ def build_sampling_params(
         logprobs=bool(req.logprobs),
         top_logprobs=int(req.top_logprobs) if req.logprobs else 0,
     )
+
+
+def native_sampling_params(sp: NativeSamplingParams, prompt_len: int, limits: ModelLimits,
+                           prompt_param: str = "text") -> SamplingParams:
+    """SGLang-style `sampling_params` (POST /generate, the offline `Engine`) -> the wire struct."""
+    max_new = sp.max_new_tokens
+    if "max_new_tokens" not in sp.model_fields_set and max_new is not None:
+        max_new = max(1, min(max_new, limits.context_length - prompt_len))  # a default never causes a 400
+    sreq = SamplingRequest(
+        max_tokens=max_new, min_tokens=sp.min_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
+        top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty, seed=sp.seed,
+        ignore_eos=sp.ignore_eos, stop_token_ids=sp.stop_token_ids or (),
+    )
+    return build_sampling_params(sreq, prompt_len, limits, "sampling_params.max_new_tokens", prompt_param)
 
 
 def with_seed_offset(params: SamplingParams, index: int) -> SamplingParams:

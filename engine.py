@@ -1,0 +1,279 @@
+"""The offline API: trident's scheduler and workers driven from Python, without HTTP.
+
+    from engine import Engine
+
+    with Engine(dtype="float32") as engine:
+        outs = engine.generate(["The capital of France is"], {"temperature": 0, "max_new_tokens": 16})
+        print(outs[0]["text"])
+
+`Engine(model=None, **server_flags)` takes the flags of `launch.py` as keyword arguments
+(`max_total_tokens=16384`, `disable_radix_cache=True`...) and starts the same worker and
+scheduler processes through launch.py's `Launcher`, in a private run directory. The Engine
+itself plays the tokenizer process's part, with that process's own code: the tokenizer
+loading, the `RequestManager` (sockets, handshake, per-request detokenizer and stop
+strings) and `serving.collect`, run on a private asyncio loop in one background thread. So
+the Engine swaps the I/O (Python calls instead of HTTP), not the logic, and returns what
+`POST /generate` returns.
+
+`sampling_params` are those of `POST /generate` (SGLang's names: `max_new_tokens`,
+`temperature`, `top_p`, `top_k`, `min_p`, the penalties, `stop`, `stop_token_ids`,
+`ignore_eos`, `min_new_tokens`, `seed`, `skip_special_tokens`); an unknown name or an
+out-of-range value raises ValueError before anything is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Coroutine, Mapping, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import pydantic
+import zmq.asyncio
+
+from launch import Launcher, StartupError, build_parser, server_args_from_cli
+from model_source import ModelNotFound, resolve_model
+from tokenizer_proc.errors import APIError
+from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.protocol import NativeSamplingParams
+from tokenizer_proc.request_manager import RequestManager
+from tokenizer_proc.sampling import ModelLimits, check_prompt_ids, native_sampling_params
+from tokenizer_proc.serving import collect
+from tokenizer_proc.tokenization import encode_text, load_tokenizer
+from wire.server_args import write_server_args
+
+CHILD_CHECK_INTERVAL_S = 0.5
+"""While waiting for outputs, how often the Engine checks that its processes are alive."""
+
+
+def _server_argv(model: str | None, flags: Mapping[str, Any]) -> list[str]:
+    """launch.py's command line for these keyword flags (`max_total_tokens=8` -> `--max-total-tokens 8`)."""
+    defaults = vars(build_parser().parse_args([]))
+    argv = [] if model is None else ["--model", str(model)]
+    for name, value in flags.items():
+        if name not in defaults or name == "model":
+            raise TypeError(f"Engine() got an unknown server flag {name!r}")
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [flag, str(value)]
+    return argv
+
+
+class _Processes:
+    """What an Engine must release: its processes, I/O thread and run directory.
+
+    Kept apart from the Engine so that `weakref.finalize` can release them when a
+    forgotten Engine is collected or the interpreter exits, not only on `shutdown()`.
+    """
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.launcher: Launcher | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.zmq_ctx: zmq.asyncio.Context | None = None
+        self.manager: RequestManager | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.loop is not None and self.thread is not None and self.thread.is_alive():
+            manager, ctx = self.manager, self.zmq_ctx
+
+            async def close_io() -> None:
+                if manager is not None:
+                    manager.abort_all()
+                    await asyncio.sleep(0)  # let the AbortReqs leave
+                    await manager.close()
+                if ctx is not None:
+                    ctx.term()
+
+            try:
+                asyncio.run_coroutine_threadsafe(close_io(), self.loop).result(timeout=5)
+            except Exception:  # a broken loop must not keep the processes alive
+                pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5)
+        if self.loop is not None and not self.loop.is_running():
+            self.loop.close()
+        if self.launcher is not None:
+            self.launcher.stop_all()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+class Engine:
+    """Runs trident's worker and scheduler processes and plays the tokenizer's part in-process."""
+
+    def __init__(self, model: str | None = None, **server_flags: Any) -> None:
+        parser = build_parser()
+        try:
+            ns = parser.parse_args(_server_argv(model, server_flags))
+        except SystemExit as e:  # argparse already printed why
+            raise ValueError(f"invalid Engine flags: {server_flags}") from e
+        try:
+            model_path, served_name = resolve_model(ns.model)
+        except ModelNotFound as e:
+            raise ValueError(str(e)) from None
+        self._procs = _Processes(tempfile.mkdtemp(prefix="trident-engine-"))  # mode 0700
+        self._finalizer = weakref.finalize(self, self._procs.close)
+        try:
+            self.args = server_args_from_cli(ns, model_path, served_name, self._procs.run_dir)
+            args_file = os.path.join(self._procs.run_dir, "server_args.msgpack")
+            write_server_args(self.args, args_file)
+            self.tokenizer = load_tokenizer(model_path)
+            self._procs.launcher = Launcher(self.args, args_file)
+            self._start_backend()
+            self._start_io()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ start and stop
+
+    def _start_backend(self) -> None:
+        """launch.py's start-up minus the tokenizer process: the worker ranks, then the scheduler."""
+        assert self._procs.launcher is not None
+        try:
+            self._procs.launcher.start_all(with_tokenizer=False)
+        except StartupError as e:
+            raise RuntimeError(f"trident Engine could not start: {e}") from None
+
+    def _start_io(self) -> None:
+        """The tokenizer process's RequestManager, on a private event loop in one thread."""
+        procs = self._procs
+        procs.loop = asyncio.new_event_loop()
+        procs.thread = threading.Thread(target=procs.loop.run_forever, name="trident-engine-io", daemon=True)
+        procs.thread.start()
+
+        async def connect() -> RequestManager:
+            procs.zmq_ctx = zmq.asyncio.Context()
+            procs.manager = RequestManager(procs.zmq_ctx, self.args, self.tokenizer, Metrics())
+            await procs.manager.handshake(self.args.startup_timeout_s)
+            procs.manager.start()
+            return procs.manager
+
+        self._manager = self._run(connect())
+        info = self._manager.server_info
+        assert info is not None
+        self.limits = ModelLimits(self.args.served_model_name, info.context_length, info.vocab_size)
+
+    def shutdown(self) -> None:
+        """Aborts open requests, stops every process, removes the run directory. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the worker ranks and the scheduler."""
+        launcher = self._procs.launcher
+        return [c.proc.pid for c in launcher.children] if launcher else []
+
+    @property
+    def run_dir(self) -> str:
+        return self._procs.run_dir
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """One result per prompt, in order: text, output_ids, finish_reason, token counts.
+
+        `sampling_params` is one dict for every prompt, or one dict per prompt. All prompts
+        are submitted at once, so the scheduler batches them.
+        """
+        if self._procs.closed:
+            raise RuntimeError("this Engine has been shut down")
+        prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
+        if sampling_params is None or isinstance(sampling_params, Mapping):
+            param_list = [sampling_params or {}] * len(prompt_list)
+        else:
+            param_list = list(sampling_params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} sampling_params")
+        requests = [self._prepare(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
+        return self._run(self._generate_all(requests))
+
+    def _prepare(self, prompt: str, params: Mapping[str, Any]) -> tuple[list[int], Any, NativeSamplingParams]:
+        unknown = set(params) - set(NativeSamplingParams.model_fields)
+        if unknown:
+            raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("each prompt must be a non-empty string")
+        try:
+            native = NativeSamplingParams.model_validate(dict(params))
+            ids = encode_text(self.tokenizer, prompt)
+            check_prompt_ids(ids, self.limits)
+            wire_params = native_sampling_params(native, len(ids), self.limits, "prompt")
+        except pydantic.ValidationError as e:
+            raise ValueError(f"invalid sampling parameters: {e}") from None
+        except APIError as e:
+            raise ValueError(e.message) from None
+        return ids, wire_params, native
+
+    async def _generate_all(self, requests: list[tuple[list[int], Any, NativeSamplingParams]]) -> list[dict]:
+        manager = self._manager
+        handles = []
+        try:
+            for ids, params, native in requests:
+                handles.append(await manager.submit(
+                    ids, params, rids=[manager.new_rid("engine")], stop=native.stop_list(),
+                    skip_special_tokens=native.skip_special_tokens, check_capacity=False,
+                ))
+            results = await asyncio.gather(*(collect(None, h) for h in handles))
+        except APIError as e:  # a request the scheduler failed
+            raise RuntimeError(e.message) from None
+        finally:
+            for hs in handles:  # aborts whatever did not finish (cancelled, failed)
+                for h in hs:
+                    h.close()
+        return [
+            {
+                "text": r.text,
+                "output_ids": r.token_ids,
+                "finish_reason": r.finish_reason,
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens,
+                "cached_tokens": r.cached_tokens,
+            }
+            for (r,) in results
+        ]
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Runs coro on the I/O loop; raises if a process dies meanwhile; Ctrl-C cancels it."""
+        assert self._procs.loop is not None
+        future = asyncio.run_coroutine_threadsafe(coro, self._procs.loop)
+        try:
+            while True:
+                try:
+                    return future.result(timeout=CHILD_CHECK_INTERVAL_S)
+                except FutureTimeout:
+                    dead = self._dead_children()
+                    if dead:
+                        raise RuntimeError(f"trident Engine: {', '.join(dead)} exited") from None
+        except BaseException:
+            future.cancel()  # cancelling the task closes its handles: the scheduler aborts them
+            raise
+
+    def _dead_children(self) -> list[str]:
+        launcher = self._procs.launcher
+        if launcher is None:
+            return []
+        return [f"{c.name} (pid {c.proc.pid}, code {c.proc.returncode})"
+                for c in launcher.children if c.proc.poll() is not None]
