@@ -13,7 +13,7 @@ STREAMS = 1000
 
 async def stream_one(client: httpx.AsyncClient, i: int) -> tuple[int, int]:
     body = {"input_ids": [100 + i % 500, 7, 8, 9], "stream": True,
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
     events = 0
     async with client.stream("POST", "/generate", json=body) as r:
         if r.status_code != 200:

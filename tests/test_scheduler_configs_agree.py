@@ -72,7 +72,6 @@ def reference(tiny_model) -> list[list[int]]:
 CONFIGS = {
     "radix_cache_on_overlap_on": [],
     "radix_cache_off": ["--disable-radix-cache"],
-    "chunk_of_one_page_size_1": ["--chunked-prefill-size", "1"],
     "chunk_of_7_tokens": ["--chunked-prefill-size", "7", "--max-prefill-tokens", "20"],
     "page_size_16": ["--page-size", "16"],
     "page_size_16_chunk_of_one_page": ["--page-size", "16", "--chunked-prefill-size", "16"],
