@@ -60,7 +60,8 @@ def paged_attention(
     out = torch.empty_like(q)
 
     def gather(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # [..., KVH, D]
-        rows = cache[idx]
+        # index_select on the flat index is several times faster than advanced indexing on CPU.
+        rows = cache.index_select(0, idx.reshape(-1)).view(*idx.shape, *cache.shape[1:])
         return rows if kv_head_map is None else rows.index_select(-2, kv_head_map)
 
     if meta.short_token_idx.numel():

@@ -46,10 +46,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for this batch's positions, looked up once per forward, shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rotary
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -77,8 +83,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rotary: tuple[torch.Tensor, torch.Tensor],
         kv_pool: KVPool,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -87,7 +92,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
+        q, k = apply_rotary(q, k, rotary)
         kv_pool.write(self.layer_id, meta.out_cache_loc, k, v)
         out = paged_attention(q, kv_pool.k[self.layer_id], kv_pool.v[self.layer_id], meta, self.kv_head_map)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
@@ -116,8 +121,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, plan, tp)
 
-    def forward(self, x, positions, rope, kv_pool, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_pool, meta)
+    def forward(self, x, rotary, kv_pool, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_pool, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -145,8 +150,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Runs the flat token batch; returns float32 logits of the rows in logits_indices."""
         x = self.tp.embed(input_ids, self.embed_tokens.weight, self.plan.vocab)
+        rotary = self.rope.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, kv_pool, meta)
+            x = layer(x, rotary, kv_pool, meta)
         x = self.norm(x[logits_indices])
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return self.tp.gather_vocab(F.linear(x, head), self.cfg.vocab_size).float()
