@@ -210,3 +210,29 @@ def test_launch_py_without_a_free_port_is_a_clear_error(model):
         res = subprocess.run([sys.executable, "launch.py", "--model", model, "--port", str(port), *BASE],
                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode != 0 and "cannot listen" in res.stderr
+
+
+def test_a_killed_tokenizer_is_restarted_and_its_requests_are_freed(model):
+    with running_server(["--model", model, *BASE]) as server:
+        http = server.http()
+        with ThreadPoolExecutor(2) as pool:
+            lost = [pool.submit(http.post, "/generate", json={"text": "x", "sampling_params": {
+                "max_new_tokens": 4000, "ignore_eos": True}}, timeout=60) for _ in range(2)]
+            assert wait_until(lambda: generation_tokens(server) > 4, 60)
+            old = child(server, "trident::tokenizer")
+            old.send_signal(signal.SIGKILL)
+            for f in lost:  # their connections die with the process: an error, never a hang
+                with pytest.raises(Exception):  # noqa: B017 - any transport error is the expected outcome
+                    f.result()
+
+        def serving_again() -> bool:
+            try:
+                return http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+                                 timeout=5).status_code == 200
+            except Exception:
+                return False
+
+        assert wait_until(serving_again, 60)
+        assert child(server, "trident::tokenizer").pid != old.pid
+        # The scheduler dropped the dead tokenizer's two long requests.
+        assert wait_until(lambda: http.get("/server_info").json()["scheduler_stats"]["running_requests"] == 0, 20)
