@@ -35,7 +35,23 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _StopStrings(BaseModel):
+    """`stop` as the OpenAI API and SGLang take it: one string or a list of them."""
+
+    stop: StrictStr | list[StrictStr] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        return check_stop(v)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class _SamplingFields(_StopStrings):
     """Sampling knobs shared by completions and chat (OpenAI plus vLLM/SGLang extras)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -46,7 +62,6 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | list[StrictStr] | None = None
     seed: int | None = Field(None, ge=-INT64_MAX, le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -58,16 +73,6 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        return check_stop(v)
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -127,7 +132,7 @@ class ChatCompletionRequest(_SamplingFields):
         return v
 
 
-class NativeSamplingParams(BaseModel):
+class NativeSamplingParams(_StopStrings):
     """`sampling_params` of the SGLang-style POST /generate."""
 
     model_config = ConfigDict(extra="ignore")
@@ -141,21 +146,10 @@ class NativeSamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = Field(None, ge=-INT64_MAX, le=INT64_MAX)
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        return check_stop(v)
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class GenerateRequest(BaseModel):
