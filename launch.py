@@ -2,9 +2,12 @@
 
 launch.py parses the command line, resolves the model, makes the private run directory
 (mode 0700) that holds every ipc:// endpoint, and hands the processes to `supervisor.py`,
-which starts the worker ranks, the scheduler and the tokenizer, waits for each to report
+which starts the worker ranks, the schedulers and the tokenizer, waits for each to report
 ready and restarts what dies. SIGINT/SIGTERM drain and stop every child and remove the
 run directory.
+
+Across nodes, every node runs launch.py with the same flags but its own --node-rank; node 0
+serves HTTP and the others (node_agent.py) run only their worker ranks and /health.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import sys
 import tempfile
 
 from model_source import ModelNotFound, resolve_model
-from supervisor import Launcher, StartupError, free_port
+from node_agent import NodeAgent
+from supervisor import Launcher, StartupError
+from wire.cluster import ClusterError, layout_of, parse_dist_init_addr
 from wire.server_args import ServerArgs, write_server_args
+from wire.signing import new_secret, read_secret_file
 
 __all__ = ["Launcher", "StartupError", "build_parser", "main", "server_args_from_cli"]
 
@@ -96,7 +102,39 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--speculative-num-draft-tokens", type=int, default=4, help="draft tokens per step (K)")
     par = p.add_argument_group("parallelism")
     par.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one worker process each)")
-    par.add_argument("--base-gpu-id", type=int, default=0, help="with --device cuda, rank r uses GPU base-gpu-id + r")
+    par.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="data-parallel replicas: each its own scheduler and TP group, behind one tokenizer",
+    )
+    par.add_argument(
+        "--load-balance-method",
+        choices=["round_robin", "shortest_queue", "longest_prefix"],
+        default="round_robin",
+        help="how the tokenizer picks a replica for each request (with --dp-size > 1)",
+    )
+    par.add_argument(
+        "--base-gpu-id", type=int, default=0, help="with --device cuda, the first GPU this node uses (one per worker)"
+    )
+    par.add_argument("--nnodes", type=int, default=1, help="nodes the server spans")
+    par.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node: 0 runs HTTP, tokenizer and schedulers; others only worker ranks",
+    )
+    par.add_argument(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's address: torch.distributed rendezvous and every cross-node port from PORT up",
+    )
+    par.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="hex key signing cross-node frames (HMAC-SHA256); node 0 makes and prints one if absent",
+    )
     o = p.add_argument_group("processes")
     o.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     o.add_argument("--startup-timeout", type=float, default=300.0, help="seconds each process may take to be ready")
@@ -108,10 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument("--max-restarts", type=int, default=5, help="restarts allowed within --restart-window")
     o.add_argument("--restart-window", type=float, default=300.0, help="seconds over which restarts are counted")
-    o.add_argument("--record-batches", metavar="FILE", default=None,
-                   help="record every descriptor and step result (replay: python -m gpu_worker.replay FILE)")
-    o.add_argument("--profile-steps", action="store_true",
-                   help="log scheduler, wire, forward and worker idle time of every step")
+    o.add_argument(
+        "--record-batches",
+        metavar="FILE",
+        default=None,
+        help="record every descriptor and step result (replay: python -m gpu_worker.replay FILE)",
+    )
+    o.add_argument(
+        "--profile-steps", action="store_true", help="log scheduler, wire, forward and worker idle time of every step"
+    )
     o.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -121,8 +164,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cluster_secret_from_cli(ns: argparse.Namespace) -> str:
+    """The hex key of a multi-node server: from --cluster-secret-file, or made by node 0 and
+    printed once for the other nodes."""
+    if ns.cluster_secret_file:
+        try:
+            return read_secret_file(ns.cluster_secret_file).hex()
+        except (OSError, ValueError) as e:
+            raise ClusterError(f"cannot read --cluster-secret-file: {e}") from None
+    if ns.nnodes == 1:
+        return ""
+    if ns.node_rank != 0:
+        raise ClusterError("nodes other than 0 need --cluster-secret-file (node 0 prints the secret)")
+    secret = new_secret().hex()
+    print(f"trident cluster secret (give it to the other nodes in --cluster-secret-file): {secret}", flush=True)
+    return secret
+
+
 def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: str, run_dir: str) -> ServerArgs:
-    return ServerArgs(
+    """The ServerArgs of the command line; raises ClusterError for an impossible layout."""
+    dist_host, dist_port = parse_dist_init_addr(ns.dist_init_addr) if ns.dist_init_addr else ("127.0.0.1", 0)
+    cluster_secret = cluster_secret_from_cli(ns)
+    args = ServerArgs(
         model_path=model_path,
         served_model_name=ns.served_model_name or served_name,
         device=ns.device,
@@ -146,6 +209,13 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
         speculative_algorithm=ns.speculative_algorithm,
         speculative_num_draft_tokens=ns.speculative_num_draft_tokens,
         tp_size=ns.tp_size,
+        dp_size=ns.dp_size,
+        load_balance_method=ns.load_balance_method,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        dist_init_host=dist_host,
+        dist_init_port=dist_port,
+        cluster_secret=cluster_secret,
         run_dir=run_dir,
         log_level=ns.log_level,
         startup_timeout_s=ns.startup_timeout,
@@ -155,9 +225,10 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
         shutdown_timeout_s=ns.shutdown_timeout,
         record_batches=os.path.abspath(ns.record_batches) if ns.record_batches else None,
         profile_steps=ns.profile_steps,
-        dist_init_port=free_port() if ns.tp_size > 1 else 0,
         base_gpu_id=ns.base_gpu_id,
     )
+    layout_of(args)  # validates the layout
+    return args
 
 
 def ready_banner(args: ServerArgs) -> str:
@@ -172,8 +243,8 @@ def ready_banner(args: ServerArgs) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    if ns.tp_size < 1:
-        print(f"error: --tp-size must be at least 1, not {ns.tp_size}", file=sys.stderr)
+    if ns.tp_size < 1 or ns.dp_size < 1:
+        print(f"error: --tp-size and --dp-size must be at least 1, not {ns.tp_size} and {ns.dp_size}", file=sys.stderr)
         return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s trident::launch %(levelname)s %(message)s")
     try:
@@ -189,15 +260,24 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    args = server_args_from_cli(ns, model_path, served_name, run_dir)
+    try:
+        args = server_args_from_cli(ns, model_path, served_name, run_dir)
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return 2
     args_file = os.path.join(run_dir, "server_args.msgpack")
     write_server_args(args, args_file)
     launcher = Launcher(args, args_file)
+    launcher.stop_requested = lambda: stop["requested"]
     code = 0
     try:
-        launcher.start_all()
-        print(ready_banner(args), flush=True)
-        code = launcher.supervise(lambda: stop["requested"])
+        if args.node_rank > 0:
+            code = run_worker_node(launcher, lambda: stop["requested"])
+        else:
+            launcher.start_all()
+            print(ready_banner(args), flush=True)
+            code = launcher.supervise(lambda: stop["requested"])
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 1
@@ -205,6 +285,19 @@ def main(argv: list[str] | None = None) -> int:
         launcher.stop_all()
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
+
+
+def run_worker_node(launcher: Launcher, stop_requested) -> int:
+    agent = NodeAgent(launcher)
+    try:
+        url = agent.serve_health()
+    except OSError as e:
+        raise StartupError(f"cannot serve /health on {launcher.args.host}:{launcher.args.port}: {e}") from e
+    print(f"trident node {launcher.args.node_rank} ready: health at {url}; waiting for node 0", flush=True)
+    try:
+        return agent.run(stop_requested)
+    finally:
+        agent.close()
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@
 Supervision waits on process sentinels (pidfds) and on the control socket together; it
 never polls with sleeps. What a death costs:
 
-    worker (any rank) dies, or the scheduler reports it hung
-        -> SIGKILL the whole TP group, start it again; the scheduler requeues its running
-           requests as prefills of prompt + output (WorkerGroupLost tells it, unless it asked)
+    worker (any rank, on any node) dies, or its scheduler reports it hung
+        -> SIGKILL that replica's whole TP group (other nodes are told to do the same), start
+           it again; the scheduler requeues its running requests as prefills of prompt +
+           output (WorkerGroupLost tells it, unless it asked). Other replicas keep serving.
     scheduler dies -> start it again; it resets the workers' batches and announces a new
-           boot_id, and the tokenizer resubmits the requests it still holds
+           boot_id, and the tokenizer resubmits the requests it had sent to that replica
     tokenizer dies -> start it again; its HTTP connections are lost, the scheduler frees
            their work when the new tokenizer says hello
 
@@ -24,20 +25,39 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 
-from wire.control import LauncherMessage, ProcessFailed, ProcessReady, RestartWorkers, check_protocol_version
+from wire.cluster import (
+    ClusterMessage,
+    NodeHello,
+    StartWorkerGroup,
+    StopNode,
+    WorkerGroupDied,
+    layout_of,
+    signer_of,
+)
+from wire.control import (
+    LauncherMessage,
+    ProcessFailed,
+    ProcessReady,
+    RestartWorkers,
+    check_protocol_version,
+    process_name,
+)
 from wire.frontend import ServerHealth, WorkerGroupLost
 from wire.server_args import ServerArgs
 from wire.transport import (
     ENDPOINT_LAUNCHER,
-    ENDPOINT_SCHEDULER_IN,
     ENDPOINT_TOKENIZER_IN,
+    PeerSender,
     PullSocket,
     PushSocket,
     endpoint,
+    node_peer_id,
+    scheduler_in_endpoint,
 )
 
 logger = logging.getLogger("trident.launch")
@@ -48,10 +68,10 @@ DIST_PORT_ENV = "TRIDENT_DIST_INIT_PORT"
 """The worker group's torch.distributed rendezvous port, fresh for every generation."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nothing listens on now."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -59,13 +79,11 @@ def free_port() -> int:
 class Child:
     role: str
     rank: int
+    dp_rank: int
     proc: subprocess.Popen
     sentinel: int
     """A pidfd: readable once the process has exited."""
-
-    @property
-    def name(self) -> str:
-        return f"worker[tp{self.rank}]" if self.role == "worker" else self.role
+    name: str
 
 
 class StartupError(RuntimeError):
@@ -73,25 +91,37 @@ class StartupError(RuntimeError):
 
 
 class Launcher:
-    """Owns the children of one server; the run directory belongs to the caller."""
+    """Owns the children of one node's share of a server; the run directory belongs to the
+    caller. On node 0 it also starts the schedulers and the tokenizer, and tells the other
+    nodes' launchers (node_agent.py) when to start their ranks."""
 
     def __init__(self, args: ServerArgs, args_file: str) -> None:
         self.args = args
         self.args_file = args_file
+        self.layout = layout_of(args)
         self.children: list[Child] = []
         self.zmq_ctx = zmq.Context()
         run = args.run_dir
         self.control = PullSocket(self.zmq_ctx, endpoint(run, ENDPOINT_LAUNCHER), True, LauncherMessage, "launcher")
-        self.to_scheduler = PushSocket(self.zmq_ctx, endpoint(run, ENDPOINT_SCHEDULER_IN), bind=False)
+        self.to_schedulers: list[PushSocket] = []
+        if args.node_rank == 0:
+            self.to_schedulers = [
+                PushSocket(self.zmq_ctx, endpoint(run, scheduler_in_endpoint(d)), bind=False)
+                for d in range(args.dp_size)
+            ]
         self.to_tokenizer: PushSocket | None = None
+        self.nodes: PeerSender | None = None
+        """Node 0's line to the other nodes' launchers (multi-node only)."""
         self.restart_times: deque[float] = deque()
         self.restarts = 0
         self.healthy = True
-        self.worker_generations = 0
+        self.worker_generations = [0] * args.dp_size
+        self.stop_requested: Callable[[], bool] = lambda: False
+        """Set by launch.py to its signal flag: a start-up wait gives up when it turns true."""
 
     # ------------------------------------------------------------------ start
 
-    def spawn(self, role: str, rank: int = 0, env: dict[str, str] | None = None) -> Child:
+    def spawn(self, role: str, rank: int = 0, dp_rank: int = 0, env: dict[str, str] | None = None) -> Child:
         cmd = [
             sys.executable,
             "-m",
@@ -102,6 +132,8 @@ class Launcher:
             str(os.getpid()),
             "--rank",
             str(rank),
+            "--dp-rank",
+            str(dp_rank),
         ]
         env = dict(
             os.environ,
@@ -109,53 +141,101 @@ class Launcher:
             **(env or {}),
         )
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
-        child = Child(role, rank, proc, os.pidfd_open(proc.pid))
+        name = process_name(role, rank, dp_rank, self.args.dp_size)
+        child = Child(role, rank, dp_rank, proc, os.pidfd_open(proc.pid), name)
         self.children.append(child)
         return child
 
-    def spawn_workers(self) -> None:
-        """One process per TP rank. A group of several ranks rendezvous on a port chosen for
-        this generation only, so a restarted group never meets the previous one's store."""
-        env = {}
-        if self.args.tp_size > 1:
-            first = self.worker_generations == 0 and self.args.dist_init_port
-            env[DIST_PORT_ENV] = str(self.args.dist_init_port if first else free_port())
-        self.worker_generations += 1
-        for rank in range(self.args.tp_size):
-            self.spawn("worker", rank, env)
+    def next_store_port(self, dp_rank: int) -> int:
+        """Replica `dp_rank`'s rendezvous port for its next generation: the fixed port of
+        --dist-init-addr the first time, then a fresh one, so that a restarted group never
+        meets the previous one's store."""
+        if self.worker_generations[dp_rank] == 0 and self.layout.base_port:
+            return self.layout.store_port(dp_rank)
+        return free_port(self.args.dist_init_host)
+
+    def spawn_workers(self, dp_rank: int, store_port: int | None = None) -> None:
+        """This node's ranks of one replica. On node 0 this starts a new generation of the
+        group and tells the other nodes to start their ranks of it."""
+        if store_port is None:
+            store_port = self.next_store_port(dp_rank)
+            self.worker_generations[dp_rank] += 1
+            self.tell_nodes(StartWorkerGroup(dp_rank, self.worker_generations[dp_rank], store_port))
+        env = {DIST_PORT_ENV: str(store_port)} if self.args.tp_size > 1 else {}
+        for rank in self.layout.local_ranks():
+            self.spawn("worker", rank, dp_rank, env)
 
     def start_all(self, with_tokenizer: bool = True) -> None:
-        self.spawn_workers()
-        self.spawn("scheduler")
-        self.wait_ready({("worker", r) for r in range(self.args.tp_size)} | {("scheduler", 0)})
+        if self.layout.multi_node:
+            self.wait_for_nodes()
+        for d in range(self.args.dp_size):
+            self.spawn_workers(d)
+            self.spawn("scheduler", 0, d)
+        self.wait_ready(
+            {("worker", r, d) for r in self.layout.local_ranks() for d in range(self.args.dp_size)}
+            | {("scheduler", 0, d) for d in range(self.args.dp_size)}
+        )
         if with_tokenizer:
             self.spawn("tokenizer")
-            self.wait_ready({("tokenizer", 0)})
+            self.wait_ready({("tokenizer", 0, 0)})
             self.to_tokenizer = PushSocket(self.zmq_ctx, endpoint(self.args.run_dir, ENDPOINT_TOKENIZER_IN), False)
 
-    def wait_ready(self, expected: set[tuple[str, int]]) -> None:
+    def wait_for_nodes(self) -> None:
+        """Node 0: bind the signed control port and wait until every other node says hello."""
+        self.nodes = PeerSender(
+            self.zmq_ctx, self.layout.control_address(), signer_of(self.args), ClusterMessage, "launcher.nodes"
+        )
+        waiting = set(range(1, self.args.nnodes))
+        logger.info("waiting for nodes %s on %s", sorted(waiting), self.layout.control_address())
+        deadline = time.monotonic() + self.args.startup_timeout_s
+        while waiting:
+            self._check_not_stopped()
+            if time.monotonic() > deadline:
+                raise StartupError(
+                    f"nodes {sorted(waiting)} did not connect within {self.args.startup_timeout_s:.0f} s"
+                )
+            if not self.nodes.sock.poll(200):
+                continue
+            for _, msg in self.nodes.recv_nowait():
+                if isinstance(msg, NodeHello):
+                    check_protocol_version(f"node {msg.node_rank}", msg.protocol_version)
+                    logger.info("node %d connected (launcher pid %d)", msg.node_rank, msg.pid)
+                    waiting.discard(msg.node_rank)
+
+    def tell_nodes(self, msg: StartWorkerGroup | StopNode) -> None:
+        if self.nodes is None:
+            return
+        for node in range(1, self.args.nnodes):
+            if not self.nodes.send(node_peer_id(node), msg):
+                logger.error("node %d is not connected: it missed %s", node, type(msg).__name__)
+
+    def wait_ready(self, expected: set[tuple[str, int, int]]) -> None:
         deadline = time.monotonic() + self.args.startup_timeout_s
         while expected:
+            self._check_not_stopped()
             for child in self.children:
-                if child.proc.poll() is not None and (child.role, child.rank) in expected:
+                if child.proc.poll() is not None and (child.role, child.rank, child.dp_rank) in expected:
                     msg = self.control.recv(timeout_ms=500)  # a ProcessFailed may still be queued
                     if isinstance(msg, ProcessFailed):
                         raise StartupError(msg.error)
                     raise StartupError(f"{child.name} exited with code {child.proc.returncode} during start-up")
             if time.monotonic() > deadline:
-                names = ", ".join(r + (f"[tp{k}]" if r == "worker" else "") for r, k in sorted(expected))
+                names = ", ".join(process_name(r, k, d, self.args.dp_size) for r, k, d in sorted(expected))
                 raise StartupError(f"{names} did not report ready within {self.args.startup_timeout_s:.0f} s")
             msg = self.control.recv(timeout_ms=200)
             if isinstance(msg, ProcessFailed):
                 raise StartupError(msg.error)
             if isinstance(msg, ProcessReady):
                 self._log_ready(msg)
-                expected.discard((msg.role, msg.rank))
+                expected.discard((msg.role, msg.rank, msg.dp_rank))
 
-    @staticmethod
-    def _log_ready(msg: ProcessReady) -> None:
+    def _check_not_stopped(self) -> None:
+        if self.stop_requested():
+            raise StartupError("stopped by a signal during start-up")
+
+    def _log_ready(self, msg: ProcessReady) -> None:
         check_protocol_version(msg.role, msg.protocol_version)
-        name = msg.role + (f"[tp{msg.rank}]" if msg.role == "worker" else "")
+        name = process_name(msg.role, msg.rank, msg.dp_rank, self.args.dp_size)
         logger.info("%s ready (pid %d) %s", name, msg.pid, msg.detail)
 
     # ------------------------------------------------------------------ supervise
@@ -165,6 +245,8 @@ class Launcher:
         while not stop_requested():
             poller = zmq.Poller()
             poller.register(self.control.sock, zmq.POLLIN)
+            if self.nodes is not None:
+                poller.register(self.nodes.sock, zmq.POLLIN)
             for child in self.children:
                 poller.register(child.sentinel, zmq.POLLIN)
             events = dict(poller.poll(500))
@@ -173,6 +255,9 @@ class Launcher:
             if self.control.sock in events:
                 for msg in self.control.recv_nowait():
                     self._on_control(msg)
+            if self.nodes is not None and self.nodes.sock in events:
+                for _, msg in self.nodes.recv_nowait():
+                    self._on_node_message(msg)
             for child in [c for c in self.children if c.sentinel in events]:
                 if child in self.children and not self._on_death(child):
                     return 1
@@ -184,8 +269,15 @@ class Launcher:
         elif isinstance(msg, ProcessFailed):
             logger.error("%s", msg.error)
         elif isinstance(msg, RestartWorkers):
-            logger.error("scheduler asks for a worker restart: %s", msg.reason)
-            self._restart_workers(msg.reason, scheduler_knows=True)
+            logger.error("scheduler of replica %d asks for a worker restart: %s", msg.dp_rank, msg.reason)
+            self._restart_workers(msg.dp_rank, msg.reason, scheduler_knows=True)
+
+    def _on_node_message(self, msg) -> None:
+        if isinstance(msg, WorkerGroupDied):
+            self._restart_workers(msg.dp_rank, f"node {msg.node_rank}: {msg.cause}", scheduler_knows=False)
+        elif isinstance(msg, NodeHello):  # a restarted node agent: its ranks are gone
+            for d in range(self.args.dp_size):
+                self._restart_workers(d, f"node {msg.node_rank} rejoined", scheduler_knows=False)
 
     def _on_death(self, child: Child) -> bool:
         """Handles an exited child; False when the server cannot go on."""
@@ -193,11 +285,11 @@ class Launcher:
         cause = f"{child.name} (pid {child.proc.pid}) exited with code {child.proc.returncode}"
         logger.error("%s", cause)
         if child.role == "worker":
-            self._restart_workers(cause, scheduler_knows=False)
+            self._restart_workers(child.dp_rank, cause, scheduler_knows=False)
         elif child.role == "scheduler":
             self._forget(child)
             if self._may_restart(cause):
-                self.spawn("scheduler")
+                self.spawn("scheduler", 0, child.dp_rank)
         else:
             self._forget(child)
             if not self._may_restart(cause):
@@ -205,17 +297,21 @@ class Launcher:
             self.spawn("tokenizer")
         return True
 
-    def _restart_workers(self, cause: str, scheduler_knows: bool) -> None:
-        for child in [c for c in self.children if c.role == "worker"]:
+    def stop_workers(self, dp_rank: int) -> None:
+        """SIGKILL this node's ranks of one replica and wait for them."""
+        for child in [c for c in self.children if c.role == "worker" and c.dp_rank == dp_rank]:
             if child.proc.poll() is None:
                 child.proc.kill()
             child.proc.wait()
             self._forget(child)
+
+    def _restart_workers(self, dp_rank: int, cause: str, scheduler_knows: bool) -> None:
+        self.stop_workers(dp_rank)
         if not self._may_restart(cause):
             return
         if not scheduler_knows:
-            self.to_scheduler.send(WorkerGroupLost(cause))
-        self.spawn_workers()
+            self.to_schedulers[dp_rank].send(WorkerGroupLost(cause))
+        self.spawn_workers(dp_rank)
 
     def _may_restart(self, cause: str) -> bool:
         now = time.monotonic()
@@ -244,6 +340,7 @@ class Launcher:
 
     def stop_all(self) -> None:
         """The tokenizer first (it drains open requests), then everything else."""
+        self.tell_nodes(StopNode("node 0 is stopping"))
         order = sorted(self.children, key=lambda c: c.role != "tokenizer")
         for child in order:
             if child.proc.poll() is None:
@@ -255,7 +352,7 @@ class Launcher:
             self._wait(child, max(0.0, deadline - time.monotonic()))
         for child in list(self.children):
             self._forget(child)
-        for sock in (self.control, self.to_scheduler, self.to_tokenizer):
+        for sock in (self.control, self.nodes, self.to_tokenizer, *self.to_schedulers):
             if sock is not None:
                 sock.close()
         self.zmq_ctx.term()

@@ -17,14 +17,14 @@ def main() -> None:
         worker = Worker(ctx)
     except Exception as e:
         logging.getLogger(__name__).exception("worker failed to start")
-        ctx.report_failed(f"worker[tp{ctx.rank}] could not start: {type(e).__name__}: {e}")
+        ctx.report_failed(f"{ctx.name} could not start: {type(e).__name__}: {e}")
         sys.exit(1)
     ctx.report_ready(f"{worker.num_pages - 1} KV pages of {ctx.args.page_size} tokens, {worker.dtype}")
     try:
         worker.run_forever()
     except Exception as e:  # e.g. a tensor-parallel peer died or a collective timed out
         logging.getLogger(__name__).exception("worker stopped")
-        ctx.report_failed(f"worker[tp{ctx.rank}] stopped: {type(e).__name__}: {e}")
+        ctx.report_failed(f"{ctx.name} stopped: {type(e).__name__}: {e}")
         os._exit(1)  # no process-group teardown: the supervisor restarts the whole group
 
 

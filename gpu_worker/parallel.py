@@ -31,6 +31,7 @@ own RNG, cannot make the ranks feed different next tokens.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import os
 import socket
@@ -138,33 +139,37 @@ class TPGroup:
         self._store: dist.TCPStore | None = None
 
     @classmethod
-    def init(cls, rank: int, size: int, device: torch.device, port: int, timeout_s: float) -> TPGroup:
+    def init(
+        cls, rank: int, size: int, device: torch.device, port: int, timeout_s: float, host: str = "127.0.0.1"
+    ) -> TPGroup:
         tp = cls(rank, size)
         if size == 1:
             return tp
         if not port:
-            raise TensorParallelError(f"tp size {size} needs a rendezvous port ({DIST_PORT_ENV} or dist_init_port)")
-        # One node: the backends' own sockets stay on loopback too.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+            raise TensorParallelError(f"tp size {size} needs a rendezvous port ({DIST_PORT_ENV})")
+        if ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+            # Every rank on this host: the backends' own sockets stay on loopback too.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         timeout = datetime.timedelta(seconds=timeout_s)
         listen_fd = None
         if rank == 0:
-            # Bind the store ourselves: TCPStore's own listener would take every interface.
+            # Bind the store ourselves, on the one given address: TCPStore's own listener
+            # would take every interface.
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", port))
+            sock.bind((host, port))
             sock.listen(size * 4)
             listen_fd = sock.detach()
         tp._store = dist.TCPStore(
-            "127.0.0.1", port, size, rank == 0, timeout=timeout, wait_for_workers=False, master_listen_fd=listen_fd
+            host, port, size, rank == 0, timeout=timeout, wait_for_workers=False, master_listen_fd=listen_fd
         )
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, store=tp._store, rank=rank, world_size=size, timeout=timeout, **kwargs)
         tp.device_group = dist.group.WORLD
         tp.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
-        logger.info("joined the %s group as rank %d of %d (store 127.0.0.1:%d)", backend, rank, size, port)
+        logger.info("joined the %s group as rank %d of %d (store %s:%d)", backend, rank, size, host, port)
         return tp
 
     # ---------------------------------------------------------------- model collectives
@@ -223,6 +228,6 @@ class TPGroup:
         return int(t[0])
 
 
-def dist_port(default: int) -> int:
-    """The rendezvous port of this generation of the worker group."""
-    return int(os.environ.get(DIST_PORT_ENV) or default)
+def dist_port() -> int:
+    """The rendezvous port of this generation of the worker group (set by the supervisor)."""
+    return int(os.environ.get(DIST_PORT_ENV) or 0)

@@ -40,14 +40,16 @@ from wire.backend import (
     WorkerReady,
 )
 from wire.child import ChildContext
+from wire.cluster import layout_of, signer_of
 from wire.codec import pack_int32
 from wire.control import PROTOCOL_VERSION
 from wire.server_args import ServerArgs
 from wire.transport import (
-    ENDPOINT_SCHEDULER_REPLY,
     PullSocket,
     PushSocket,
     endpoint,
+    peer_id,
+    scheduler_reply_endpoint,
     worker_endpoint,
 )
 
@@ -74,14 +76,30 @@ def kv_pool_tokens(
         free = torch.cuda.mem_get_info(device)[0]
     else:
         free = psutil.virtual_memory().available
-        if args.tp_size > 1:  # the ranks share the host's memory
-            free //= args.tp_size
+        free //= args.dp_size * layout_of(args).ranks_per_node  # the workers of this node share its memory
     return max(args.page_size * 16, int(free * args.mem_fraction) // kv_bytes_per_token(cfg, dtype, num_kv_heads))
 
 
-def worker_device(args: ServerArgs, rank: int) -> torch.device:
+def open_worker_inbox(ctx: ChildContext) -> PullSocket:
+    """Descriptors from the scheduler: an ipc socket beside it, or, for a rank on another
+    node, a signed tcp link to the scheduler's node that names this rank."""
+    args, name = ctx.args, f"{ctx.name}.in"
+    if layout_of(args).is_remote_rank(ctx.rank):
+        address = layout_of(args).descriptor_address(ctx.dp_rank)
+        return PullSocket(
+            ctx.zmq_ctx, address, False, WorkerInput, name, signer_of(args), peer_id(ctx.dp_rank, ctx.rank)
+        )
+    return PullSocket(
+        ctx.zmq_ctx, endpoint(args.run_dir, worker_endpoint(ctx.dp_rank, ctx.rank)), True, WorkerInput, name
+    )
+
+
+def worker_device(args: ServerArgs, rank: int, dp_rank: int) -> torch.device:
+    """Each worker on a node has a GPU of its own, counted from --base-gpu-id."""
     if args.device == "cuda":
-        device = torch.device(f"cuda:{args.base_gpu_id + rank}")
+        layout = layout_of(args)
+        local_index = dp_rank * layout.ranks_per_node + rank - layout.local_ranks().start
+        device = torch.device(f"cuda:{args.base_gpu_id + local_index}")
         torch.cuda.set_device(device)
         return device
     return torch.device(args.device)
@@ -92,9 +110,10 @@ class Worker:
         args = ctx.args
         self.args = args
         self.rank = ctx.rank
-        self.device = worker_device(args, ctx.rank)
-        if self.device.type == "cpu":  # the ranks share the host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
+        self.device = worker_device(args, ctx.rank, ctx.dp_rank)
+        if self.device.type == "cpu":  # the workers of this node share its cores
+            workers_here = args.dp_size * layout_of(args).ranks_per_node
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers_here))
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.cfg = load_config(args.model_path)
         self.context_length = min(args.context_length or self.cfg.max_position, self.cfg.max_position)
@@ -103,7 +122,7 @@ class Worker:
         # A collective that waits longer than this raises, and the rank exits (a peer died or
         # desynchronised); normally the supervisor or the scheduler's watchdog restarts the group first.
         timeout_s = max(MIN_COLLECTIVE_TIMEOUT_S, args.watchdog_timeout_s)
-        self.tp = TPGroup.init(ctx.rank, args.tp_size, self.device, dist_port(args.dist_init_port), timeout_s)
+        self.tp = TPGroup.init(ctx.rank, args.tp_size, self.device, dist_port(), timeout_s, args.dist_init_host)
         if args.tp_size > 1:
             logger.info("%s", self.plan.describe())
 
@@ -130,15 +149,9 @@ class Worker:
         )
         self.counters = WorkerCounters()
 
-        self.inbox = PullSocket(
-            ctx.zmq_ctx,
-            endpoint(args.run_dir, worker_endpoint(ctx.rank)),
-            bind=True,
-            union=WorkerInput,
-            name=f"worker[tp{ctx.rank}].in",
-        )
+        self.inbox = open_worker_inbox(ctx)
         self.reply = (
-            PushSocket(ctx.zmq_ctx, endpoint(args.run_dir, ENDPOINT_SCHEDULER_REPLY), bind=False)
+            PushSocket(ctx.zmq_ctx, endpoint(args.run_dir, scheduler_reply_endpoint(ctx.dp_rank)), bind=False)
             if ctx.rank == 0
             else None
         )

@@ -1,5 +1,8 @@
 """The scheduler's sockets: requests in, token outputs out, descriptors to every rank,
-replies from rank 0. No socket code lives in the loop."""
+replies from rank 0. No socket code lives in the loop.
+
+Each data-parallel replica has its own scheduler and its own set of these sockets. Ranks on
+other nodes get the same descriptor bytes over one signed tcp link (`PeerSender`)."""
 
 from __future__ import annotations
 
@@ -7,21 +10,26 @@ import time
 
 import zmq
 
-from wire.backend import ResetBatch, SchedulerReply, StepResult, WorkerReady
+from wire.backend import ResetBatch, SchedulerReply, StepResult, WorkerInput, WorkerReady
+from wire.child import ChildContext
+from wire.cluster import layout_of, signer_of
 from wire.codec import FrameEncoder
 from wire.control import check_protocol_version
 from wire.frontend import SchedulerInput
 from wire.recording import RECEIVED, SENT, RecordingWriter
-from wire.server_args import ServerArgs
 from wire.transport import (
-    ENDPOINT_SCHEDULER_IN,
-    ENDPOINT_SCHEDULER_REPLY,
     ENDPOINT_TOKENIZER_IN,
+    PeerSender,
     PullSocket,
     PushSocket,
     endpoint,
+    peer_id,
+    scheduler_in_endpoint,
+    scheduler_reply_endpoint,
     worker_endpoint,
 )
+
+REMOTE_RETRY_S = 0.05
 
 
 class WorkerStartTimeout(RuntimeError):
@@ -29,16 +37,29 @@ class WorkerStartTimeout(RuntimeError):
 
 
 class SchedulerIO:
-    def __init__(self, ctx: zmq.Context, args: ServerArgs) -> None:
+    def __init__(self, child: ChildContext) -> None:
+        args, ctx, dp = child.args, child.zmq_ctx, child.dp_rank
         run = args.run_dir
         self.requests = PullSocket(
-            ctx, endpoint(run, ENDPOINT_SCHEDULER_IN), bind=True, union=SchedulerInput, name="scheduler.in"
+            ctx, endpoint(run, scheduler_in_endpoint(dp)), bind=True, union=SchedulerInput, name=f"{child.name}.in"
         )
         self.tokenizer = PushSocket(ctx, endpoint(run, ENDPOINT_TOKENIZER_IN), bind=False)
         self.replies = PullSocket(
-            ctx, endpoint(run, ENDPOINT_SCHEDULER_REPLY), bind=True, union=SchedulerReply, name="scheduler.reply"
+            ctx,
+            endpoint(run, scheduler_reply_endpoint(dp)),
+            bind=True,
+            union=SchedulerReply,
+            name=f"{child.name}.reply",
         )
-        self.workers = [PushSocket(ctx, endpoint(run, worker_endpoint(r)), bind=False) for r in range(args.tp_size)]
+        layout = layout_of(args)
+        local = [r for r in range(args.tp_size) if not layout.is_remote_rank(r)]
+        self.workers = [PushSocket(ctx, endpoint(run, worker_endpoint(dp, r)), bind=False) for r in local]
+        self.remote_ranks = [peer_id(dp, r) for r in range(args.tp_size) if layout.is_remote_rank(r)]
+        self.remote: PeerSender | None = None
+        if self.remote_ranks:
+            self.remote = PeerSender(
+                ctx, layout.descriptor_address(dp), signer_of(args), WorkerInput, f"{child.name}.remote"
+            )
         self._encoder = FrameEncoder()
         self._poller = zmq.Poller()
         self._poller.register(self.replies.sock, zmq.POLLIN)
@@ -53,8 +74,15 @@ class SchedulerIO:
         Used at start (a restarted scheduler finds workers holding stale rows) and after the
         workers were restarted; replies of an earlier generation still queued are skipped.
         """
-        self.send_to_workers(ResetBatch(next_step_id=1))
         deadline = time.monotonic() + timeout_s
+        reset = self._encoder.encode(ResetBatch(next_step_id=1))
+        for w in self.workers:
+            w.send_bytes(reset)
+        for peer in self.remote_ranks:  # a frame to a rank not connected yet would be lost
+            while not self.remote.send_bytes(peer, reset):
+                if time.monotonic() > deadline:
+                    raise WorkerStartTimeout(f"{peer.decode()} did not connect within {timeout_s:.0f} s")
+                time.sleep(REMOTE_RETRY_S)
         while (left := deadline - time.monotonic()) > 0:
             msg = self.replies.recv(timeout_ms=int(left * 1000) + 1)
             if isinstance(msg, WorkerReady):
@@ -74,6 +102,8 @@ class SchedulerIO:
         self.descriptor_bytes_sent += len(frame)
         for w in self.workers:
             w.send_bytes(frame)
+        for peer in self.remote_ranks:  # a rank that is gone stalls rank 0: the watchdog acts
+            self.remote.send_bytes(peer, frame)
         if self.recorder is not None:
             self.recorder.record(SENT, frame)
 
@@ -84,3 +114,11 @@ class SchedulerIO:
     @property
     def dropped_frames(self) -> int:
         return self.requests.dropped + self.replies.dropped
+
+    @property
+    def rejected_frames(self) -> int:
+        """Frames with a bad HMAC tag sent to the cross-node port (nothing legitimate is)."""
+        if self.remote is None:
+            return 0
+        self.remote.recv_nowait()
+        return self.remote.rejected

@@ -77,7 +77,7 @@ class Scheduler:
         self.ctx = ctx
         self.args = args = ctx.args
         self.boot_id = uuid.uuid4().hex
-        self.io = SchedulerIO(ctx.zmq_ctx, args)
+        self.io = SchedulerIO(ctx)
         self.reqs: dict[str, Req] = {}
         self.tokenizer_pid: int | None = None
         self.num_draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
@@ -180,6 +180,7 @@ class Scheduler:
             self.kv.total_tokens,
             list(w.eos_token_ids),
             self.boot_id,
+            self.ctx.dp_rank,
         )
 
     def handle_generate(self, msg: GenerateReq) -> None:
@@ -212,10 +213,12 @@ class Scheduler:
 
     def handle_flush(self) -> None:
         if self.batch.reqs or self.waiting or self.in_flight:
-            self.io.tokenizer.send(FlushCacheDone(False, "cannot flush the cache while requests are running"))
+            self.io.tokenizer.send(
+                FlushCacheDone(False, "cannot flush the cache while requests are running", self.ctx.dp_rank)
+            )
             return
         self.kv.flush()
-        self.io.tokenizer.send(FlushCacheDone(True))
+        self.io.tokenizer.send(FlushCacheDone(True, "", self.ctx.dp_rank))
 
     # ------------------------------------------------------------------ schedule
 
@@ -312,7 +315,9 @@ class Scheduler:
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                self.ctx.tell_launcher(RestartWorkers(f"no step progress for {self.args.watchdog_timeout_s:.0f} s"))
+                self.ctx.tell_launcher(
+                    RestartWorkers(f"no step progress for {self.args.watchdog_timeout_s:.0f} s", self.ctx.dp_rank)
+                )
                 raise WorkerLost(f"watchdog: no reply for {self.args.watchdog_timeout_s:.0f} s")
             reply_ready, request_ready = self.io.wait_any(left_ms)
             if request_ready:
@@ -328,7 +333,8 @@ class Scheduler:
                 logger.warning("ignoring %s for step %s, which is not in flight", type(msg).__name__, step_id)
                 continue
             if isinstance(msg, WorkerError):
-                self.ctx.tell_launcher(RestartWorkers(f"worker rejected step {msg.step_id}: {msg.error}"))
+                reason = f"worker rejected step {msg.step_id}: {msg.error}"
+                self.ctx.tell_launcher(RestartWorkers(reason, self.ctx.dp_rank))
                 raise WorkerLost(f"worker rejected step {msg.step_id}: {msg.error}")
             return msg
 

@@ -86,6 +86,8 @@ class SchedulerCounters:
             resumed_requests=self.resumed_requests,
             spec_verify_rows=self.spec_verify_rows,
             spec_accepted_drafts=self.spec_accepted_drafts,
+            rejected_frames=s.io.rejected_frames,
+            dp_rank=s.ctx.dp_rank,
         )
 
     def maybe_publish(self) -> None:

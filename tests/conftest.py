@@ -32,3 +32,21 @@ def hf_reference(smollm2_path):
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
     return tok, model
+
+
+@pytest.fixture(scope="session")
+def fault_model(tmp_path_factory) -> str:
+    """A random-weight LLaMA (4 heads, 2 KV heads: splits at tp 2) for the workload tests."""
+    from tests.helpers import make_random_llama
+
+    return make_random_llama(str(tmp_path_factory.mktemp("fault_llama")), hidden=128, layers=4, seed=4)
+
+
+@pytest.fixture(scope="session")
+def fault_reference(fault_model) -> list[list[int]]:
+    """`tests.workload`'s outputs from one undisturbed tp 1, dp 1 server."""
+    from tests.helpers import running_server
+    from tests.workload import BASE, run_with_fault
+
+    with running_server(["--model", fault_model, *BASE]) as server:
+        return run_with_fault(server, None)

@@ -35,12 +35,16 @@ def free_port() -> int:
 class Server:
     """A `python launch.py` subprocess; its stdout/stderr are collected for failure messages."""
 
-    def __init__(self, extra_args: list[str], startup_timeout: float = 240.0) -> None:
+    def __init__(
+        self, extra_args: list[str], startup_timeout: float = 240.0, ready_prefix: str = "trident ready:"
+    ) -> None:
+        """`ready_prefix`: the stdout line that means started (a worker-only node prints its own)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, os.path.join(REPO_ROOT, "launch.py"), "--port", str(self.port), *extra_args]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.output: list[str] = []
+        self._ready_prefix = ready_prefix
         self._ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
         if not self._ready.wait(startup_timeout) or self.proc.poll() is not None:
@@ -50,7 +54,7 @@ class Server:
     def _pump(self) -> None:
         for line in self.proc.stdout:
             self.output.append(line)
-            if line.startswith("trident ready:"):
+            if line.startswith(self._ready_prefix):
                 self._ready.set()
         self._ready.set()
 

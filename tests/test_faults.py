@@ -11,75 +11,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
-import numpy as np
 import psutil
 import pytest
 import zmq
 
-from tests.helpers import REPO_ROOT, Server, free_port, make_random_llama, running_server, wait_until
+from tests.helpers import REPO_ROOT, Server, free_port, running_server, wait_until
+from tests.workload import BASE, MAX_NEW, child, generation_tokens, prompts, run_with_fault
 from wire.backend import BatchDescriptor, ResetBatch, StepResult, WorkerCounters
 from wire.codec import FrameEncoder, pack_int32
 from wire.frontend import AbortReq, ServerInfo, TokenOut, TokenOutBatch
 from wire.transport import (
     ENDPOINT_LAUNCHER,
-    ENDPOINT_SCHEDULER_IN,
-    ENDPOINT_SCHEDULER_REPLY,
     ENDPOINT_TOKENIZER_IN,
+    scheduler_in_endpoint,
+    scheduler_reply_endpoint,
     worker_endpoint,
 )
-
-NUM_REQUESTS = 12
-MAX_NEW = 160
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return make_random_llama(str(tmp_path_factory.mktemp("fault_llama")), hidden=128, layers=4, seed=4)
-
-
-def prompts() -> list[list[int]]:
-    rng = np.random.default_rng(11)
-    return [rng.integers(100, 20000, int(n)).tolist() for n in rng.integers(4, 60, NUM_REQUESTS)]
-
-
-def child(server: Server, title: str) -> psutil.Process:
-    for p in server.process_tree()[1:]:
-        if " ".join(p.cmdline()).strip() == title:
-            return p
-    raise AssertionError(f"no {title} process")
-
-
-def generation_tokens(server: Server) -> int:
-    stats = server.http().get("/server_info").json()["scheduler_stats"]
-    return stats["generation_tokens"] if stats else 0
-
-
-def run_with_fault(server: Server, fault) -> list[list[int]]:
-    """Sends the workload concurrently and applies `fault` once generation is under way."""
-    http = server.http()
-
-    def one(ids: list[int]) -> list[int]:
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0,
-                                                      "ignore_eos": True}}
-        r = http.post("/generate", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        return r.json()["output_ids"]
-
-    with ThreadPoolExecutor(NUM_REQUESTS) as pool:
-        futures = [pool.submit(one, p) for p in prompts()]
-        if fault is not None:
-            assert wait_until(lambda: generation_tokens(server) > NUM_REQUESTS * 5, 60)
-            fault(server)
-        return [f.result() for f in futures]
-
-
-BASE = ["--dtype", "float32", "--max-total-tokens", "16384"]
-
-
-@pytest.fixture(scope="module")
-def reference(model) -> list[list[int]]:
-    with running_server(["--model", model, *BASE]) as server:
-        return run_with_fault(server, None)
 
 
 def kill_worker(server: Server) -> None:
@@ -100,31 +47,31 @@ def hang_worker(server: Server) -> None:
     (hang_worker, ["--watchdog-timeout", "3"]),
     (kill_worker, ["--disable-overlap", "--speculative-algorithm", "ngram"]),
 ], ids=["sigkill_worker", "sigkill_scheduler", "sigstop_worker_past_watchdog", "sigkill_worker_plain_loop_spec"])
-def test_every_request_completes_unchanged_after_a_fault(fault, flags, model, reference):
-    with running_server(["--model", model, *BASE, *flags]) as server:
+def test_every_request_completes_unchanged_after_a_fault(fault, flags, fault_model, fault_reference):
+    with running_server(["--model", fault_model, *BASE, *flags]) as server:
         before = {p.pid for p in server.process_tree()}
-        assert run_with_fault(server, fault) == reference
+        assert run_with_fault(server, fault) == fault_reference
         after = {p.pid for p in server.process_tree()}
         assert before != after  # the faulty process really was replaced
         metrics = server.http().get("/metrics").text
         assert "trident_restarts_total 1.0" in metrics
 
 
-def test_restart_limit_exhaustion_answers_503_with_an_error_body(model):
-    with running_server(["--model", model, *BASE, "--max-restarts", "1"]) as server:
+def test_restart_limit_exhaustion_answers_503_with_an_error_body(fault_model):
+    with running_server(["--model", fault_model, *BASE, "--max-restarts", "1"]) as server:
         http = server.http()
         kill_worker(server)
         assert wait_until(lambda: http.post("/generate", json={"text": "hi", "sampling_params": {
             "max_new_tokens": 2}}).status_code == 200, 60)
         kill_worker(server)
         assert wait_until(lambda: http.get("/health").status_code == 503, 20)
-        r = http.post("/v1/completions", json={"model": os.path.basename(model), "prompt": "hi", "max_tokens": 4},
+        r = http.post("/v1/completions", json={"model": os.path.basename(fault_model), "prompt": "hi", "max_tokens": 4},
                       timeout=30)
         assert r.status_code == 503 and "error" in r.json() and r.json()["error"]["message"]
 
 
-def test_sigkill_of_launch_py_leaves_no_process_behind(model):
-    server = Server(["--model", model, *BASE])
+def test_sigkill_of_launch_py_leaves_no_process_behind(fault_model):
+    server = Server(["--model", fault_model, *BASE])
     tree = server.process_tree()
     assert len(tree) == 4
     server.proc.send_signal(signal.SIGKILL)
@@ -132,8 +79,8 @@ def test_sigkill_of_launch_py_leaves_no_process_behind(model):
     assert wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree), 3)
 
 
-def test_random_bytes_and_wrong_messages_to_every_endpoint_kill_nothing(model):
-    with running_server(["--model", model, *BASE]) as server:
+def test_random_bytes_and_wrong_messages_to_every_endpoint_kill_nothing(fault_model):
+    with running_server(["--model", fault_model, *BASE]) as server:
         run_dir = server.http().get("/server_info").json()["run_dir"]
         pids = {p.pid for p in server.process_tree()}
         enc = FrameEncoder()
@@ -147,8 +94,9 @@ def test_random_bytes_and_wrong_messages_to_every_endpoint_kill_nothing(model):
         ]
         ctx = zmq.Context()
         try:
-            for name in [ENDPOINT_SCHEDULER_IN, ENDPOINT_TOKENIZER_IN, ENDPOINT_SCHEDULER_REPLY, ENDPOINT_LAUNCHER,
-                         worker_endpoint(0)]:
+            endpoints = [scheduler_in_endpoint(0), ENDPOINT_TOKENIZER_IN, scheduler_reply_endpoint(0),
+                         ENDPOINT_LAUNCHER, worker_endpoint(0, 0)]
+            for name in endpoints:
                 sock = ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 2000)
                 sock.connect(f"ipc://{os.path.join(run_dir, name)}")
@@ -165,26 +113,26 @@ def test_random_bytes_and_wrong_messages_to_every_endpoint_kill_nothing(model):
         assert stats["dropped_frames"] >= 6
 
 
-def test_resetbatch_from_a_stranger_is_survived(model, reference):
+def test_resetbatch_from_a_stranger_is_survived(fault_model, fault_reference):
     """A forged ResetBatch wipes the worker's rows mid-run: the scheduler notices the step
     gap, restarts the workers and still returns the same tokens."""
-    with running_server(["--model", model, *BASE]) as server:
+    with running_server(["--model", fault_model, *BASE]) as server:
         run_dir = server.http().get("/server_info").json()["run_dir"]
 
         def forge_reset(_server: Server) -> None:
             ctx = zmq.Context()
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 2000)
-            sock.connect(f"ipc://{os.path.join(run_dir, worker_endpoint(0))}")
+            sock.connect(f"ipc://{os.path.join(run_dir, worker_endpoint(0, 0))}")
             sock.send(FrameEncoder().encode(ResetBatch(next_step_id=1)))
             sock.close()
             ctx.term()
 
-        assert run_with_fault(server, forge_reset) == reference
+        assert run_with_fault(server, forge_reset) == fault_reference
 
 
-def test_sigterm_drains_open_requests_before_exit(model):
-    server = Server(["--model", model, *BASE, "--shutdown-timeout", "20"])
+def test_sigterm_drains_open_requests_before_exit(fault_model):
+    server = Server(["--model", fault_model, *BASE, "--shutdown-timeout", "20"])
     try:
         http = server.http()
         with ThreadPoolExecutor(4) as pool:
@@ -200,20 +148,20 @@ def test_sigterm_drains_open_requests_before_exit(model):
         server.stop()
 
 
-def test_launch_py_without_a_free_port_is_a_clear_error(model):
+def test_launch_py_without_a_free_port_is_a_clear_error(fault_model):
     port = free_port()
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
         s.listen()
-        res = subprocess.run([sys.executable, "launch.py", "--model", model, "--port", str(port), *BASE],
+        res = subprocess.run([sys.executable, "launch.py", "--model", fault_model, "--port", str(port), *BASE],
                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode != 0 and "cannot listen" in res.stderr
 
 
-def test_a_killed_tokenizer_is_restarted_and_its_requests_are_freed(model):
-    with running_server(["--model", model, *BASE]) as server:
+def test_a_killed_tokenizer_is_restarted_and_its_requests_are_freed(fault_model):
+    with running_server(["--model", fault_model, *BASE]) as server:
         http = server.http()
         with ThreadPoolExecutor(2) as pool:
             lost = [pool.submit(http.post, "/generate", json={"text": "x", "sampling_params": {

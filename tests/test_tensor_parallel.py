@@ -21,7 +21,7 @@ import pytest
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.parallel import ShardPlan
 from tests.helpers import REPO_ROOT, Server, free_port, make_random_llama, running_server
-from tests.test_faults import BASE, child, model, reference, run_with_fault  # noqa: F401  (fixtures)
+from tests.workload import BASE, child, run_with_fault
 
 SMOLLM2_FLAGS = ["--dtype", "float32", "--max-total-tokens", "16384", "--check-seq-lens"]  # as smollm2_server
 TEXTS = [
@@ -118,10 +118,10 @@ def kill_rank1(server: Server) -> None:
     child(server, "trident::worker[tp1]").send_signal(signal.SIGKILL)
 
 
-def test_sigkill_of_rank1_mid_generation_restarts_the_group_with_unchanged_output(model, reference):  # noqa: F811
-    with running_server(["--model", model, *BASE, "--tp-size", "2"]) as server:
+def test_sigkill_of_rank1_mid_generation_restarts_the_group_with_unchanged_output(fault_model, fault_reference):
+    with running_server(["--model", fault_model, *BASE, "--tp-size", "2"]) as server:
         before = {p.pid for p in server.process_tree()}
-        assert run_with_fault(server, kill_rank1) == reference
+        assert run_with_fault(server, kill_rank1) == fault_reference
         after = {p.pid for p in server.process_tree()}
         assert len(before - after) == 2  # both ranks were replaced, nothing else
         assert "trident_restarts_total 1.0" in server.http().get("/metrics").text

@@ -25,7 +25,7 @@ from wire.backend import (
 from wire.codec import FrameDecoder, FrameEncoder, pack_int32, unpack_int32
 from wire.control import ProtocolMismatch, check_protocol_version
 from wire.frontend import GenerateReq, SamplingParams, SchedulerInput, TokenOut, TokenOutBatch
-from wire.transport import ENDPOINT_SCHEDULER_IN, worker_endpoint
+from wire.transport import scheduler_in_endpoint, worker_endpoint
 
 
 def sample_descriptor() -> BatchDescriptor:
@@ -92,7 +92,7 @@ def test_malformed_frames_sent_to_live_processes_are_dropped_and_serving_continu
     run_dir = run_dir_of(smollm2_server)
     ctx = zmq.Context()
     try:
-        for name in [ENDPOINT_SCHEDULER_IN, worker_endpoint(0)]:
+        for name in [scheduler_in_endpoint(0), worker_endpoint(0, 0)]:
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(f"ipc://{os.path.join(run_dir, name)}")

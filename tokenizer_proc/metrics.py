@@ -4,9 +4,10 @@ Two sources:
 - measured here, by `RequestHandle`: latencies (time to first token, inter-token latency,
   end-to-end), token counters, and the prefix cache hit rate (cumulative, from each
   request's first output: its prompt length and how much of it came from the cache);
-- mirrored from the scheduler's latest `SchedulerStats` at scrape time by `_SchedulerCollector`
-  (running/queued requests, KV usage, step time, retractions), plus dropped frames: this
-  process's own plus the scheduler's.
+- mirrored from the schedulers' latest `SchedulerStats` at scrape time by `_SchedulerCollector`
+  (running/queued requests, KV usage, step time, retractions: summed over data-parallel
+  replicas), plus dropped frames: this process's own plus the schedulers'; and per replica
+  (label dp_rank) by `_ReplicaCollector`: requests routed there, open, running, tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tokenizer_proc.replicas import ReplicaSet
 from wire.frontend import SchedulerStats
 
 PREFIX = "trident_"
@@ -64,6 +66,33 @@ class _SchedulerCollector(Collector):
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
 
+class _ReplicaCollector(Collector):
+    """Per data-parallel replica: what the router sent it and what its scheduler reports."""
+
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self._replicas = replicas
+
+    def collect(self) -> Iterator[Metric]:
+        r = self._replicas
+        families = [
+            (CounterMetricFamily, "replica_requests_routed", "Requests the tokenizer routed to the replica.",
+             lambda d: r.router.routed[d]),
+            (GaugeMetricFamily, "replica_requests_open", "Requests routed to the replica and not finished.",
+             lambda d: r.router.open_requests[d]),
+            (GaugeMetricFamily, "replica_num_requests_running", "Requests in the replica's running batch.",
+             lambda d: r.stats[d].running_requests if r.stats[d] else 0),
+            (CounterMetricFamily, "replica_generation_tokens", "Tokens the replica generated.",
+             lambda d: r.stats[d].generation_tokens if r.stats[d] else 0),
+            (CounterMetricFamily, "replica_rejected_frames", "Frames with a bad HMAC tag at the replica.",
+             lambda d: r.stats[d].rejected_frames if r.stats[d] else 0),
+        ]
+        for kind, name, doc, value in families:
+            family = kind(PREFIX + name, doc, labels=["dp_rank"])
+            for d in range(r.size):
+                family.add_metric([str(d)], value(d))
+            yield family
+
+
 class Metrics:
     """All metrics of this process. `render()` is the body of GET /metrics."""
 
@@ -105,8 +134,11 @@ class Metrics:
     def cache_hit_rate(self) -> float:
         return self._cached_prompt_tokens / self._prefilled_prompt_tokens if self._prefilled_prompt_tokens else 0.0
 
-    def attach_scheduler(self, stats: Callable[[], SchedulerStats | None], own_dropped: Callable[[], int]) -> None:
+    def attach_scheduler(
+        self, stats: Callable[[], SchedulerStats | None], own_dropped: Callable[[], int], replicas: ReplicaSet
+    ) -> None:
         self.registry.register(_SchedulerCollector(stats, own_dropped, self.cache_hit_rate))
+        self.registry.register(_ReplicaCollector(replicas))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

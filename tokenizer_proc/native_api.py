@@ -110,10 +110,21 @@ async def server_info(request: Request) -> dict[str, Any]:
     st = get_state(request)
     out = msgspec.to_builtins(st.args)
     out.pop("api_key", None)
+    out.pop("cluster_secret", None)
     mgr = st.manager
     out["scheduler_info"] = msgspec.structs.asdict(mgr.server_info) if mgr.server_info else None
     out["scheduler_stats"] = msgspec.structs.asdict(mgr.stats) if mgr.stats else None
     out["tokenizer_stats"] = {"open_requests": mgr.num_open, "dropped_frames": mgr.dropped_frames}
+    replicas, router = mgr.replicas, mgr.replicas.router
+    out["replicas"] = [
+        {
+            "dp_rank": d,
+            "routed_requests": router.routed[d],
+            "open_requests": router.open_requests[d],
+            "scheduler_stats": msgspec.structs.asdict(replicas.stats[d]) if replicas.stats[d] else None,
+        }
+        for d in range(replicas.size)
+    ]
     return out
 
 

@@ -1,14 +1,16 @@
-"""Open requests of the tokenizer process and its two sockets to the scheduler.
+"""Open requests of the tokenizer process and its sockets to the schedulers.
 
-Ownership: the scheduler owns each request's state (queue position, KV, produced tokens);
+Ownership: the scheduler (of the data-parallel replica the router picked) owns each
+request's state (queue position, KV, produced tokens);
 this manager holds, per open rid, only what the HTTP side needs: the queue of `TokenOut`s
 the receive task dispatches to, the prompt and the tokens seen so far (to resubmit after a
 scheduler restart), and the detokenizer. A request is open from `submit` until its
 `RequestHandle` sees a finish or is closed; closing an unfinished one (client gone, stop
 string hit, task cancelled) sends `AbortReq` so that the scheduler frees its KV.
 
-The manager also keeps the latest `SchedulerStats` (a mirror, refreshed only by the
-receive task) and answers `FlushCacheReq` with the matching `FlushCacheDone`.
+The manager also keeps each scheduler's latest `SchedulerStats` and `ServerInfo` (mirrors in
+`ReplicaSet`, refreshed only by the receive task) and sends `FlushCacheReq` to every
+scheduler, answering once all their `FlushCacheDone`s are in.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import zmq.asyncio
 from tokenizer_proc.detokenizer import RequestDetokenizer
 from tokenizer_proc.errors import SERVER_ERROR, SERVER_UNAVAILABLE, APIError
 from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.replicas import ReplicaSet
 from wire.codec import pack_int32
 from wire.control import PROTOCOL_VERSION, check_protocol_version
 from wire.frontend import (
@@ -45,7 +48,7 @@ from wire.frontend import (
     TokenOutBatch,
 )
 from wire.server_args import ServerArgs
-from wire.transport import ENDPOINT_SCHEDULER_IN, ENDPOINT_TOKENIZER_IN, AsyncPullSocket, AsyncPushSocket, endpoint
+from wire.transport import ENDPOINT_TOKENIZER_IN, AsyncPullSocket, endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,8 @@ class _OpenRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
     detok: RequestDetokenizer
+    replica: int
+    """The data-parallel replica whose scheduler runs it."""
     queue: asyncio.Queue[TokenOut] = field(default_factory=asyncio.Queue)
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0
@@ -173,43 +178,58 @@ class RequestManager:
         self.args = args
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self._push = AsyncPushSocket(zmq_ctx, endpoint(args.run_dir, ENDPOINT_SCHEDULER_IN), bind=False)
+        self.replicas = ReplicaSet(zmq_ctx, args)
         self._pull = AsyncPullSocket(
             zmq_ctx, endpoint(args.run_dir, ENDPOINT_TOKENIZER_IN), bind=True, union=TokenizerInput,
             name="tokenizer.in",
         )
         self._open: dict[str, _OpenRequest] = {}
-        self.server_info: ServerInfo | None = None
-        self.stats: SchedulerStats | None = None
         self.draining = False
         """Set on SIGTERM: new requests get 503 while open ones finish."""
         self.health = ServerHealth(healthy=True, restarts=0)
         """launch.py's latest word on restarts; unhealthy means every request gets 503."""
         self._flush_lock = asyncio.Lock()
         self._flush_waiter: asyncio.Future[FlushCacheDone] | None = None
+        self._flush_answers: dict[int, FlushCacheDone] = {}
         self._recv_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
     # ---- start-up -------------------------------------------------------------------
 
-    async def handshake(self, timeout_s: float) -> ServerInfo:
-        """Send TokenizerHello, wait for ServerInfo; raises ProtocolMismatch or TimeoutError."""
-        await self._push.send(TokenizerHello(PROTOCOL_VERSION, os.getpid()))
+    @property
+    def server_info(self) -> ServerInfo | None:
+        """The schedulers' ServerInfo merged (the strictest limits, the summed capacity)."""
+        return self.replicas.merged_info()
 
-        async def wait_info() -> ServerInfo:
-            while True:
+    @property
+    def stats(self) -> SchedulerStats | None:
+        """Every scheduler's latest stats, summed."""
+        return self.replicas.merged_stats()
+
+    async def handshake(self, timeout_s: float) -> ServerInfo:
+        """Send TokenizerHello to every scheduler, wait for all their ServerInfos; raises
+        ProtocolMismatch or TimeoutError."""
+        await self.replicas.broadcast(TokenizerHello(PROTOCOL_VERSION, os.getpid()))
+
+        async def wait_infos() -> None:
+            while any(i is None for i in self.replicas.infos):
                 msg = await self._pull.recv()
-                if isinstance(msg, ServerInfo):
-                    return msg
-                if isinstance(msg, SchedulerStats):
-                    self.stats = msg
+                if isinstance(msg, ServerInfo) and self._valid_replica(msg.dp_rank):
+                    check_protocol_version(f"scheduler of replica {msg.dp_rank}", msg.protocol_version)
+                    self.replicas.infos[msg.dp_rank] = msg
+                elif isinstance(msg, SchedulerStats) and self._valid_replica(msg.dp_rank):
+                    self.replicas.stats[msg.dp_rank] = msg
                 else:
                     logger.warning("ignoring %s received before ServerInfo", type(msg).__name__)
 
-        info = await asyncio.wait_for(wait_info(), timeout_s)
-        check_protocol_version("the scheduler", info.protocol_version)
-        self.server_info = info
-        return info
+        await asyncio.wait_for(wait_infos(), timeout_s)
+        return self.server_info
+
+    def _valid_replica(self, dp_rank: int) -> bool:
+        if 0 <= dp_rank < self.replicas.size:
+            return True
+        logger.warning("ignoring a message from replica %d: there are %d", dp_rank, self.replicas.size)
+        return False
 
     def start(self) -> None:
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop(), name="tokenizer-recv")
@@ -217,7 +237,7 @@ class RequestManager:
     async def close(self) -> None:
         if self._recv_task is not None:
             self._recv_task.cancel()
-        self._push.close()
+        self.replicas.close()
         self._pull.close()
 
     # ---- requests -------------------------------------------------------------------
@@ -265,17 +285,19 @@ class RequestManager:
                 raise APIError(f"Request id {rid!r} is already in use.", param="rid")
         prompt = list(prompt_ids)
         packed = pack_int32(prompt)
+        replica = self.replicas.router.choose(prompt)  # the n choices share their prompt's cache
+        self.replicas.router.opened(replica, prompt, len(params))
         handles = []
         for index, (rid, sp) in enumerate(zip(rids, params, strict=True)):
             detok = RequestDetokenizer(self.tokenizer, stop, skip_special_tokens, sp.stop_token_ids)
-            req = _OpenRequest(rid, index, prompt, sp, detok)
+            req = _OpenRequest(rid, index, prompt, sp, detok, replica)
             self._open[rid] = req
             handles.append(RequestHandle(self, req))
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(prompt) * len(params))
         try:
             for handle, sp in zip(handles, params, strict=True):
-                await self._push.send(GenerateReq(handle.rid, packed, sp))
+                await self.replicas.send(replica, GenerateReq(handle.rid, packed, sp))
         except BaseException:
             for handle in handles:
                 handle.close()
@@ -289,7 +311,7 @@ class RequestManager:
             req = self._open[r]
             if not req.scheduler_done:
                 req.scheduler_done = True
-                self._send_soon(AbortReq(r))
+                self._send_soon(req.replica, AbortReq(r))
             req.queue.put_nowait(TokenOut(r, [], finish_reason="abort"))
         return hits
 
@@ -303,28 +325,41 @@ class RequestManager:
     def _release(self, req: _OpenRequest) -> None:
         if self._open.get(req.rid) is req:
             del self._open[req.rid]
+            self.replicas.router.closed(req.replica)
         if not req.scheduler_done:
             req.scheduler_done = True
-            self._send_soon(AbortReq(req.rid))
+            self._send_soon(req.replica, AbortReq(req.rid))
 
-    def _send_soon(self, msg: Any) -> None:
+    def _send_soon(self, replica: int, msg: Any) -> None:
         """Send from sync code (a generator's finally, a cancelled task) without awaiting."""
-        task = asyncio.get_running_loop().create_task(self._push.send(msg))
+        task = asyncio.get_running_loop().create_task(self.replicas.send(replica, msg))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     # ---- control --------------------------------------------------------------------
 
     async def flush_cache(self, timeout_s: float = 30.0) -> FlushCacheDone:
+        """Every replica flushes; ok only if all did."""
         async with self._flush_lock:
             self._flush_waiter = asyncio.get_running_loop().create_future()
+            self._flush_answers = {}
             try:
-                await self._push.send(FlushCacheReq())
+                await self.replicas.broadcast(FlushCacheReq())
                 return await asyncio.wait_for(self._flush_waiter, timeout_s)
             except asyncio.TimeoutError:
-                return FlushCacheDone(False, f"the scheduler did not answer within {timeout_s:g}s")
+                missing = sorted(set(range(self.replicas.size)) - set(self._flush_answers))
+                return FlushCacheDone(False, f"schedulers {missing} did not answer within {timeout_s:g}s")
             finally:
                 self._flush_waiter = None
+
+    def _on_flush_done(self, msg: FlushCacheDone) -> None:
+        if self._flush_waiter is None or self._flush_waiter.done():
+            return
+        self._flush_answers[msg.dp_rank] = msg
+        if len(self._flush_answers) == self.replicas.size:
+            answers = [self._flush_answers[d] for d in sorted(self._flush_answers)]
+            message = "; ".join(a.message for a in answers if a.message)
+            self._flush_waiter.set_result(FlushCacheDone(all(a.ok for a in answers), message))
 
     # ---- receive task ---------------------------------------------------------------
 
@@ -343,12 +378,16 @@ class RequestManager:
                 if req is not None:  # else: aborted or finished here already; drop it
                     req.queue.put_nowait(out)
         elif isinstance(msg, SchedulerStats):
-            self.stats = msg
+            if self._valid_replica(msg.dp_rank):
+                self.replicas.stats[msg.dp_rank] = msg
         elif isinstance(msg, FlushCacheDone):
-            if self._flush_waiter is not None and not self._flush_waiter.done():
-                self._flush_waiter.set_result(msg)
+            if self._valid_replica(msg.dp_rank):
+                self._on_flush_done(msg)
         elif isinstance(msg, ServerInfo):
-            if self.server_info is not None and msg.boot_id == self.server_info.boot_id:
+            if not self._valid_replica(msg.dp_rank):
+                return
+            known = self.replicas.infos[msg.dp_rank]
+            if known is not None and msg.boot_id == known.boot_id:
                 return  # the same scheduler announcing itself and answering our hello
             self._on_scheduler_restart(msg)
         elif isinstance(msg, ServerHealth):
@@ -366,22 +405,21 @@ class RequestManager:
             req.queue.put_nowait(TokenOut(req.rid, [], "error", error=f"{SERVER_UNAVAILABLE}: {health.last_cause}"))
 
     def _on_scheduler_restart(self, info: ServerInfo) -> None:
-        """A new ServerInfo means a new scheduler: resubmit every open request.
+        """A new ServerInfo means a new scheduler: resubmit every open request it had.
 
         Each goes back as a prefill of its prompt plus the tokens it already produced, with
         its budget reduced by those, so the client sees latency, not an error.
         """
         check_protocol_version("the restarted scheduler", info.protocol_version)
-        self.server_info = info
-        logger.warning("scheduler restarted: resubmitting %d open requests", len(self._open))
-        for req in self._open.values():
-            if req.scheduler_done:
-                continue
+        self.replicas.infos[info.dp_rank] = info
+        lost = [r for r in self._open.values() if r.replica == info.dp_rank and not r.scheduler_done]
+        logger.warning("scheduler of replica %d restarted: resubmitting %d open requests", info.dp_rank, len(lost))
+        for req in lost:
             produced = len(req.generated)
             sp = msgspec.structs.replace(
                 req.sampling,
                 max_new_tokens=max(1, req.sampling.max_new_tokens - produced),
                 min_new_tokens=max(0, req.sampling.min_new_tokens - produced),
             )
-            self._send_soon(GenerateReq(req.rid, pack_int32(req.prompt_ids + req.generated), sp))
+            self._send_soon(req.replica, GenerateReq(req.rid, pack_int32(req.prompt_ids + req.generated), sp))
             self.metrics.resumed_requests.inc()

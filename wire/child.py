@@ -18,7 +18,7 @@ import time
 import setproctitle
 import zmq
 
-from wire.control import PROTOCOL_VERSION, ProcessFailed, ProcessReady, RestartWorkers
+from wire.control import PROTOCOL_VERSION, ProcessFailed, ProcessReady, RestartWorkers, process_name
 from wire.server_args import ServerArgs, load_server_args
 from wire.transport import ENDPOINT_LAUNCHER, PushSocket, endpoint
 
@@ -48,21 +48,27 @@ def _die_with_parent(parent_pid: int) -> None:
 class ChildContext:
     """A started child: its args, role, and its line to launch.py."""
 
-    def __init__(self, args: ServerArgs, role: str, rank: int) -> None:
+    def __init__(self, args: ServerArgs, role: str, rank: int, dp_rank: int = 0) -> None:
         self.args = args
         self.role = role
         self.rank = rank
+        self.dp_rank = dp_rank
+        """Which data-parallel replica this scheduler or worker belongs to."""
         self.zmq_ctx = zmq.Context()
         self._launcher = PushSocket(self.zmq_ctx, endpoint(args.run_dir, ENDPOINT_LAUNCHER), bind=False)
 
+    @property
+    def name(self) -> str:
+        return process_name(self.role, self.rank, self.dp_rank, self.args.dp_size)
+
     def report_ready(self, detail: str = "") -> None:
-        self._launcher.send(ProcessReady(self.role, self.rank, os.getpid(), PROTOCOL_VERSION, detail))
+        self._launcher.send(ProcessReady(self.role, self.rank, os.getpid(), PROTOCOL_VERSION, detail, self.dp_rank))
 
     def tell_launcher(self, msg: RestartWorkers) -> None:
         self._launcher.send(msg)
 
     def report_failed(self, error: str) -> None:
-        self._launcher.send(ProcessFailed(self.role, self.rank, os.getpid(), error))
+        self._launcher.send(ProcessFailed(self.role, self.rank, os.getpid(), error, self.dp_rank))
         # Give the frame time to leave before the process exits (LINGER is 0).
         time.sleep(0.2)
 
@@ -73,10 +79,11 @@ def start_child(role: str) -> ChildContext:
     parser.add_argument("--args-file", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--dp-rank", type=int, default=0)
     cli = parser.parse_args()
     _die_with_parent(cli.parent_pid)
     args = load_server_args(cli.args_file)
-    title = f"trident::{role}" + (f"[tp{cli.rank}]" if role == "worker" else "")
+    title = "trident::" + process_name(role, cli.rank, cli.dp_rank, args.dp_size)
     setproctitle.setproctitle(title)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -84,4 +91,4 @@ def start_child(role: str) -> ChildContext:
     )
     # launch.py handles Ctrl-C for the whole group; children shut down when told or killed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return ChildContext(args, role, cli.rank)
+    return ChildContext(args, role, cli.rank, cli.dp_rank)

@@ -25,6 +25,16 @@ def check_protocol_version(peer: str, version: int) -> None:
         )
 
 
+def process_name(role: str, rank: int, dp_rank: int, dp_size: int) -> str:
+    """How logs, titles and errors name a process: worker[tp1], scheduler[dp2], worker[dp2.tp1]."""
+    replica = f"dp{dp_rank}" if dp_size > 1 else ""
+    if role == "worker":
+        return f"worker[{replica + '.' if replica else ''}tp{rank}]"
+    if role == "scheduler" and replica:
+        return f"scheduler[{replica}]"
+    return role
+
+
 class ProcessReady(msgspec.Struct, array_like=True, tag="ready"):
     """A child finished start-up. Written by the child, read by launch.py."""
 
@@ -36,6 +46,8 @@ class ProcessReady(msgspec.Struct, array_like=True, tag="ready"):
     protocol_version: int
     detail: str = ""
     """Human-readable facts for the start-up log (model, KV pool size...)."""
+    dp_rank: int = 0
+    """Data-parallel replica of a scheduler or worker; 0 for the tokenizer."""
 
 
 class ProcessFailed(msgspec.Struct, array_like=True, tag="failed"):
@@ -45,12 +57,14 @@ class ProcessFailed(msgspec.Struct, array_like=True, tag="failed"):
     rank: int
     pid: int
     error: str
+    dp_rank: int = 0
 
 
 class RestartWorkers(msgspec.Struct, array_like=True, tag="restart_workers"):
-    """From the scheduler: the workers stopped making progress (watchdog); restart them."""
+    """From a scheduler: its workers stopped making progress (watchdog); restart them."""
 
     reason: str
+    dp_rank: int = 0
 
 
 LauncherMessage = ProcessReady | ProcessFailed | RestartWorkers

@@ -134,11 +134,16 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats"):
     """Decode row-steps run with speculation on (a row without a draft counts, accepting 0)."""
     spec_accepted_drafts: int = 0
     """Draft tokens accepted over those row-steps (mean accepted length = 1 + this / rows)."""
+    rejected_frames: int = 0
+    """Frames with a bad HMAC tag on this scheduler's cross-node port."""
+    dp_rank: int = 0
+    """The data-parallel replica whose scheduler sent this."""
 
 
 class FlushCacheDone(msgspec.Struct, array_like=True, tag="flushed"):
     ok: bool
     message: str = ""
+    dp_rank: int = 0
 
 
 class ServerInfo(msgspec.Struct, array_like=True, tag="server_info"):
@@ -154,6 +159,8 @@ class ServerInfo(msgspec.Struct, array_like=True, tag="server_info"):
     eos_token_ids: list[int]
     boot_id: str = ""
     """Unique per scheduler start."""
+    dp_rank: int = 0
+    """The data-parallel replica this scheduler serves."""
 
 
 class ServerHealth(msgspec.Struct, array_like=True, tag="health"):

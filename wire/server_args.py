@@ -51,8 +51,22 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     """None, or "ngram" (prompt-lookup drafts verified in one forward)."""
     speculative_num_draft_tokens: int = 4
 
-    # Parallelism
+    # Parallelism (wire/cluster.py lays the processes out over nodes)
     tp_size: int = 1
+    dp_size: int = 1
+    """Independent scheduler + TP-group replicas behind the one tokenizer."""
+    load_balance_method: str = "round_robin"
+    """How the tokenizer picks a replica: round_robin | shortest_queue | longest_prefix."""
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_host: str = "127.0.0.1"
+    dist_init_port: int = 0
+    """--dist-init-addr: the base of every cross-node port; 0 (single node, no address given)
+    means each worker group rendezvous on a free loopback port chosen by the supervisor."""
+    cluster_secret: str = ""
+    """Hex HMAC key that signs every cross-node frame; empty on a single node."""
+    base_gpu_id: int = 0
+    """With device cuda, rank r runs on cuda:{base_gpu_id + r} (per node)."""
 
     # Processes
     run_dir: str = ""
@@ -72,13 +86,6 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     """Append every frame sent to the workers, and every result, to this file."""
     profile_steps: bool = False
     """Log scheduler, wire, forward and worker idle time of every step."""
-
-    # Tensor parallelism (tp_size is above)
-    dist_init_port: int = 0
-    """TCP port on 127.0.0.1 of the first worker group's torch.distributed rendezvous (chosen
-    free by launch.py when tp_size > 1; the supervisor picks a fresh one for each restarted group)."""
-    base_gpu_id: int = 0
-    """With device cuda, rank r runs on cuda:{base_gpu_id + r}."""
 
 
 def write_server_args(args: ServerArgs, path: str) -> None:

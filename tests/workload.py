@@ -1,0 +1,55 @@
+"""The standard concurrent greedy workload of the fault, parallelism and multi-node tests.
+
+Twelve requests of 4-60 random prompt tokens and 160 forced output tokens, sent at once;
+`run_with_fault` applies a fault once generation is under way and returns every output, so
+a test can compare them with an undisturbed run (the `fault_reference` fixture).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import psutil
+
+from tests.helpers import Server, wait_until
+
+NUM_REQUESTS = 12
+MAX_NEW = 160
+BASE = ["--dtype", "float32", "--max-total-tokens", "16384"]
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    return [rng.integers(100, 20000, int(n)).tolist() for n in rng.integers(4, 60, NUM_REQUESTS)]
+
+
+def child(server: Server, title: str) -> psutil.Process:
+    for p in server.process_tree()[1:]:
+        if " ".join(p.cmdline()).strip() == title:
+            return p
+    raise AssertionError(f"no {title} process")
+
+
+def generation_tokens(server: Server) -> int:
+    stats = server.http().get("/server_info").json()["scheduler_stats"]
+    return stats["generation_tokens"] if stats else 0
+
+
+def run_with_fault(server: Server, fault) -> list[list[int]]:
+    """Sends the workload concurrently and applies `fault` once generation is under way."""
+    http = server.http()
+
+    def one(ids: list[int]) -> list[int]:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0,
+                                                      "ignore_eos": True}}
+        r = http.post("/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    with ThreadPoolExecutor(NUM_REQUESTS) as pool:
+        futures = [pool.submit(one, p) for p in prompts()]
+        if fault is not None:
+            assert wait_until(lambda: generation_tokens(server) > NUM_REQUESTS * 5, 60)
+            fault(server)
+        return [f.result() for f in futures]
