@@ -47,14 +47,14 @@ class NodeAgent:
             signer_of(self.args),
             node_peer_id(self.args.node_rank),
         )
-        self.started_groups: set[int] = set()
-        """Replicas whose ranks node 0 told this node to run."""
+        self.generations: dict[int, int] = {}
+        """Replica -> the generation of its group that node 0 last told this node to run."""
         self.health_server: ThreadingHTTPServer | None = None
 
     def health(self) -> tuple[int, dict]:
         alive = sum(1 for c in self.launcher.children if c.role == "worker" and c.proc.poll() is None)
-        expected = len(self.started_groups) * len(self.launcher.layout.local_ranks())
-        ok = bool(self.started_groups) and alive == expected
+        expected = len(self.generations) * len(self.launcher.layout.local_ranks())
+        ok = bool(self.generations) and alive == expected
         body = {
             "node_rank": self.args.node_rank,
             "workers_alive": alive,
@@ -88,7 +88,7 @@ class NodeAgent:
         """The node's loop: say hello until node 0 answers, then start, watch and report."""
         last_hello = 0.0
         while not stop_requested():
-            if not self.started_groups and time.monotonic() - last_hello > HELLO_INTERVAL_S:
+            if not self.generations and time.monotonic() - last_hello > HELLO_INTERVAL_S:
                 self.node0.send(NodeHello(self.args.node_rank, os.getpid(), PROTOCOL_VERSION))
                 last_hello = time.monotonic()
             poller = zmq.Poller()
@@ -111,14 +111,16 @@ class NodeAgent:
                     logger.info("starting replica %d, generation %d", msg.dp_rank, msg.generation)
                     self.launcher.stop_workers(msg.dp_rank)
                     self.launcher.spawn_workers(msg.dp_rank, msg.store_port)
-                    self.started_groups.add(msg.dp_rank)
+                    self.generations[msg.dp_rank] = msg.generation
             for child in [c for c in self.launcher.children if c.sentinel in events]:
                 if child not in self.launcher.children:
                     continue  # already stopped with its siblings
                 cause = f"{child.name} (pid {child.proc.pid}) exited with code {child.proc.poll()}"
                 logger.error("%s: stopping its group here and telling node 0", cause)
                 self.launcher.stop_workers(child.dp_rank)
-                self.node0.send(WorkerGroupDied(self.args.node_rank, child.dp_rank, cause))
+                self.node0.send(
+                    WorkerGroupDied(self.args.node_rank, child.dp_rank, self.generations[child.dp_rank], cause)
+                )
         return 0
 
     def close(self) -> None:

@@ -274,6 +274,8 @@ class Launcher:
 
     def _on_node_message(self, msg) -> None:
         if isinstance(msg, WorkerGroupDied):
+            if msg.generation != self.worker_generations[msg.dp_rank]:
+                return  # a rank of a group already being replaced, dying with its peers
             self._restart_workers(msg.dp_rank, f"node {msg.node_rank}: {msg.cause}", scheduler_knows=False)
         elif isinstance(msg, NodeHello):  # a restarted node agent: its ranks are gone
             for d in range(self.args.dp_size):

@@ -32,6 +32,7 @@ from bench_serving import (  # noqa: E402
     WorkloadSpec,
     build_workload,
     load_tokenizer,
+    print_and_write_report,
     run_requests,
     summarize,
 )
@@ -85,22 +86,36 @@ def run_config(label: str, launch: str, requests: list[BenchRequest], concurrenc
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def comparison_parser(description: str, output_json: str) -> argparse.ArgumentParser:
+    """The flags every one-run comparison of launch configurations takes."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--extra", default="", help="more launch.py flags for every configuration")
-    p.add_argument("--output-json", default="benchmarks/results/overlap_spec.json")
-    ns = p.parse_args(argv)
-    log_dir = os.path.join(os.path.dirname(os.path.abspath(ns.output_json)), "logs")
-    os.makedirs(log_dir, exist_ok=True)
-    base = f"python launch.py --dtype {ns.dtype} --max-total-tokens 131072 --max-running-requests 64 {ns.extra}"
+    p.add_argument("--output-json", default=output_json)
+    return p
+
+
+def fixed_length_workload(ns: argparse.Namespace) -> list[BenchRequest]:
     spec = WorkloadSpec(dataset="random", num_prompts=ns.num_prompts, random_input_len=(ns.input_len, ns.input_len),
                         random_output_len=(ns.output_len, ns.output_len))
-    plain = build_workload(spec, load_tokenizer("auto"))
+    return build_workload(spec, load_tokenizer("auto"))
+
+
+def log_dir_of(ns: argparse.Namespace) -> str:
+    log_dir = os.path.join(os.path.dirname(os.path.abspath(ns.output_json)), "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    return log_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = comparison_parser(__doc__, "benchmarks/results/overlap_spec.json").parse_args(argv)
+    log_dir = log_dir_of(ns)
+    base = f"python launch.py --dtype {ns.dtype} --max-total-tokens 131072 --max-running-requests 64 {ns.extra}"
+    plain = fixed_length_workload(ns)
     repetitive = repetitive_workload(ns.num_prompts // 2, ns.output_len, seed=1)
     runs = [
         run_config("overlap_on", base, plain, ns.concurrency, log_dir),
@@ -116,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "spec_speedup": by["repetitive_spec_ngram"]["output_tok_s"] / by["repetitive_spec_off"]["output_tok_s"],
         "loadavg": os.getloadavg(),
     }
-    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
-    with open(ns.output_json, "w") as f:
-        json.dump(report, f, indent=2)
+    print_and_write_report(report, ns.output_json)
     return 0
 
 

@@ -21,7 +21,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import LaunchedServer  # noqa: E402
+from bench_serving import LaunchedServer, print_and_write_report  # noqa: E402
 
 
 def find_child(root_pid: int, title: str) -> psutil.Process:
@@ -76,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     times = sorted(r["kill_to_next_token_s"] for r in runs if r["kill_to_next_token_s"] is not None)
     report = {"role": ns.role, "launch": ns.launch, "runs": runs,
               "median_kill_to_next_token_s": times[len(times) // 2] if times else None}
-    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
-    with open(ns.output_json, "w") as f:
-        json.dump(report, f, indent=2)
+    print_and_write_report(report, ns.output_json)
     return 0
 
 

@@ -574,6 +574,12 @@ def write_json(doc: dict[str, Any], path: str) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def print_and_write_report(report: dict[str, Any], path: str) -> None:
+    """Prints a comparison's summary (everything but its per-run details) and saves it all."""
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
+    write_json(report, path)
+
+
 def plot_series(docs: Sequence[dict[str, Any]]) -> Iterator[tuple[str, list[int], list[dict[str, Any]]]]:
     for doc in docs:
         runs = sorted(doc["runs"], key=lambda r: r["concurrency"])

@@ -109,10 +109,12 @@ class StartWorkerGroup(msgspec.Struct, array_like=True, tag="start_group"):
 
 
 class WorkerGroupDied(msgspec.Struct, array_like=True, tag="group_died"):
-    """From node k: one of its ranks of replica `dp_rank` exited; node 0 restarts the group."""
+    """From node k: one of its ranks of replica `dp_rank` exited; node 0 restarts the group
+    unless `generation` is already older than the group's (its ranks die with their peers)."""
 
     node_rank: int
     dp_rank: int
+    generation: int
     cause: str
 
 
