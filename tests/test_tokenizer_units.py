@@ -250,7 +250,7 @@ def client(tok, tmp_path_factory):
     args = ServerArgs(model_path=_gguf_path(), run_dir=run_dir, api_key="k", max_request_body_bytes=2000)
     zctx = zmq.asyncio.Context()
     manager = RequestManager(zctx, args, tok)
-    manager.server_info = ServerInfo(1, 64, 49152, 4, 1000, [2])
+    manager.replicas.infos[0] = ServerInfo(1, 64, 49152, 4, 1000, [2])  # as the handshake would
     app = create_app(FrontendState(args, tok, manager, Metrics()))
     with TestClient(app, headers={"Authorization": "Bearer k"}) as c:
         yield c

@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 from tokenizer_proc import openai_format as fmt
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
-from tokenizer_proc.request_manager import RequestHandle
+from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.sampling import (
     SamplingRequest,
     build_sampling_params,

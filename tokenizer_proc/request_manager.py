@@ -18,10 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -31,6 +29,7 @@ from tokenizer_proc.detokenizer import RequestDetokenizer
 from tokenizer_proc.errors import SERVER_ERROR, SERVER_UNAVAILABLE, APIError
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.replicas import ReplicaSet
+from tokenizer_proc.request_handle import OpenRequest, RequestHandle
 from wire.codec import pack_int32
 from wire.control import PROTOCOL_VERSION, check_protocol_version
 from wire.frontend import (
@@ -53,109 +52,6 @@ from wire.transport import ENDPOINT_TOKENIZER_IN, AsyncPullSocket, endpoint
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
-
-
-@dataclass
-class GenerationOutput:
-    """What one request produced since its previous output, ready for the HTTP layer."""
-
-    rid: str
-    index: int
-    """Choice index within its HTTP request (n > 1)."""
-    text: str
-    token_ids: list[int]
-    token_logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
-    finish_reason: str | None
-    """stop | length | abort | error; None while running."""
-    prompt_tokens: int
-    completion_tokens: int
-    """Cumulative."""
-    cached_tokens: int
-    error: str = ""
-
-
-@dataclass
-class _OpenRequest:
-    rid: str
-    index: int
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    detok: RequestDetokenizer
-    replica: int
-    """The data-parallel replica whose scheduler runs it."""
-    queue: asyncio.Queue[TokenOut] = field(default_factory=asyncio.Queue)
-    generated: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
-    created: float = field(default_factory=time.monotonic)
-    scheduler_done: bool = False
-    """The scheduler finished it, or was already told to abort it: no AbortReq is due."""
-
-
-class RequestHandle:
-    """One submitted request; iterate `outputs()` once, or `close()` it."""
-
-    def __init__(self, manager: RequestManager, req: _OpenRequest) -> None:
-        self._manager = manager
-        self._req = req
-        self._closed = False
-
-    @property
-    def rid(self) -> str:
-        return self._req.rid
-
-    async def outputs(self) -> AsyncIterator[GenerationOutput]:
-        req = self._req
-        metrics = self._manager.metrics
-        last = req.created
-        try:
-            while True:
-                out = await req.queue.get()
-                now = time.monotonic()
-                if out.token_ids and metrics is not None:
-                    if not req.generated:
-                        metrics.ttft.observe(now - req.created)
-                        metrics.observe_prefill(len(req.prompt_ids), out.cached_tokens)
-                    else:
-                        metrics.itl.observe(now - last)
-                    metrics.generation_tokens.inc(len(out.token_ids))
-                if out.token_ids:
-                    last = now
-                req.generated.extend(out.token_ids)
-                req.cached_tokens = max(req.cached_tokens, out.cached_tokens)
-                finish = out.finish_reason
-                if finish is not None:
-                    req.scheduler_done = True
-                step = req.detok.step(out.token_ids, finish)
-                if step.stop_string_hit and finish is None:
-                    finish = "stop"  # the scheduler still runs it: close() aborts it there
-                yield GenerationOutput(
-                    rid=req.rid,
-                    index=req.index,
-                    text=step.text,
-                    token_ids=list(out.token_ids),
-                    token_logprobs=list(out.token_logprobs),
-                    top_logprobs=[list(t) for t in out.top_logprobs],
-                    finish_reason=finish,
-                    prompt_tokens=len(req.prompt_ids),
-                    completion_tokens=len(req.generated),
-                    cached_tokens=req.cached_tokens,
-                    error=out.error,
-                )
-                if finish is not None:
-                    if metrics is not None:
-                        metrics.e2e.observe(now - req.created)
-                        metrics.finished.labels(finish_reason=finish).inc()
-                    return
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Unregister; abort in the scheduler unless it already finished. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._manager._release(self._req)
 
 
 class Overloaded(APIError):
@@ -183,7 +79,7 @@ class RequestManager:
             zmq_ctx, endpoint(args.run_dir, ENDPOINT_TOKENIZER_IN), bind=True, union=TokenizerInput,
             name="tokenizer.in",
         )
-        self._open: dict[str, _OpenRequest] = {}
+        self._open: dict[str, OpenRequest] = {}
         self.draining = False
         """Set on SIGTERM: new requests get 503 while open ones finish."""
         self.health = ServerHealth(healthy=True, restarts=0)
@@ -290,7 +186,7 @@ class RequestManager:
         handles = []
         for index, (rid, sp) in enumerate(zip(rids, params, strict=True)):
             detok = RequestDetokenizer(self.tokenizer, stop, skip_special_tokens, sp.stop_token_ids)
-            req = _OpenRequest(rid, index, prompt, sp, detok, replica)
+            req = OpenRequest(rid, index, prompt, sp, detok, replica)
             self._open[rid] = req
             handles.append(RequestHandle(self, req))
         if self.metrics is not None:
@@ -322,7 +218,7 @@ class RequestManager:
             self.abort(rid)
         return len(rids)
 
-    def _release(self, req: _OpenRequest) -> None:
+    def release(self, req: OpenRequest) -> None:
         if self._open.get(req.rid) is req:
             del self._open[req.rid]
             self.replicas.router.closed(req.replica)

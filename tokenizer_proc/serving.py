@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import Request
 
 from tokenizer_proc.errors import SERVER_ERROR, SERVER_UNAVAILABLE, APIError
-from tokenizer_proc.request_manager import GenerationOutput, RequestHandle
+from tokenizer_proc.request_handle import GenerationOutput, RequestHandle
 
 SSE_DONE = "data: [DONE]\n\n"
 _END = object()

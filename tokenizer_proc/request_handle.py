@@ -1,0 +1,120 @@
+"""One open request as the HTTP side sees it: what the tokenizer keeps per rid
+(`OpenRequest`), the handle a route iterates (`RequestHandle`), and what each iteration
+yields (`GenerationOutput`). `RequestManager` creates them and feeds their queues."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tokenizer_proc.detokenizer import RequestDetokenizer
+from wire.frontend import SamplingParams, TokenOut
+
+if TYPE_CHECKING:
+    from tokenizer_proc.request_manager import RequestManager
+
+
+@dataclass
+class GenerationOutput:
+    """What one request produced since its previous output, ready for the HTTP layer."""
+
+    rid: str
+    index: int
+    """Choice index within its HTTP request (n > 1)."""
+    text: str
+    token_ids: list[int]
+    token_logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: str | None
+    """stop | length | abort | error; None while running."""
+    prompt_tokens: int
+    completion_tokens: int
+    """Cumulative."""
+    cached_tokens: int
+    error: str = ""
+
+
+@dataclass
+class OpenRequest:
+    rid: str
+    index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    detok: RequestDetokenizer
+    replica: int
+    """The data-parallel replica whose scheduler runs it."""
+    queue: asyncio.Queue[TokenOut] = field(default_factory=asyncio.Queue)
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    created: float = field(default_factory=time.monotonic)
+    scheduler_done: bool = False
+    """The scheduler finished it, or was already told to abort it: no AbortReq is due."""
+
+
+class RequestHandle:
+    """One submitted request; iterate `outputs()` once, or `close()` it."""
+
+    def __init__(self, manager: RequestManager, req: OpenRequest) -> None:
+        self._manager = manager
+        self._req = req
+        self._closed = False
+
+    @property
+    def rid(self) -> str:
+        return self._req.rid
+
+    async def outputs(self) -> AsyncIterator[GenerationOutput]:
+        req = self._req
+        metrics = self._manager.metrics
+        last = req.created
+        try:
+            while True:
+                out = await req.queue.get()
+                now = time.monotonic()
+                if out.token_ids and metrics is not None:
+                    if not req.generated:
+                        metrics.ttft.observe(now - req.created)
+                        metrics.observe_prefill(len(req.prompt_ids), out.cached_tokens)
+                    else:
+                        metrics.itl.observe(now - last)
+                    metrics.generation_tokens.inc(len(out.token_ids))
+                if out.token_ids:
+                    last = now
+                req.generated.extend(out.token_ids)
+                req.cached_tokens = max(req.cached_tokens, out.cached_tokens)
+                finish = out.finish_reason
+                if finish is not None:
+                    req.scheduler_done = True
+                step = req.detok.step(out.token_ids, finish)
+                if step.stop_string_hit and finish is None:
+                    finish = "stop"  # the scheduler still runs it: close() aborts it there
+                yield GenerationOutput(
+                    rid=req.rid,
+                    index=req.index,
+                    text=step.text,
+                    token_ids=list(out.token_ids),
+                    token_logprobs=list(out.token_logprobs),
+                    top_logprobs=[list(t) for t in out.top_logprobs],
+                    finish_reason=finish,
+                    prompt_tokens=len(req.prompt_ids),
+                    completion_tokens=len(req.generated),
+                    cached_tokens=req.cached_tokens,
+                    error=out.error,
+                )
+                if finish is not None:
+                    if metrics is not None:
+                        metrics.e2e.observe(now - req.created)
+                        metrics.finished.labels(finish_reason=finish).inc()
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Unregister; abort in the scheduler unless it already finished. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._manager.release(self._req)
