@@ -135,6 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="hex key signing cross-node frames (HMAC-SHA256); node 0 makes and prints one if absent",
     )
+    sim = p.add_argument_group("simulation")
+    sim.add_argument(
+        "--worker",
+        choices=["model", "simulated"],
+        default="model",
+        help="simulated: workers load no model, sleep for the profile's step time, emit pseudo-tokens",
+    )
+    sim.add_argument(
+        "--sim-profile",
+        metavar="PROFILE.json",
+        default=None,
+        help="step-time profile of simulated workers (profiles/*.json; python -m gpu_worker.fit_profile)",
+    )
     o = p.add_argument_group("processes")
     o.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     o.add_argument("--startup-timeout", type=float, default=300.0, help="seconds each process may take to be ready")
@@ -216,6 +229,8 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
         dist_init_host=dist_host,
         dist_init_port=dist_port,
         cluster_secret=cluster_secret,
+        worker=ns.worker,
+        sim_profile=os.path.abspath(ns.sim_profile) if ns.sim_profile else None,
         run_dir=run_dir,
         log_level=ns.log_level,
         startup_timeout_s=ns.startup_timeout,
@@ -245,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.tp_size < 1 or ns.dp_size < 1:
         print(f"error: --tp-size and --dp-size must be at least 1, not {ns.tp_size} and {ns.dp_size}", file=sys.stderr)
+        return 2
+    if (ns.worker == "simulated") != (ns.sim_profile is not None):
+        print("error: --worker simulated and --sim-profile PROFILE.json go together", file=sys.stderr)
         return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s trident::launch %(levelname)s %(message)s")
     try:

@@ -12,14 +12,19 @@ from wire.child import start_child
 def main() -> None:
     ctx = start_child("worker")
     try:
-        from gpu_worker.worker import Worker
+        if ctx.args.worker == "simulated":
+            from gpu_worker.simulated import SimulatedWorker
 
-        worker = Worker(ctx)
+            worker = SimulatedWorker(ctx)
+        else:
+            from gpu_worker.worker import Worker
+
+            worker = Worker(ctx)
     except Exception as e:
         logging.getLogger(__name__).exception("worker failed to start")
         ctx.report_failed(f"{ctx.name} could not start: {type(e).__name__}: {e}")
         sys.exit(1)
-    ctx.report_ready(f"{worker.num_pages - 1} KV pages of {ctx.args.page_size} tokens, {worker.dtype}")
+    ctx.report_ready(f"{worker.num_pages - 1} KV pages of {ctx.args.page_size} tokens, {worker.summary()}")
     try:
         worker.run_forever()
     except Exception as e:  # e.g. a tensor-parallel peer died or a collective timed out

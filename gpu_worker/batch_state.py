@@ -37,13 +37,12 @@ class SeqLensSumMismatch(RuntimeError):
 
 
 @dataclass
-class ForwardInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor
-    """Flat-batch indices whose logits are needed: the last token of each sampling row,
-    and every position of a row verifying drafts."""
+class StepPlan:
+    """Which rows compute this step and what they run, on the host only (no tensors yet).
+
+    The simulated worker needs no more than this; the model worker turns it into
+    ForwardInputs."""
+
     sampling_slots: list[int]
     """Slots of the sampling rows, in batch order."""
     num_logits: list[int]
@@ -55,6 +54,24 @@ class ForwardInputs:
     """Tokens each computing row runs this step (aligned with computing_slots)."""
     finishing_prefill_slots: list[int]
     num_prefill_tokens: int
+    host_ids: np.ndarray
+    """Flat input ids; a decoding row's first entry is a placeholder for its last token."""
+    short_rows: list[tuple[int, int, int]]
+    """Decoding rows: (flat offset, q_len, slot)."""
+    extend_rows: list[tuple[int, int, int, int]]
+    """Prefilling rows: (flat offset, q_len, prefix, slot)."""
+    logit_positions: list[int]
+    """Flat-batch indices whose logits are needed: the last token of each sampling row,
+    and every position of a row verifying drafts."""
+
+
+@dataclass
+class ForwardInputs(StepPlan):
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    """logit_positions, on the device."""
 
 
 class BatchState:
@@ -113,7 +130,13 @@ class BatchState:
     def build_forward(
         self, chunks: dict[int, tuple[np.ndarray, bool]], drafts: dict[int, np.ndarray] | None = None
     ) -> ForwardInputs | None:
-        """Flat inputs for the rows that compute this step, in batch order.
+        plan = self.plan_step(chunks, drafts)
+        return None if plan is None else self.forward_inputs(plan)
+
+    def plan_step(
+        self, chunks: dict[int, tuple[np.ndarray, bool]], drafts: dict[int, np.ndarray] | None = None
+    ) -> StepPlan | None:
+        """The rows that compute this step, in batch order.
 
         A prefilling row runs its chunk (if it has one this step); a decoding row runs its
         last sampled token, followed by its draft tokens when it verifies a draft.
@@ -121,8 +144,8 @@ class BatchState:
         drafts = drafts or {}
         host_ids: list[np.ndarray] = []
         slots, q_lens, sampling_slots, num_logits, finishing = [], [], [], [], []
-        short_rows: list[tuple[int, int, int]] = []  # (flat offset, q_len, slot)
-        extend_rows: list[tuple[int, int, int, int]] = []  # (flat offset, q_len, prefix, slot)
+        short_rows: list[tuple[int, int, int]] = []
+        extend_rows: list[tuple[int, int, int, int]] = []
         logits_idx: list[int] = []
         offset = num_prefill = 0
         for slot in self.order:
@@ -140,7 +163,7 @@ class BatchState:
             elif self.decoding[slot]:
                 draft = drafts.get(slot, _NO_DRAFT)
                 n = 1 + len(draft)
-                host_ids.append(np.concatenate([[0], draft]).astype(np.int64))  # [0] = last token, filled below
+                host_ids.append(np.concatenate([[0], draft]).astype(np.int64))  # [0] = last token, filled later
                 short_rows.append((offset, n, slot))
                 sampling_slots.append(slot)
                 num_logits.append(n)
@@ -152,34 +175,42 @@ class BatchState:
             offset += n
         if not slots:
             return None
-
-        dev = self.device
-        slots_arr, q_lens_arr = np.asarray(slots), np.asarray(q_lens)
-        starts = self.row_lens_host[slots_arr]
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens_arr)])
-        out_loc = self._pool_index(np.repeat(slots_arr, q_lens_arr), positions)
-        input_ids = torch.from_numpy(np.concatenate(host_ids)).to(dev)
-        if short_rows:
-            first = torch.tensor([o for o, _, _ in short_rows], device=dev)
-            input_ids[first] = self.last_token[torch.tensor([s for _, _, s in short_rows], device=dev)]
-        rows = []
-        for q_start, n, prefix, slot in extend_rows:
-            kv = self._pool_index(np.full(prefix + n, slot), np.arange(prefix + n))
-            mask = shifted_causal_mask(n, prefix, dev) if prefix else None
-            rows.append(ExtendRow(q_start, n, prefix, torch.from_numpy(kv).to(dev), mask))
-        meta = AttentionMetadata(torch.from_numpy(out_loc).to(dev), *self._short_row_metadata(short_rows), rows)
-        return ForwardInputs(
-            input_ids=input_ids,
-            positions=torch.from_numpy(positions).to(dev),
-            meta=meta,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
+        return StepPlan(
             sampling_slots=sampling_slots,
             num_logits=num_logits,
             drafts=drafts,
-            computing_slots=slots_arr,
-            q_lens=q_lens_arr,
+            computing_slots=np.asarray(slots),
+            q_lens=np.asarray(q_lens),
             finishing_prefill_slots=finishing,
             num_prefill_tokens=num_prefill,
+            host_ids=np.concatenate(host_ids),
+            short_rows=short_rows,
+            extend_rows=extend_rows,
+            logit_positions=logits_idx,
+        )
+
+    def forward_inputs(self, plan: StepPlan) -> ForwardInputs:
+        """The model's flat inputs and attention metadata for a plan."""
+        dev = self.device
+        starts = self.row_lens_host[plan.computing_slots]
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, plan.q_lens)])
+        out_loc = self._pool_index(np.repeat(plan.computing_slots, plan.q_lens), positions)
+        input_ids = torch.from_numpy(plan.host_ids).to(dev)
+        if plan.short_rows:
+            first = torch.tensor([o for o, _, _ in plan.short_rows], device=dev)
+            input_ids[first] = self.last_token[torch.tensor([s for _, _, s in plan.short_rows], device=dev)]
+        rows = []
+        for q_start, n, prefix, slot in plan.extend_rows:
+            kv = self._pool_index(np.full(prefix + n, slot), np.arange(prefix + n))
+            mask = shifted_causal_mask(n, prefix, dev) if prefix else None
+            rows.append(ExtendRow(q_start, n, prefix, torch.from_numpy(kv).to(dev), mask))
+        meta = AttentionMetadata(torch.from_numpy(out_loc).to(dev), *self._short_row_metadata(plan.short_rows), rows)
+        return ForwardInputs(
+            **vars(plan),
+            input_ids=input_ids,
+            positions=torch.from_numpy(positions).to(dev),
+            meta=meta,
+            logits_indices=torch.tensor(plan.logit_positions, dtype=torch.int64, device=dev),
         )
 
     def _pool_index(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -211,7 +242,7 @@ class BatchState:
             torch.from_numpy(mask).to(dev)[:, None],
         )
 
-    def advance(self, inputs: ForwardInputs, accepted: list[np.ndarray]) -> None:
+    def advance(self, inputs: StepPlan, accepted: list[np.ndarray]) -> None:
         """After the forward: each row's length grows by the tokens whose KV is now valid
         (a chunk, or the accepted part of a verified draft); the last accepted token feeds
         the row's next step."""

@@ -1,8 +1,7 @@
-"""The worker process: model, KV tensors, device seq_lens, sampling, and its loop.
+"""The model worker: model, KV tensors, device seq_lens, sampling.
 
-Each step: receive a descriptor, apply the delta to the persistent batch, (on the
-overlapped path) publish the one seq_lens sync, run the forward, sample, advance, reply.
-Only rank 0 replies.
+The descriptor loop it runs (apply, plan, seq_lens sync, forward, reply) is worker_loop.py;
+this class supplies the forward, the sampling and the tensor-parallel group.
 
 With --tp-size N every rank runs this same loop on the same descriptors, in lockstep: each
 rank that accepts a descriptor meets the others in a step-id check before the forward
@@ -20,7 +19,7 @@ import numpy as np
 import psutil
 import torch
 
-from gpu_worker.batch_state import BatchState, ForwardInputs, StepGapError
+from gpu_worker.batch_state import BatchState, StepPlan
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.model_config import ModelConfig
@@ -28,30 +27,11 @@ from gpu_worker.ngram_drafter import NgramDrafter, can_draft
 from gpu_worker.parallel import ShardPlan, TPGroup, dist_port
 from gpu_worker.sampler import SamplingTable, sample
 from gpu_worker.weights import iter_weights, load_config
-from wire.backend import (
-    BatchDescriptor,
-    ForwardMode,
-    ResetBatch,
-    SeqLensSync,
-    StepResult,
-    WorkerCounters,
-    WorkerError,
-    WorkerInput,
-    WorkerReady,
-)
+from gpu_worker.worker_loop import WorkerLoop
+from wire.backend import BatchDescriptor
 from wire.child import ChildContext
-from wire.cluster import layout_of, signer_of
-from wire.codec import pack_int32
-from wire.control import PROTOCOL_VERSION
+from wire.cluster import layout_of
 from wire.server_args import ServerArgs
-from wire.transport import (
-    PullSocket,
-    PushSocket,
-    endpoint,
-    peer_id,
-    scheduler_reply_endpoint,
-    worker_endpoint,
-)
 
 logger = logging.getLogger(__name__)
 MIN_COLLECTIVE_TIMEOUT_S = 30.0
@@ -80,20 +60,6 @@ def kv_pool_tokens(
     return max(args.page_size * 16, int(free * args.mem_fraction) // kv_bytes_per_token(cfg, dtype, num_kv_heads))
 
 
-def open_worker_inbox(ctx: ChildContext) -> PullSocket:
-    """Descriptors from the scheduler: an ipc socket beside it, or, for a rank on another
-    node, a signed tcp link to the scheduler's node that names this rank."""
-    args, name = ctx.args, f"{ctx.name}.in"
-    if layout_of(args).is_remote_rank(ctx.rank):
-        address = layout_of(args).descriptor_address(ctx.dp_rank)
-        return PullSocket(
-            ctx.zmq_ctx, address, False, WorkerInput, name, signer_of(args), peer_id(ctx.dp_rank, ctx.rank)
-        )
-    return PullSocket(
-        ctx.zmq_ctx, endpoint(args.run_dir, worker_endpoint(ctx.dp_rank, ctx.rank)), True, WorkerInput, name
-    )
-
-
 def worker_device(args: ServerArgs, rank: int, dp_rank: int) -> torch.device:
     """Each worker on a node has a GPU of its own, counted from --base-gpu-id."""
     if args.device == "cuda":
@@ -105,17 +71,18 @@ def worker_device(args: ServerArgs, rank: int, dp_rank: int) -> torch.device:
     return torch.device(args.device)
 
 
-class Worker:
+class Worker(WorkerLoop):
     def __init__(self, ctx: ChildContext) -> None:
+        super().__init__(ctx)
         args = ctx.args
-        self.args = args
-        self.rank = ctx.rank
         self.device = worker_device(args, ctx.rank, ctx.dp_rank)
         if self.device.type == "cpu":  # the workers of this node share its cores
             workers_here = args.dp_size * layout_of(args).ranks_per_node
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers_here))
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.cfg = load_config(args.model_path)
+        self.vocab_size = self.cfg.vocab_size
+        self.eos_token_ids = list(self.cfg.eos_token_ids)
         self.context_length = min(args.context_length or self.cfg.max_position, self.cfg.max_position)
         # Checked before joining the group, so that a bad --tp-size is a clear start-up error on every rank.
         self.plan = ShardPlan.build(self.cfg, ctx.rank, args.tp_size)
@@ -147,96 +114,20 @@ class Worker:
         self.state = BatchState(
             args.max_running_requests, max_pages_per_row, args.page_size, self.sampling, self.device
         )
-        self.counters = WorkerCounters()
+        self.open_sockets(ctx)
 
-        self.inbox = open_worker_inbox(ctx)
-        self.reply = (
-            PushSocket(ctx.zmq_ctx, endpoint(args.run_dir, scheduler_reply_endpoint(ctx.dp_rank)), bind=False)
-            if ctx.rank == 0
-            else None
-        )
+    def summary(self) -> str:
+        return str(self.dtype)
 
-    def ready_message(self) -> WorkerReady:
-        return WorkerReady(
-            protocol_version=PROTOCOL_VERSION,
-            rank=self.rank,
-            num_pages=self.num_pages,
-            page_size=self.args.page_size,
-            vocab_size=self.cfg.vocab_size,
-            context_length=self.context_length,
-            eos_token_ids=list(self.cfg.eos_token_ids),
-            max_running_requests=self.args.max_running_requests,
-        )
+    def agree_on_step(self, step_id: int, failed: bool) -> str | None:
+        return self.tp.check_step(step_id, failed=failed)
 
-    def run_forever(self) -> None:
-        self._send(self.ready_message())
-        while True:
-            wait_start = time.perf_counter()
-            msg = self.inbox.recv()
-            step_start = time.perf_counter()
-            if isinstance(msg, BatchDescriptor):
-                if self.state.order:  # waiting with rows in the batch is time the scheduler cost
-                    self.counters.idle_s += step_start - wait_start
-                result = self.step(msg)
-                self.counters.busy_s += time.perf_counter() - step_start
-                if isinstance(result, StepResult):
-                    result.counters.busy_s, result.counters.idle_s = self.counters.busy_s, self.counters.idle_s
-                self._send(result)
-            elif isinstance(msg, ResetBatch):
-                self.state.reset(msg.next_step_id)
-                if self.drafter:
-                    for slot in range(len(self.drafter.history)):
-                        self.drafter.reset_slot(slot)
-                self._send(self.ready_message())
+    def on_reset(self) -> None:
+        if self.drafter:
+            for slot in range(len(self.drafter.history)):
+                self.drafter.reset_slot(slot)
 
-    def step(self, desc: BatchDescriptor) -> StepResult | WorkerError:
-        failure = None
-        try:
-            chunks = self.state.apply(desc)
-        except StepGapError as e:
-            # Refused before any state changed, and before meeting the other ranks: a stale or
-            # forged frame is a no-op here. A rank that really missed a step never meets its
-            # peers again; they time out (or the scheduler's watchdog restarts the group).
-            logger.error("step %d rejected: %s", desc.step_id, e)
-            return WorkerError(desc.step_id, str(e))
-        except Exception as e:  # a bad delta: refuse rather than compute on stale state
-            failure = str(e)
-        # Every rank that accepted the step id meets here, failed or not: none computes alone.
-        disagreement = self.tp.check_step(desc.step_id, failed=failure is not None)
-        error = failure or disagreement
-        if error is not None:
-            logger.error("step %d rejected: %s", desc.step_id, error)
-            return WorkerError(desc.step_id, error)
-        t0 = time.perf_counter()
-        self._note_new_tokens(desc, chunks)
-        inputs = self.state.build_forward(chunks, self._propose_drafts())
-        if self._is_overlapped(desc):
-            self._publish_seq_lens_sync(desc.step_id)
-        accepted, logprobs = self._forward_and_sample(inputs)
-        self.counters.steps += 1
-        seq_lens = None
-        if self.args.check_seq_lens:
-            try:
-                if not self.drafter:  # with drafts the descriptor's sum is an estimate
-                    self.state.check_seq_lens_sum(desc)
-            except Exception as e:
-                logger.error("%s", e)
-                return WorkerError(desc.step_id, str(e))
-            seq_lens = pack_int32(self.state.copy_seq_lens_to_host(for_debug_check=True))
-        self.counters.seq_lens_d2h_copies = self.state.seq_lens_d2h_copies
-        self.counters.dropped_frames = self.inbox.dropped
-        flat = np.concatenate(accepted) if accepted else np.zeros(0, dtype=np.int64)
-        return StepResult(
-            step_id=desc.step_id,
-            next_token_ids=pack_int32(flat),
-            counters=WorkerCounters(**{f: getattr(self.counters, f) for f in WorkerCounters.__struct_fields__}),
-            forward_time_s=time.perf_counter() - t0,
-            logprobs=logprobs,
-            accept_lens=pack_int32([len(a) for a in accepted]) if self.drafter else b"",
-            seq_lens=seq_lens,
-        )
-
-    def _note_new_tokens(self, desc: BatchDescriptor, chunks: dict[int, tuple[np.ndarray, bool]]) -> None:
+    def note_new_tokens(self, desc: BatchDescriptor, chunks: dict[int, tuple[np.ndarray, bool]]) -> None:
         for slot, (tokens, _) in chunks.items():
             self.sampling.note_prompt_tokens(slot, torch.from_numpy(tokens.astype("int64")).to(self.device))
         if self.drafter:
@@ -245,7 +136,7 @@ class Worker:
             for slot, (tokens, _) in chunks.items():
                 self.drafter.note_tokens(slot, tokens)
 
-    def _propose_drafts(self) -> dict[int, np.ndarray]:
+    def propose_drafts(self) -> dict[int, np.ndarray]:
         if not self.drafter:
             return {}
         drafts = {}
@@ -257,20 +148,11 @@ class Worker:
                     drafts[slot] = draft
         return drafts
 
-    def _is_overlapped(self, desc: BatchDescriptor) -> bool:
-        return not self.args.disable_overlap and desc.forward_mode in (ForwardMode.DECODE, ForwardMode.MIXED)
-
-    def _publish_seq_lens_sync(self, step_id: int) -> None:
-        """The single sync point: one device-to-host copy, before the overlapped forward."""
-        host = self.state.copy_seq_lens_to_host()
-        self._send(SeqLensSync(step_id, pack_int32(host), int(host.sum())))
-
-    def _forward_and_sample(self, inputs: ForwardInputs | None) -> tuple[list[np.ndarray], list]:
-        """Runs the batch; returns the accepted tokens of each sampling row, and logprobs."""
-        if inputs is None:
+    def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
+        if plan is None:
             return [], []
+        inputs = self.state.forward_inputs(plan)
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_pool, inputs.meta, inputs.logits_indices)
-        self.counters.prefill_tokens_computed += inputs.num_prefill_tokens
         ends = np.cumsum(inputs.num_logits)
         plain = [i for i, s in enumerate(inputs.sampling_slots) if s not in inputs.drafts]
         accepted: list[np.ndarray] = [None] * len(inputs.sampling_slots)  # type: ignore[list-item]
@@ -302,7 +184,3 @@ class Worker:
         accepted_drafts = len(draft) if matches.all() else int(np.argmin(matches))
         self.sampling.generated[slot] += accepted_drafts + 1
         return targets[: accepted_drafts + 1]
-
-    def _send(self, msg) -> None:
-        if self.reply is not None:
-            self.reply.send(msg)

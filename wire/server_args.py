@@ -68,6 +68,13 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     base_gpu_id: int = 0
     """With device cuda, rank r runs on cuda:{base_gpu_id + r} (per node)."""
 
+    # Simulation
+    worker: str = "model"
+    """model: workers run the model; simulated: workers sleep for the step time sim_profile
+    predicts and produce pseudo-tokens (gpu_worker/simulated.py)."""
+    sim_profile: str | None = None
+    """Step-time profile JSON of the simulated workers (profiles/, gpu_worker.fit_profile)."""
+
     # Processes
     run_dir: str = ""
     """Private (0700) directory holding the ipc:// endpoints of this run."""

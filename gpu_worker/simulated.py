@@ -1,0 +1,126 @@
+"""A worker that loads no model: `launch.py --worker simulated --sim-profile PROFILE.json`.
+
+It runs the same descriptor loop as the model worker (worker_loop.py): the same
+BatchState, the same seq_lens sync before an overlapped step, the same replies, so the
+real tokenizer and scheduler cannot tell it from a model worker, except by its tokens.
+Instead of a forward it sleeps for the step time its profile predicts from the step's
+shape (step_profile.py), and it allocates no KV tensors, so a KV pool of millions of
+tokens costs nothing.
+
+Tokens are a hash of the token fed and its position (and the request's seed): like a
+greedy model, a request's output depends only on its own tokens, so it is the same
+across runs, with overlap on or off, after a retraction or a restart (resumed requests
+feed the same tokens at the same positions), and with speculation on or off (a verifying
+row accepts a hash-chosen number of drafts, and the accepted tokens are the same chain).
+Tokens avoid EOS and the low ids (special and single-byte tokens), so requests run to
+their length limit and every token detokenizes to text.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from gpu_worker.batch_state import BatchState, StepPlan
+from gpu_worker.ngram_drafter import can_draft
+from gpu_worker.sampler import SamplingTable
+from gpu_worker.step_profile import StepProfile
+from gpu_worker.weights import load_config
+from gpu_worker.worker_loop import WorkerLoop
+from wire.child import ChildContext
+
+logger = logging.getLogger(__name__)
+
+LOWEST_TOKEN = 1000
+"""Below this, byte-level BPE vocabularies keep special and single-byte tokens."""
+_ACCEPT_SALT = 0x5BD1E995
+_M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def mix64(prev: np.ndarray, positions: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+    """splitmix64 of (token, position, seed): well spread, deterministic, vectorised."""
+    with np.errstate(over="ignore"):
+        x = prev.astype(np.uint64) * _M1 ^ positions.astype(np.uint64) * _M2 ^ seeds.astype(np.uint64) * _M3
+        x ^= x >> np.uint64(30)
+        x *= _M2
+        x ^= x >> np.uint64(27)
+        x *= _M3
+        return x ^ (x >> np.uint64(31))
+
+
+class SimulatedWorker(WorkerLoop):
+    def __init__(self, ctx: ChildContext) -> None:
+        super().__init__(ctx)
+        args = ctx.args
+        self.profile = StepProfile.load(args.sim_profile)
+        cfg = load_config(args.model_path)  # the header only: vocabulary, EOS, context length
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = list(cfg.eos_token_ids)
+        self.context_length = min(args.context_length or cfg.max_position, cfg.max_position)
+        self.lowest_token = LOWEST_TOKEN if cfg.vocab_size > 2 * LOWEST_TOKEN else 1
+        pool_tokens = args.max_total_tokens or self.profile.kv_pool_tokens
+        self.num_pages = pool_tokens // args.page_size + 1  # page 0 is the padding page
+        self.num_draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
+        max_pages_per_row = -(-(self.context_length + 2 * self.num_draft_tokens + 2) // args.page_size) + 1
+        cpu = torch.device("cpu")
+        self.sampling = SamplingTable(args.max_running_requests, cfg.vocab_size, self.eos_token_ids, cpu)
+        self.state = BatchState(args.max_running_requests, max_pages_per_row, args.page_size, self.sampling, cpu)
+        self._row_offset = np.zeros(args.max_running_requests, dtype=np.int64)
+        self.open_sockets(ctx)
+
+    def summary(self) -> str:
+        return f"simulated: {self.profile.description or self.args.sim_profile}"
+
+    def propose_drafts(self) -> dict[int, np.ndarray]:
+        """K placeholder drafts per row that may draft: only their number matters here."""
+        if not self.num_draft_tokens:
+            return {}
+        drafts = {}
+        for slot in self.state.order:
+            if self.state.decoding[slot] and can_draft(self.sampling.params[slot]):
+                room = self.context_length - int(self.state.row_lens_host[slot]) - 1
+                if room > 0:
+                    drafts[slot] = np.zeros(min(room, self.num_draft_tokens), dtype=np.int64)
+        return drafts
+
+    def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
+        accepted: list[np.ndarray] = []
+        if plan is not None:
+            accepted = self._pseudo_tokens(plan)
+            self.state.advance(plan, accepted)
+        # Sleep out what the profile says this step costs, less what it already took.
+        predicted = float(self.profile.predict(self.last_step_features))
+        remaining = self.step_started + predicted - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return accepted, []
+
+    def _pseudo_tokens(self, plan: StepPlan) -> list[np.ndarray]:
+        state = self.state
+        slots = np.asarray(plan.sampling_slots, dtype=np.int64)
+        num_logits = np.asarray(plan.num_logits, dtype=np.int64)
+        first_logit = np.cumsum(num_logits) - num_logits
+        self._row_offset[plan.computing_slots] = np.cumsum(plan.q_lens) - plan.q_lens
+        # The token each row feeds at its first logit position, and that position.
+        fed = plan.host_ids[np.asarray(plan.logit_positions, dtype=np.int64)[first_logit]]
+        decoding = state.decoding[slots]
+        fed[decoding] = state.last_token[torch.from_numpy(slots[decoding])].numpy()
+        positions = state.row_lens_host[slots] + np.asarray(plan.logit_positions)[first_logit] - self._row_offset[slots]
+        seeds = np.asarray([self.sampling.params[s].seed or 0 for s in plan.sampling_slots], dtype=np.int64)
+        num_accepted = 1 + mix64(fed, positions, seeds ^ _ACCEPT_SALT) % num_logits.astype(np.uint64)
+        chain = []
+        for k in range(int(num_logits.max())):
+            fed = self._token_of(mix64(fed, positions + k, seeds))
+            chain.append(fed)
+        tokens = np.stack(chain, axis=1)
+        return [tokens[i, :n] for i, n in enumerate(num_accepted.astype(np.int64).tolist())]
+
+    def _token_of(self, hashed: np.ndarray) -> np.ndarray:
+        span = np.uint64(self.vocab_size - self.lowest_token)
+        tokens = (self.lowest_token + hashed % span).astype(np.int64)
+        for eos in self.eos_token_ids:  # move off EOS to the next id (in range: EOS ids are low or last)
+            tokens[tokens == eos] = self.lowest_token + (eos + 1 - self.lowest_token) % int(span)
+        return tokens

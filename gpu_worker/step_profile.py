@@ -1,0 +1,113 @@
+"""A step-time profile: how long a worker step takes, as a function of the step's shape.
+
+The model is linear in five features of a step (all counted before the step runs):
+
+    t = const
+      + per_token       * tokens          every token computed goes through every weight matrix
+      + per_logit_row   * logit_rows      rows whose logits are computed (lm_head, sampling)
+      + per_kv_read     * decode_kv_read  query-key pairs of decoding rows (attention reads KV)
+      + per_extend_pair * extend_pairs    query-key pairs of prefill chunks (the quadratic term)
+
+A query at position p attends to p + 1 keys, so a row running q tokens after `prefix`
+tokens has q * prefix + q * (q + 1) / 2 pairs. On a GPU `const` is reading the weights
+once per step; on a CPU it is the per-step overhead of the loop and the thread pool.
+
+Profiles are JSON files (profiles/*.json): measured ones come from
+`python -m gpu_worker.fit_profile RECORDING`, hand-written ones say in `source` where
+their numbers come from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from gpu_worker.batch_state import StepPlan
+
+FEATURES = ("const", "tokens", "logit_rows", "decode_kv_read", "extend_pairs")
+COEFFICIENT_NAMES = ("const_s", "per_token_s", "per_logit_row_s", "per_kv_read_s", "per_extend_pair_s")
+MODEL = (
+    "step seconds = const_s + per_token_s * tokens + per_logit_row_s * logit_rows"
+    " + per_kv_read_s * decode_kv_read + per_extend_pair_s * extend_pairs (gpu_worker/step_profile.py)"
+)
+
+
+def query_key_pairs(q_lens: np.ndarray, prefixes: np.ndarray) -> int:
+    return int((q_lens * prefixes + q_lens * (q_lens + 1) // 2).sum())
+
+
+def step_features(row_lens: np.ndarray, plan: StepPlan | None) -> np.ndarray:
+    """The step's shape in FEATURES order; `row_lens` are the rows' KV lengths before the step."""
+    if plan is None:
+        return np.zeros(len(FEATURES))
+    extend = np.asarray([(n, prefix) for _, n, prefix, _ in plan.extend_rows], dtype=np.int64).reshape(-1, 2)
+    short = np.asarray([(n, slot) for _, n, slot in plan.short_rows], dtype=np.int64).reshape(-1, 2)
+    return np.asarray(
+        [
+            1.0,
+            float(plan.q_lens.sum()),
+            float(sum(plan.num_logits)),
+            query_key_pairs(short[:, 0], row_lens[short[:, 1]]),
+            query_key_pairs(extend[:, 0], extend[:, 1]),
+        ]
+    )
+
+
+@dataclass
+class StepProfile:
+    """Coefficients of the step-time model above, and what they describe."""
+
+    coefficients: dict[str, float]
+    """Seconds per unit of each feature, keyed by COEFFICIENT_NAMES."""
+    description: str = ""
+    """Model, dtype, hardware."""
+    source: str = ""
+    """How the numbers were obtained: the fitting command and recording, or the published
+    figures a hand-written profile is derived from."""
+    kv_pool_tokens: int = 1_000_000
+    """The KV pool a simulated worker advertises when --max-total-tokens is 0."""
+    fit: dict = field(default_factory=dict)
+    """Fit diagnostics (steps used, relative errors); empty for hand-written profiles."""
+
+    def vector(self) -> np.ndarray:
+        return np.asarray([self.coefficients[name] for name in COEFFICIENT_NAMES])
+
+    def predict(self, features: np.ndarray) -> np.ndarray | float:
+        """Step seconds for one feature vector, or for a matrix of them (one step per row)."""
+        return features @ self.vector()
+
+    @classmethod
+    def load(cls, path: str) -> StepProfile:
+        with open(path) as f:
+            raw = json.load(f)
+        missing = [n for n in COEFFICIENT_NAMES if n not in raw.get("coefficients", {})]
+        if missing:
+            raise ValueError(f"{path}: profile lacks coefficients {missing}")
+        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"model": MODEL, **asdict(self)}, f, indent=2)
+            f.write("\n")
+
+
+def fit_step_times(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Non-negative least squares on relative error: each step weighs the same whatever its
+    length, so the many short decode steps (ITL) count as much as the few long prefills.
+
+    A coefficient that comes out negative (features that move together, such as tokens and
+    logit rows in pure decode) is fixed at zero and the rest refitted: a profile must never
+    predict that more work takes less time."""
+    weights = 1.0 / np.maximum(seconds, 1e-6)
+    active = np.ones(features.shape[1], dtype=bool)
+    while True:
+        coef = np.zeros(features.shape[1])
+        a = features[:, active] * weights[:, None]
+        coef[active] = np.linalg.lstsq(a, seconds * weights, rcond=None)[0]
+        if (coef >= 0).all():
+            return coef
+        active &= coef > 0
