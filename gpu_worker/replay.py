@@ -4,7 +4,8 @@ The recording (`launch.py --record-batches FILE`) holds every frame the schedule
 every result it received. Replay feeds the same descriptors to a freshly loaded worker in
 this process, checks that it samples the same tokens, and times it: with no scheduler,
 no sockets and no waiting, the replayed throughput is the model-only limit for that
-workload, and served ÷ replayed is the engine's efficiency.
+workload, and served ÷ replayed is the engine's efficiency. `gpu_worker.fit_profile` times
+the same replay step by step to fit a simulated worker's profile.
 """
 
 from __future__ import annotations
@@ -15,15 +16,74 @@ import logging
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
 from tqdm import tqdm
 
-from wire.backend import BatchDescriptor, ResetBatch, StepResult, WorkerInput
+from wire.backend import BatchDescriptor, ResetBatch, StepResult, WorkerError, WorkerInput
 from wire.child import ChildContext
 from wire.codec import unpack_int32
 from wire.recording import RECEIVED, SENT, read_recording
+from wire.server_args import ServerArgs
+
+
+@dataclass
+class Recording:
+    args: ServerArgs
+    sent: list[WorkerInput] = field(default_factory=list)
+    results: dict[int, StepResult] = field(default_factory=dict)
+    """Recorded results by step id."""
+    result_times: dict[int, float] = field(default_factory=dict)
+    """When each result arrived, in seconds since the recording started."""
+
+
+def load_recording(path: str) -> Recording:
+    """Raises OSError or ValueError for a file that is not a readable recording."""
+    args, records = read_recording(path)
+    rec = Recording(args)
+    decoder = msgspec.msgpack.Decoder(WorkerInput)
+    result_decoder = msgspec.msgpack.Decoder(StepResult)
+    for kind, t, frame in records:
+        if kind == SENT:
+            rec.sent.append(decoder.decode(frame))
+        elif kind == RECEIVED:
+            r = result_decoder.decode(frame)
+            rec.results[r.step_id] = r
+            rec.result_times[r.step_id] = t
+    return rec
+
+
+def replay_worker(args: ServerArgs, **overrides):
+    """A model worker in this process, for the recorded run's arguments.
+
+    Plain loop, no debug copies: the worker's own cost for the same descriptors. One
+    unsharded rank: a tensor-parallel recording replays on one process (same tokens, greedy).
+    """
+    from gpu_worker.worker import Worker
+
+    run_dir = tempfile.mkdtemp(prefix="trident-replay-")
+    args = msgspec.structs.replace(
+        args, run_dir=run_dir, disable_overlap=True, check_seq_lens=False, tp_size=1, worker="model", **overrides
+    )
+    return Worker(ChildContext(args, "worker", 0))
+
+
+def replay_steps(worker, sent: list[WorkerInput], desc: str = "replaying steps") -> Iterator[tuple[int, StepResult]]:
+    """Runs every descriptor; yields (step id, result) with the worker's `last_step_features`
+    and `step_started` describing that step. Raises RuntimeError if a step fails."""
+    for msg in tqdm(sent, desc=desc, unit="step"):
+        if isinstance(msg, ResetBatch):
+            worker.state.reset(msg.next_step_id)
+            worker.on_reset()
+            continue
+        assert isinstance(msg, BatchDescriptor)
+        out = worker.step(msg)
+        if isinstance(out, WorkerError):
+            raise RuntimeError(f"step {msg.step_id} failed on replay: {out.error}")
+        yield msg.step_id, out
 
 
 def decode_tokens_served(results: dict[int, StepResult], times: dict[int, float]) -> tuple[int, float]:
@@ -46,60 +106,39 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="WARNING")
 
     try:
-        args, records = read_recording(ns.recording)
+        rec = load_recording(ns.recording)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sent: list[WorkerInput] = []
-    results: dict[int, StepResult] = {}
-    result_times: dict[int, float] = {}
-    decoder = msgspec.msgpack.Decoder(WorkerInput)
-    result_decoder = msgspec.msgpack.Decoder(StepResult)
-    for kind, t, frame in records:
-        if kind == SENT:
-            sent.append(decoder.decode(frame))
-        elif kind == RECEIVED:
-            r = result_decoder.decode(frame)
-            results[r.step_id] = r
-            result_times[r.step_id] = t
-
     overrides = {k: v for k, v in (("model_path", ns.model), ("device", ns.device), ("dtype", ns.dtype)) if v}
-    # Plain loop, no debug copies: the worker's own cost for the same descriptors.
-    run_dir = tempfile.mkdtemp(prefix="trident-replay-")
-    # One unsharded rank: a tensor-parallel recording replays on one process (same tokens, greedy).
-    args = msgspec.structs.replace(
-        args, run_dir=run_dir, disable_overlap=True, check_seq_lens=False, tp_size=1, **overrides
-    )
-    from gpu_worker.worker import Worker
-
-    worker = Worker(ChildContext(args, "worker", 0))
+    worker = replay_worker(rec.args, **overrides)
     matched = mismatched = replayed_tokens = 0
     start = time.perf_counter()
-    for msg in tqdm(sent, desc="replaying steps", unit="step"):
-        if isinstance(msg, ResetBatch):
-            worker.state.reset(msg.next_step_id)
-            continue
-        assert isinstance(msg, BatchDescriptor)
-        out = worker.step(msg)
-        if not isinstance(out, StepResult):
-            print(f"error: step {msg.step_id} failed on replay: {out.error}", file=sys.stderr)
-            return 1
-        got = unpack_int32(out.next_token_ids)
-        replayed_tokens += len(got)
-        want = results.get(msg.step_id)
-        if want is not None:
-            if np.array_equal(got, unpack_int32(want.next_token_ids)):
-                matched += 1
-            else:
-                mismatched += 1
+    try:
+        for step_id, out in replay_steps(worker, rec.sent):
+            got = unpack_int32(out.next_token_ids)
+            replayed_tokens += len(got)
+            want = rec.results.get(step_id)
+            if want is not None:
+                if np.array_equal(got, unpack_int32(want.next_token_ids)):
+                    matched += 1
+                else:
+                    mismatched += 1
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     elapsed = time.perf_counter() - start
-    served_tokens, served_span = decode_tokens_served(results, result_times)
+    served_tokens, served_span = decode_tokens_served(rec.results, rec.result_times)
     served_tps = served_tokens / served_span if served_span else 0.0
     replay_tps = replayed_tokens / elapsed if elapsed else 0.0
     report = {
-        "steps": len(sent), "steps_matched": matched, "steps_mismatched": mismatched,
-        "replay_seconds": elapsed, "replayed_tokens_per_s": replay_tps,
-        "served_seconds": served_span, "served_tokens_per_s": served_tps,
+        "steps": len(rec.sent),
+        "steps_matched": matched,
+        "steps_mismatched": mismatched,
+        "replay_seconds": elapsed,
+        "replayed_tokens_per_s": replay_tps,
+        "served_seconds": served_span,
+        "served_tokens_per_s": served_tps,
         "engine_efficiency": served_tps / replay_tps if replay_tps else 0.0,
     }
     print(json.dumps(report, indent=2))

@@ -99,6 +99,8 @@ class SimulatedWorker(WorkerLoop):
         return accepted, []
 
     def _pseudo_tokens(self, plan: StepPlan) -> list[np.ndarray]:
+        if not plan.sampling_slots:  # only prompt chunks that do not end their prompt
+            return []
         state = self.state
         slots = np.asarray(plan.sampling_slots, dtype=np.int64)
         num_logits = np.asarray(plan.num_logits, dtype=np.int64)

@@ -19,6 +19,7 @@ their numbers come from.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -99,15 +100,17 @@ def fit_step_times(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     """Non-negative least squares on relative error: each step weighs the same whatever its
     length, so the many short decode steps (ITL) count as much as the few long prefills.
 
-    A coefficient that comes out negative (features that move together, such as tokens and
-    logit rows in pure decode) is fixed at zero and the rest refitted: a profile must never
-    predict that more work takes less time."""
+    No coefficient may be negative (a profile must never predict that more work takes less
+    time); with five features the exact answer is cheap: fit every subset that keeps
+    `const`, and keep the best fit whose coefficients are all non-negative."""
     weights = 1.0 / np.maximum(seconds, 1e-6)
-    active = np.ones(features.shape[1], dtype=bool)
-    while True:
+    a, b = features * weights[:, None], seconds * weights
+    best, best_residual = np.zeros(features.shape[1]), np.inf
+    for subset in itertools.product([False, True], repeat=features.shape[1] - 1):
+        active = np.asarray([True, *subset])
         coef = np.zeros(features.shape[1])
-        a = features[:, active] * weights[:, None]
-        coef[active] = np.linalg.lstsq(a, seconds * weights, rcond=None)[0]
-        if (coef >= 0).all():
-            return coef
-        active &= coef > 0
+        coef[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
+        residual = float(np.sum((a @ coef - b) ** 2))
+        if (coef >= 0).all() and residual < best_residual:
+            best, best_residual = coef, residual
+    return best

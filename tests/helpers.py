@@ -183,6 +183,15 @@ def make_random_llama(
     return path
 
 
+def write_sim_profile(path: str, const_s: float, per_token_s: float = 2e-5) -> str:
+    """A step-time profile for `--worker simulated`: const_s a step plus per_token_s a token."""
+    from gpu_worker.step_profile import COEFFICIENT_NAMES, StepProfile
+
+    coefficients = dict.fromkeys(COEFFICIENT_NAMES, 0.0) | {"const_s": const_s, "per_token_s": per_token_s}
+    StepProfile(coefficients, description="test profile", kv_pool_tokens=50_000).save(path)
+    return path
+
+
 def wait_until(pred, timeout: float, interval: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,0 +1,90 @@
+"""Fit a simulated worker's step-time profile from recordings:
+`python -m gpu_worker.fit_profile RECORDING [RECORDING ...] -o PROFILE.json`.
+
+Each recording (`launch.py --record-batches FILE`) is replayed on the real model worker
+in this process (gpu_worker.replay), `--passes` times; every step is timed from the
+moment its descriptor is applied to its result, together with its shape
+(step_profile.FEATURES). A step's time is the fastest of its passes: on a shared machine
+the slower ones measure the neighbours. The coefficients are then fitted by non-negative
+least squares on relative error, and the fit's own errors are written into the profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import numpy as np
+
+from gpu_worker.replay import load_recording, replay_steps, replay_worker
+from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, StepProfile, fit_step_times
+
+
+def time_recording(path: str, passes: int, overrides: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(features, seconds) of every computing step of a recording, fastest of `passes`."""
+    rec = load_recording(path)
+    worker = replay_worker(rec.args, **overrides)
+    features: dict[int, np.ndarray] = {}
+    seconds: dict[int, float] = {}
+    for k in range(passes):
+        for step_id, _ in replay_steps(worker, rec.sent, desc=f"{path} pass {k + 1}/{passes}"):
+            elapsed = time.perf_counter() - worker.step_started
+            if worker.last_step_features[0]:  # an idle step computes nothing
+                features[step_id] = worker.last_step_features
+                seconds[step_id] = min(seconds.get(step_id, elapsed), elapsed)
+    ids = sorted(features)
+    return np.stack([features[i] for i in ids]), np.asarray([seconds[i] for i in ids])
+
+
+def fit_report(features: np.ndarray, seconds: np.ndarray, coef: np.ndarray) -> dict:
+    rel = np.abs(features @ coef - seconds) / seconds
+    decode_only = features[:, FEATURES.index("extend_pairs")] == 0
+    return {
+        "steps": int(len(seconds)),
+        "median_step_s": float(np.median(seconds)),
+        "median_abs_relative_error": float(np.median(rel)),
+        "p90_abs_relative_error": float(np.quantile(rel, 0.9)),
+        "total_time_relative_error": float((features @ coef).sum() / seconds.sum() - 1),
+        "decode_steps": int(decode_only.sum()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recordings", nargs="+")
+    p.add_argument("-o", "--output", required=True, help="profile JSON to write")
+    p.add_argument("--description", default="", help="model, dtype and hardware the profile describes")
+    p.add_argument("--passes", type=int, default=2, help="replays per recording; each step keeps its fastest")
+    p.add_argument("--kv-pool-tokens", type=int, default=1_000_000, help="KV pool a simulated worker advertises")
+    p.add_argument("--model", default=None, help="override the recorded model path")
+    p.add_argument("--dtype", default=None, help="override the recorded dtype")
+    ns = p.parse_args(argv)
+    logging.basicConfig(level="WARNING")
+    overrides = {k: v for k, v in (("model_path", ns.model), ("dtype", ns.dtype)) if v}
+    try:
+        timed = [time_recording(path, ns.passes, overrides) for path in ns.recordings]
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    features = np.concatenate([f for f, _ in timed])
+    seconds = np.concatenate([s for _, s in timed])
+    if len(seconds) < len(FEATURES):
+        print(f"error: {len(seconds)} computing steps are too few to fit {len(FEATURES)} coefficients", file=sys.stderr)
+        return 2
+    coef = fit_step_times(features, seconds)
+    profile = StepProfile(
+        coefficients=dict(zip(COEFFICIENT_NAMES, coef.tolist())),
+        description=ns.description,
+        source="python -m gpu_worker.fit_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
+        kv_pool_tokens=ns.kv_pool_tokens,
+        fit=fit_report(features, seconds, coef),
+    )
+    profile.save(ns.output)
+    print(f"wrote {ns.output}: {profile.coefficients}\nfit: {profile.fit}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Fitting a simulated worker's step-time profile: the least-squares fit itself, and the
+command end to end on a recording of a real server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, StepProfile, fit_step_times
+from tests.helpers import REPO_ROOT, make_random_llama, running_server
+
+
+def synthetic_steps(rng: np.random.Generator, n: int) -> np.ndarray:
+    rows = rng.integers(1, 64, n)
+    extend = rng.integers(0, 512, n) * (rng.random(n) < 0.3)
+    return np.stack([np.ones(n), rows + extend, rows, rows * rng.integers(10, 2000, n), extend * extend / 2], axis=1)
+
+
+def test_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    true = np.asarray([5e-3, 4e-5, 1e-5, 2e-8, 1e-9])
+    features = synthetic_steps(rng, 400)
+    seconds = features @ true * rng.normal(1.0, 0.02, len(features))
+    coef = fit_step_times(features, seconds)
+    assert np.allclose(coef, true, rtol=0.15)
+
+
+def test_fit_never_gives_a_negative_coefficient():
+    """Pure decode: tokens and logit rows move together; noise must not make one negative."""
+    rng = np.random.default_rng(1)
+    rows = rng.integers(1, 64, 300).astype(float)
+    features = np.stack([np.ones(300), rows, rows, rows * 100, np.zeros(300)], axis=1)
+    seconds = 0.004 + 5e-5 * rows + rng.normal(0, 2e-4, 300)
+    coef = fit_step_times(features, seconds)
+    assert (coef >= 0).all() and coef[0] > 0
+    assert np.median(np.abs(features @ coef - seconds) / seconds) < 0.05
+
+
+def test_fit_profile_command_on_a_recording(tmp_path):
+    model = make_random_llama(str(tmp_path / "model"), seed=3)
+    recording = str(tmp_path / "steps.rec")
+    with running_server(["--model", model, "--dtype", "float32", "--max-total-tokens", "8192",
+                         "--record-batches", recording, "--chunked-prefill-size", "32"]) as server:
+        http = server.http()
+        prompts = ["one two three " * n for n in range(1, 13)]
+        with ThreadPoolExecutor(12) as pool:
+            codes = list(pool.map(lambda p: http.post("/generate", json={"text": p, "sampling_params": {
+                "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}).status_code, prompts))
+        assert codes == [200] * 12
+    out = str(tmp_path / "profile.json")
+    res = subprocess.run([sys.executable, "-m", "gpu_worker.fit_profile", recording, "-o", out,
+                          "--description", "tiny test model"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    profile = StepProfile.load(out)
+    coef = profile.vector()
+    assert set(profile.coefficients) == set(COEFFICIENT_NAMES) and (coef >= 0).all() and coef[0] > 0
+    assert profile.fit["steps"] >= 40 and profile.fit["decode_steps"] > 0
+    # Sane on its own data: typical steps predicted within 50 % (the machine is shared and noisy).
+    assert profile.fit["median_abs_relative_error"] < 0.5
+    assert "fit_profile" in profile.source and os.path.basename(recording) in profile.source
+    decode_step = np.zeros(len(FEATURES))
+    decode_step[:4] = [1, 8, 8, 8 * 100]
+    assert 0 < profile.predict(decode_step) < 1.0
+
+
+def test_fit_profile_rejects_a_file_that_is_not_a_recording(tmp_path):
+    bad = tmp_path / "bad.rec"
+    bad.write_bytes(b"hello")
+    res = subprocess.run([sys.executable, "-m", "gpu_worker.fit_profile", str(bad), "-o", str(tmp_path / "p.json")],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "not a trident descriptor recording" in res.stderr
