@@ -63,12 +63,32 @@ def fit_profile(ns: argparse.Namespace, model_args: list[str]) -> str:
     recording = os.path.join(RESULTS, "sim_fit_random.rec")
     if os.path.exists(recording):
         os.remove(recording)
-    fit_workload = ["--dataset", "random", "--num-prompts", str(ns.fit_prompts), "--random-input-len", "16-512",
-                    "--random-output-len", "8-256", "--seed", "7"]
+    fit_workload = [
+        "--dataset",
+        "random",
+        "--num-prompts",
+        str(ns.fit_prompts),
+        "--random-input-len",
+        "16-512",
+        "--random-output-len",
+        "8-256",
+        "--seed",
+        "7",
+    ]
     serve("fit-random", [*model_args, "--record-batches", recording], fit_workload)
     profile = ns.profile_out
-    cmd = [sys.executable, "-m", "gpu_worker.fit_profile", recording, "-o", profile, "--passes", str(ns.passes),
-           "--description", f"SmolLM2-135M {ns.dtype}, this machine (fitted on the random workload)"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpu_worker.fit_profile",
+        recording,
+        "-o",
+        profile,
+        "--passes",
+        str(ns.passes),
+        "--description",
+        f"SmolLM2-135M {ns.dtype}, this machine (fitted on the random workload)",
+    ]
     subprocess.run(cmd, cwd=REPO_ROOT, check=True)
     return profile
 
@@ -100,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1min": {"real": r["loadavg_1min_before_after"], "simulated": s["loadavg_1min_before_after"]},
         "runs": {"real": real, "simulated": sim},
     }
-    print(json.dumps({k: report[k] for k in ("real", "simulated", "simulated_over_real", "within_10_percent")},
-                     indent=2))
+    print(
+        json.dumps({k: report[k] for k in ("real", "simulated", "simulated_over_real", "within_10_percent")}, indent=2)
+    )
     write_json(report, ns.output_json)
     return 0
 

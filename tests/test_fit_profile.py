@@ -43,25 +43,55 @@ def test_fit_never_gives_a_negative_coefficient():
 def test_fit_profile_command_on_a_recording(tmp_path):
     model = make_random_llama(str(tmp_path / "model"), seed=3)
     recording = str(tmp_path / "steps.rec")
-    with running_server(["--model", model, "--dtype", "float32", "--max-total-tokens", "8192",
-                         "--record-batches", recording, "--chunked-prefill-size", "32"]) as server:
+    with running_server(
+        [
+            "--model",
+            model,
+            "--dtype",
+            "float32",
+            "--max-total-tokens",
+            "8192",
+            "--record-batches",
+            recording,
+            "--chunked-prefill-size",
+            "32",
+        ]
+    ) as server:
         http = server.http()
         prompts = ["one two three " * n for n in range(1, 13)]
         with ThreadPoolExecutor(12) as pool:
-            codes = list(pool.map(lambda p: http.post("/generate", json={"text": p, "sampling_params": {
-                "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}).status_code, prompts))
+            codes = list(
+                pool.map(
+                    lambda p: (
+                        http.post(
+                            "/generate",
+                            json={
+                                "text": p,
+                                "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
+                            },
+                        ).status_code
+                    ),
+                    prompts,
+                )
+            )
         assert codes == [200] * 12
     out = str(tmp_path / "profile.json")
-    res = subprocess.run([sys.executable, "-m", "gpu_worker.fit_profile", recording, "-o", out,
-                          "--description", "tiny test model"], cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=180)
+    res = subprocess.run(
+        [sys.executable, "-m", "gpu_worker.fit_profile", recording, "-o", out, "--description", "tiny test model"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     profile = StepProfile.load(out)
     coef = profile.vector()
     assert set(profile.coefficients) == set(COEFFICIENT_NAMES) and (coef >= 0).all() and coef[0] > 0
     assert profile.fit["steps"] >= 40 and profile.fit["decode_steps"] > 0
-    # Sane on its own data: typical steps predicted within 50 % (the machine is shared and noisy).
-    assert profile.fit["median_abs_relative_error"] < 0.5
+    # Sane on its own data. The bounds are loose because a tiny model's steps are mostly
+    # overhead and this machine is shared; a profile of zeros or of garbage still fails them.
+    assert profile.fit["median_abs_relative_error"] < 0.8
+    assert -0.75 < profile.fit["total_time_relative_error"] < 1.0
     assert "fit_profile" in profile.source and os.path.basename(recording) in profile.source
     decode_step = np.zeros(len(FEATURES))
     decode_step[:4] = [1, 8, 8, 8 * 100]
@@ -71,6 +101,11 @@ def test_fit_profile_command_on_a_recording(tmp_path):
 def test_fit_profile_rejects_a_file_that_is_not_a_recording(tmp_path):
     bad = tmp_path / "bad.rec"
     bad.write_bytes(b"hello")
-    res = subprocess.run([sys.executable, "-m", "gpu_worker.fit_profile", str(bad), "-o", str(tmp_path / "p.json")],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "gpu_worker.fit_profile", str(bad), "-o", str(tmp_path / "p.json")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "not a trident descriptor recording" in res.stderr

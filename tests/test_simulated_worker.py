@@ -20,16 +20,31 @@ def profile(tmp_path_factory) -> str:
 
 
 def sim_args(profile: str, *extra: str) -> list[str]:
-    return ["--worker", "simulated", "--sim-profile", profile, "--check-seq-lens", "--chunked-prefill-size", "16",
-            "--max-running-requests", "6", *extra]
+    return [
+        "--worker",
+        "simulated",
+        "--sim-profile",
+        profile,
+        "--check-seq-lens",
+        "--chunked-prefill-size",
+        "16",
+        "--max-running-requests",
+        "6",
+        *extra,
+    ]
 
 
 def completions(server, stream: bool) -> list[str]:
     client = server.client(timeout=60)
 
     def one(i: int) -> str:
-        kw = dict(model="smollm2-135m", prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i], temperature=0,
-                  extra_body={"ignore_eos": True})
+        kw = dict(
+            model="smollm2-135m",
+            prompt=PROMPTS[i],
+            max_tokens=MAX_TOKENS[i],
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         if not stream:
             r = client.completions.create(**kw)
             assert r.usage.completion_tokens == MAX_TOKENS[i]
