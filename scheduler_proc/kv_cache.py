@@ -66,6 +66,22 @@ class KVCacheManager:
         req.pages.extend(new)
         return True
 
+    def grow_rows(self, reqs: list[Req], kv_tokens: np.ndarray) -> bool:
+        """grow() for many requests with one allocation (the decode step's hot path: with
+        page size 1 every row gains a page every step); False (nothing changed) if short."""
+        held = np.fromiter((len(r.pages) for r in reqs), dtype=np.int64, count=len(reqs))
+        need = -(-kv_tokens // self.page_size) - held
+        rows = np.flatnonzero(need > 0)
+        if not len(rows):
+            return True
+        counts = need[rows]
+        new = self.alloc(int(counts.sum()))
+        if new is None:
+            return False
+        for row, end, n in zip(rows.tolist(), np.cumsum(counts).tolist(), counts.tolist()):
+            reqs[row].pages.extend(new[end - n : end])
+        return True
+
     def trim(self, req: Req, kv_tokens: int) -> None:
         """Drops pages past what kv_tokens needs (unaccepted speculative drafts)."""
         keep = pages_for(kv_tokens, self.page_size)

@@ -29,6 +29,6 @@ def token_out(req: Req, logprobs: list[RowLogprobs]) -> TokenOut:
         prompt_tokens=len(req.prompt_ids),
         cached_tokens=req.cached_tokens,
         error=req.error,
-        token_logprobs=[lp.token_logprob for lp in logprobs],
-        top_logprobs=[lp.top for lp in logprobs],
+        token_logprobs=[lp.token_logprob for lp in logprobs] if logprobs else [],
+        top_logprobs=[lp.top for lp in logprobs] if logprobs else [],
     )

@@ -229,12 +229,12 @@ class Scheduler:
             self.apply_seq_lens_sync(self.in_flight[-1])
         self.remove_rows([r for r in self.batch.reqs if r.finished])
         self.reserve_decode_pages()
-        self.batch.prepare_for_decode(np.asarray([r.decoding for r in self.batch.reqs], dtype=np.int64))
+        self.batch.prepare_for_decode(self.decoding_rows().astype(np.int64))
         self.prefill.plan(self.batch, self.waiting)
         if not self.batch.reqs:
             return None  # rows that left are told with the next descriptor
-        rows = np.asarray([i for i, r in enumerate(self.batch.reqs) if r.decoding], dtype=np.int64)
-        sampling = [self.batch.reqs[i] for i in rows]
+        rows = np.flatnonzero(self.decoding_rows())  # now with the rows whose prefill ends this step
+        sampling = [self.batch.reqs[i] for i in rows.tolist()]
         for req in sampling:
             req.pending_results += 1
         increments = self.batch.step_increments.copy()
@@ -243,8 +243,18 @@ class Scheduler:
         return Step(desc, sampling, rows, self.batch.seq_lens_cpu.copy(), increments,
                     build_s=time.perf_counter() - t0)
 
+    def decoding_rows(self) -> np.ndarray:
+        reqs = self.batch.reqs
+        return np.fromiter((r.decoding for r in reqs), dtype=bool, count=len(reqs))
+
     def reserve_decode_pages(self) -> None:
-        """Every decoding row needs room for one more token; retract rows if the pool is short."""
+        """Every decoding row needs room for one more token: one allocation for all of them,
+        or, if the pool is short, row by row, retracting rows until the rest fit."""
+        rows = np.flatnonzero(self.decoding_rows())
+        reqs = [self.batch.reqs[i] for i in rows.tolist()]
+        rooms = np.fromiter((self.draft_room(r) for r in reqs), np.int64, len(reqs)) if self.num_draft_tokens else 1
+        if self.kv.grow_rows(reqs, self.batch.seq_lens_cpu[rows] + rooms):
+            return
         i = 0
         while i < len(self.batch.reqs):
             req = self.batch.reqs[i]
@@ -282,11 +292,14 @@ class Scheduler:
                 self.reqs.pop(req.rid, None)
 
     def collect_page_appends(self) -> list[PageAppend]:
+        reqs = self.batch.reqs
+        held = np.fromiter((len(r.pages) for r in reqs), dtype=np.int64, count=len(reqs))
+        sent = np.fromiter((r.pages_sent for r in reqs), dtype=np.int64, count=len(reqs))
         appends = []
-        for req in self.batch.reqs:
-            if len(req.pages) > req.pages_sent:
-                appends.append(PageAppend(req.slot, req.pages_sent, pack_int32(req.pages[req.pages_sent :])))
-                req.pages_sent = len(req.pages)
+        for i in np.flatnonzero(held > sent).tolist():
+            req = reqs[i]
+            appends.append(PageAppend(req.slot, req.pages_sent, pack_int32(req.pages[req.pages_sent :])))
+            req.pages_sent = len(req.pages)
         return appends
 
     # ------------------------------------------------------------------ launch and results
@@ -405,20 +418,26 @@ class Scheduler:
                 self.batch.add_accepted_drafts(step.sampling_rows, counts.astype(np.int64) - 1)
                 self.trim_draft_pages()
         outputs: list[TokenOut] = []
-        starts = np.concatenate([[0], np.cumsum(counts)])
-        for i, req in enumerate(step.sampling_reqs):
+        if result.accept_lens:
+            starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+            per_row = [tokens[starts[i] : starts[i + 1]].tolist() for i in range(len(counts))]
+        else:  # one token per row: no per-row slicing
+            per_row = [[t] for t in tokens.tolist()]
+        generated = 0
+        for i, (req, row_tokens) in enumerate(zip(step.sampling_reqs, per_row)):
             req.pending_results -= 1
             if req.finished:
                 continue  # overlap ran one token past the finish (or an abort): discard it
-            for token in tokens[starts[i] : starts[i + 1]].tolist():
+            for token in row_tokens:
                 append_token(req, token, self.eos_ids, self.worker.context_length)
-                self.counters.generation_tokens += 1
+                generated += 1
                 if req.finished:
                     break  # accepted drafts past a stop are dropped
             lp = [result.logprobs[i]] if result.logprobs and result.logprobs[i] is not None else []
             outputs.append(token_out(req, lp))
-            if req.finished and self.waiting.remove(req.rid) is not None:
+            # A retracted request (no slot) waits in the queue; only then is there one to search.
+            if req.finished and req.slot is None and self.waiting.remove(req.rid) is not None:
                 self.reqs.pop(req.rid, None)
+        self.counters.generation_tokens += generated
         if outputs:
             self.io.tokenizer.send(TokenOutBatch(outputs))
-

@@ -12,6 +12,7 @@ fields; `pack_int32` / `unpack_int32` convert without a Python-level loop.
 from __future__ import annotations
 
 import logging
+import struct
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -34,6 +35,8 @@ def decode_plain(data: bytes, type_: type[T]) -> T:
 
 def pack_int32(values: Any) -> bytes:
     """Token or page ids (list, numpy array or CPU tensor) as little-endian int32 bytes."""
+    if isinstance(values, list):  # the common small case (a few page ids): no array round trip
+        return struct.pack(f"<{len(values)}i", *values)
     if hasattr(values, "numpy"):
         values = values.numpy()
     return np.asarray(values, dtype="<i4").tobytes()
