@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from gpu_worker.batch_state import BatchState, StepPlan
-from gpu_worker.ngram_drafter import can_draft
 from gpu_worker.sampler import SamplingTable
 from gpu_worker.step_profile import StepProfile
 from gpu_worker.weights import load_config
@@ -74,17 +73,9 @@ class SimulatedWorker(WorkerLoop):
     def summary(self) -> str:
         return f"simulated: {self.profile.description or self.args.sim_profile}"
 
-    def propose_drafts(self) -> dict[int, np.ndarray]:
-        """K placeholder drafts per row that may draft: only their number matters here."""
-        if not self.num_draft_tokens:
-            return {}
-        drafts = {}
-        for slot in self.state.order:
-            if self.state.decoding[slot] and can_draft(self.sampling.params[slot]):
-                room = self.context_length - int(self.state.row_lens_host[slot]) - 1
-                if room > 0:
-                    drafts[slot] = np.zeros(min(room, self.num_draft_tokens), dtype=np.int64)
-        return drafts
+    def draft_tokens(self, slot: int) -> np.ndarray:
+        """Placeholders: only how many drafts a row verifies matters to a simulated step."""
+        return np.zeros(self.num_draft_tokens, dtype=np.int64)
 
     def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
         accepted: list[np.ndarray] = []

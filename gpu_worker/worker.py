@@ -23,7 +23,7 @@ from gpu_worker.batch_state import BatchState, StepPlan
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.ngram_drafter import NgramDrafter, can_draft
+from gpu_worker.ngram_drafter import NgramDrafter
 from gpu_worker.parallel import ShardPlan, TPGroup, dist_port
 from gpu_worker.sampler import SamplingTable, sample
 from gpu_worker.weights import iter_weights, load_config
@@ -136,17 +136,8 @@ class Worker(WorkerLoop):
             for slot, (tokens, _) in chunks.items():
                 self.drafter.note_tokens(slot, tokens)
 
-    def propose_drafts(self) -> dict[int, np.ndarray]:
-        if not self.drafter:
-            return {}
-        drafts = {}
-        for slot in self.state.order:
-            if self.state.decoding[slot] and can_draft(self.sampling.params[slot]):
-                room = self.context_length - int(self.state.row_lens_host[slot]) - 1
-                draft = self.drafter.propose(slot)[: max(0, room)]
-                if len(draft):
-                    drafts[slot] = draft
-        return drafts
+    def draft_tokens(self, slot: int) -> np.ndarray:
+        return self.drafter.propose(slot)
 
     def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
         if plan is None:

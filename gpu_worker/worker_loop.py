@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from gpu_worker.batch_state import BatchState, StepGapError, StepPlan
+from gpu_worker.ngram_drafter import can_draft
 from gpu_worker.step_profile import step_features
 from wire.backend import (
     BatchDescriptor,
@@ -95,8 +96,22 @@ class WorkerLoop:
     def note_new_tokens(self, desc: BatchDescriptor, chunks: dict[int, tuple[np.ndarray, bool]]) -> None:
         """Prompt tokens and new rows this step brings (penalties, drafters)."""
 
+    def draft_tokens(self, slot: int) -> np.ndarray:
+        """Speculative draft tokens for a decoding row (only called with drafting on)."""
+        raise NotImplementedError
+
     def propose_drafts(self) -> dict[int, np.ndarray]:
-        return {}
+        """Drafts of the decoding rows that may draft, cut to the room left in their context."""
+        if not self.num_draft_tokens:
+            return {}
+        drafts = {}
+        for slot in self.state.order:
+            if self.state.decoding[slot] and can_draft(self.state.sampling.params[slot]):
+                room = self.context_length - int(self.state.row_lens_host[slot]) - 1
+                draft = self.draft_tokens(slot)[: max(0, room)]
+                if len(draft):
+                    drafts[slot] = draft
+        return drafts
 
     def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
         """Runs the plan and advances the batch; returns the accepted tokens of each sampling
