@@ -5,7 +5,8 @@ In one command, on this machine:
 
 1. fit: start trident on the real model with `--record-batches`, run bench_serving's
    `random` workload (a different workload from the one compared), stop it, and fit a
-   step-time profile from the recording (`python -m gpu_worker.fit_profile`);
+   step-time profile from the recording (`python -m gpu_worker.fit_profile`, by default
+   with the step times the worker measured while serving: `--timing recorded`);
 2. real: start trident on the real model, run the `mixed` workload (48 requests, prompts of
    32-256 words, outputs of 16-192 tokens, ignore_eos, all at once), stop it;
 3. simulated: the same with `--worker simulated --sim-profile <the fitted profile>`;
@@ -84,6 +85,8 @@ def fit_profile(ns: argparse.Namespace, model_args: list[str]) -> str:
         recording,
         "-o",
         profile,
+        "--timing",
+        ns.timing,
         "--passes",
         str(ns.passes),
         "--description",
@@ -99,7 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, help="use this profile instead of fitting one")
     p.add_argument("--profile-out", default=os.path.join(RESULTS, "sim_fitted_profile.json"))
     p.add_argument("--fit-prompts", type=int, default=48, help="requests of the random workload fitted on")
-    p.add_argument("--passes", type=int, default=2, help="replays of the recording when fitting")
+    p.add_argument(
+        "--timing",
+        choices=["recorded", "replay"],
+        default="recorded",
+        help="step times for the fit: the served run's own (recorded) or a replay on the model (fit_profile)",
+    )
+    p.add_argument("--passes", type=int, default=2, help="replays of the recording with --timing replay")
     p.add_argument("--output-json", default=os.path.join(RESULTS, "sim_fidelity.json"))
     ns = p.parse_args(argv)
     os.makedirs(RESULTS, exist_ok=True)

@@ -1,25 +1,39 @@
 """Fit a simulated worker's step-time profile from recordings:
 `python -m gpu_worker.fit_profile RECORDING [RECORDING ...] -o PROFILE.json`.
 
-Each recording (`launch.py --record-batches FILE`) is replayed on the real model worker
-in this process (gpu_worker.replay), `--passes` times; every step is timed from the
-moment its descriptor is applied to its result, together with its shape
-(step_profile.FEATURES). A step's time is the fastest of its passes: on a shared machine
-the slower ones measure the neighbours. The coefficients are then fitted by non-negative
-least squares on relative error, and the fit's own errors are written into the profile.
+Each step's shape (step_profile.FEATURES) comes from replaying the recording's
+descriptors through a worker's batch state; its time comes from one of:
+
+- `--timing replay` (default): the recording is replayed on the real model worker in this
+  process (gpu_worker.replay), `--passes` times, and each step is timed from the moment its
+  descriptor is applied to its result; a step keeps the fastest of its passes, since on a
+  shared machine the slower ones measure the neighbours;
+- `--timing recorded`: the forward time the model worker itself reported for the step
+  while it served the recorded run (StepResult.forward_time_s). No model is loaded, and
+  the times are those of the real served run, contention included. Not for recordings with
+  speculative decoding: there accepted lengths, which a replay without the model does not
+  know, decide the shapes.
+
+The coefficients are fitted by non-negative least squares on relative error, and the
+fit's own errors are written into the profile.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import tempfile
 import time
 
+import msgspec
 import numpy as np
 
 from gpu_worker.replay import load_recording, replay_steps, replay_worker
+from gpu_worker.simulated import SimulatedWorker
 from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, StepProfile, fit_step_times
+from wire.child import ChildContext
 
 
 def time_recording(path: str, passes: int, overrides: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -36,6 +50,27 @@ def time_recording(path: str, passes: int, overrides: dict) -> tuple[np.ndarray,
                 seconds[step_id] = min(seconds.get(step_id, elapsed), elapsed)
     ids = sorted(features)
     return np.stack([features[i] for i in ids]), np.asarray([seconds[i] for i in ids])
+
+
+def recorded_timings(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(features, seconds) of every computing step, with the forward times the recording holds."""
+    rec = load_recording(path)
+    if rec.args.speculative_algorithm:
+        raise ValueError(f"{path}: --timing recorded needs a recording without speculative decoding")
+    run_dir = tempfile.mkdtemp(prefix="trident-fit-")
+    no_sleep = os.path.join(run_dir, "zero.json")
+    StepProfile(dict.fromkeys(COEFFICIENT_NAMES, 0.0)).save(no_sleep)
+    args = msgspec.structs.replace(
+        rec.args, run_dir=run_dir, worker="simulated", sim_profile=no_sleep, check_seq_lens=False, tp_size=1
+    )
+    shapes = SimulatedWorker(ChildContext(args, "worker", 0))
+    features, seconds = [], []
+    for step_id, _ in replay_steps(shapes, rec.sent, desc=f"{path} shapes"):
+        result = rec.results.get(step_id)
+        if result is not None and shapes.last_step_features[0]:
+            features.append(shapes.last_step_features)
+            seconds.append(result.forward_time_s)
+    return np.stack(features), np.asarray(seconds)
 
 
 def fit_report(features: np.ndarray, seconds: np.ndarray, coef: np.ndarray) -> dict:
@@ -56,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("recordings", nargs="+")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
     p.add_argument("--description", default="", help="model, dtype and hardware the profile describes")
+    p.add_argument("--timing", choices=["replay", "recorded"], default="replay", help="where step times come from")
     p.add_argument("--passes", type=int, default=2, help="replays per recording; each step keeps its fastest")
     p.add_argument("--kv-pool-tokens", type=int, default=1_000_000, help="KV pool a simulated worker advertises")
     p.add_argument("--model", default=None, help="override the recorded model path")
@@ -64,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="WARNING")
     overrides = {k: v for k, v in (("model_path", ns.model), ("dtype", ns.dtype)) if v}
     try:
-        timed = [time_recording(path, ns.passes, overrides) for path in ns.recordings]
+        if ns.timing == "recorded":
+            timed = [recorded_timings(path) for path in ns.recordings]
+        else:
+            timed = [time_recording(path, ns.passes, overrides) for path in ns.recordings]
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
