@@ -97,20 +97,21 @@ class StepProfile:
 
 
 def fit_step_times(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-    """Non-negative least squares on relative error: each step weighs the same whatever its
-    length, so the many short decode steps (ITL) count as much as the few long prefills.
+    """Non-negative least squares, unweighted: with `const` in the fit the residuals sum to
+    zero, so the fitted steps' total time, and with it a simulated run's throughput, is
+    kept exactly. (Weighting by 1/t, i.e. fitting relative error, tracks the typical step
+    instead, and on a shared machine, where step times are heavy-tailed, it under-predicted
+    the total by 65 % in docs/benchmarks.md's fit.)
 
     No coefficient may be negative (a profile must never predict that more work takes less
     time); with five features the exact answer is cheap: fit every subset that keeps
     `const`, and keep the best fit whose coefficients are all non-negative."""
-    weights = 1.0 / np.maximum(seconds, 1e-6)
-    a, b = features * weights[:, None], seconds * weights
     best, best_residual = np.zeros(features.shape[1]), np.inf
     for subset in itertools.product([False, True], repeat=features.shape[1] - 1):
         active = np.asarray([True, *subset])
         coef = np.zeros(features.shape[1])
-        coef[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
-        residual = float(np.sum((a @ coef - b) ** 2))
+        coef[active] = np.linalg.lstsq(features[:, active], seconds, rcond=None)[0]
+        residual = float(np.sum((features @ coef - seconds) ** 2))
         if (coef >= 0).all() and residual < best_residual:
             best, best_residual = coef, residual
     return best
