@@ -145,10 +145,11 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
     bodies = [generate_body(rid, ns.prompt_len, ns.max_new) for rid in rids]
     loop = asyncio.new_event_loop()
     task = loop.run_in_executor(None, lambda: asyncio.run(send_all(server.base_url, bodies)))
+    # All N running and none queued; requests the server refused (a full queue) are reported.
     deadline = time.monotonic() + 600
-    while stats(http).get("running_requests", 0) < n or stats(http).get("queued_requests", 1) > 0:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{n} requests never ran together: {stats(http)}")
+    while (st := stats(http)).get("running_requests", 0) < n or st.get("queued_requests", 1) > 0:
+        if time.monotonic() > deadline or task.done():
+            raise RuntimeError(f"{n} requests never ran together: {st}")
         time.sleep(0.2)
     time.sleep(1.0)  # past the prefill steps
     sched = scheduler_process(server)
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "--page-size",
         str(ns.page_size),
         "--max-queued-requests",
-        str(2 * ns.hold + 1024),
+        str(2 * (ns.hold + max_running) + 1024),  # room for a sweep point's requests still being aborted
         "--watchdog-timeout",
         "600",
         *shlex.split(ns.launch_args),
