@@ -167,10 +167,6 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
     if breakdown is None:
         time.sleep(ns.window)
     s1, c1, t1 = fresh_stats(http), cpu_seconds(sched), time.monotonic()
-    for rid in rids:
-        http.post("/abort", json={"rid": rid})
-    loop.run_until_complete(task)
-    loop.close()
     steps = s1["steps"] - s0["steps"]
     point = {
         "running": n,
@@ -183,7 +179,14 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
         "descriptor_bytes": s1["descriptor_bytes"],
         "py_spy_inclusive_share": breakdown,
     }
-    print(json.dumps({k: v for k, v in point.items() if k != "py_spy_inclusive_share"}), flush=True)
+    print(json.dumps(point), flush=True)
+    for rid in rids:
+        try:
+            http.post("/abort", json={"rid": rid}, timeout=600)
+        except httpx.HTTPError as e:  # an overloaded tokenizer: the request runs to max_new instead
+            print(f"abort of {rid} failed: {e!r}", file=sys.stderr)
+    loop.run_until_complete(task)
+    loop.close()
     return point
 
 
