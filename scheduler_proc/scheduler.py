@@ -240,8 +240,7 @@ class Scheduler:
         increments = self.batch.step_increments.copy()
         desc = self.batch.build_descriptor(self.next_step_id, self.collect_page_appends())
         self.next_step_id += 1
-        return Step(desc, sampling, rows, self.batch.seq_lens_cpu.copy(), increments,
-                    build_s=time.perf_counter() - t0)
+        return Step(desc, sampling, rows, self.batch.seq_lens_cpu.copy(), increments, build_s=time.perf_counter() - t0)
 
     def decoding_rows(self) -> np.ndarray:
         reqs = self.batch.reqs
