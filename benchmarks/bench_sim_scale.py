@@ -168,6 +168,8 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
         time.sleep(ns.window)
     s1, c1, t1 = fresh_stats(http), cpu_seconds(sched), time.monotonic()
     steps = s1["steps"] - s0["steps"]
+    if steps <= 0:
+        raise RuntimeError(f"no scheduler step in {t1 - t0:.1f} s with {n} requests: {s1}")
     point = {
         "running": n,
         "running_measured": (s0["running_requests"] + s1["running_requests"]) / 2,
