@@ -33,6 +33,7 @@ import numpy as np
 from gpu_worker.replay import load_recording, replay_steps, replay_worker
 from gpu_worker.simulated import SimulatedWorker
 from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, StepProfile, fit_step_times
+from wire.backend import BatchDescriptor
 from wire.child import ChildContext
 
 
@@ -42,7 +43,10 @@ def time_recording(path: str, passes: int, overrides: dict) -> tuple[np.ndarray,
     worker = replay_worker(rec.args, **overrides)
     features: dict[int, np.ndarray] = {}
     seconds: dict[int, float] = {}
+    first_step = next((m.step_id for m in rec.sent if isinstance(m, BatchDescriptor)), 1)
     for k in range(passes):
+        worker.state.reset(first_step)  # each pass starts from an empty batch, as the recording did
+        worker.on_reset()
         for step_id, _ in replay_steps(worker, rec.sent, desc=f"{path} pass {k + 1}/{passes}"):
             elapsed = time.perf_counter() - worker.step_started
             if worker.last_step_features[0]:  # an idle step computes nothing

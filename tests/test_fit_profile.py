@@ -88,10 +88,9 @@ def test_fit_profile_command_on_a_recording(tmp_path):
     coef = profile.vector()
     assert set(profile.coefficients) == set(COEFFICIENT_NAMES) and (coef >= 0).all() and coef[0] > 0
     assert profile.fit["steps"] >= 40 and profile.fit["decode_steps"] > 0
-    # Sane on its own data. The bounds are loose because a tiny model's steps are mostly
-    # overhead and this machine is shared; a profile of zeros or of garbage still fails them.
-    assert profile.fit["median_abs_relative_error"] < 0.8
-    assert -0.75 < profile.fit["total_time_relative_error"] < 1.0
+    # The unweighted fit keeps the fitted steps' total time (what makes a simulated run's
+    # throughput right); per-step errors are left unchecked: this machine is shared and noisy.
+    assert abs(profile.fit["total_time_relative_error"]) < 0.05
     assert "fit_profile" in profile.source and os.path.basename(recording) in profile.source
     decode_step = np.zeros(len(FEATURES))
     decode_step[:4] = [1, 8, 8, 8 * 100]
