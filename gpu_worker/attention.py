@@ -1,10 +1,20 @@
 """Attention over the paged KV pool, for a flat batch of rows of different lengths.
 
-Short rows (a decode token, or a decode token plus a few draft tokens to verify) are
-gathered into one padded batch and run as a single SDPA call with a mask built from each
-row's length. Long rows (prompt chunks) run one SDPA call each with a causal mask
-shifted by the row's cached prefix, so a long prefill never pads the short rows up to
-its length.
+Short rows (a decode token, or a decode token plus a few draft tokens to verify) run as
+batched matmuls over their gathered keys. Rows are grouped by KV length (`DecodeGroup`),
+so a long row does not pad every short one up to its length; inside a group, rows are
+padded to the group's longest and the padding is masked by an additive bias. On CPU,
+two matmuls and a float32 softmax are several times faster than SDPA's flash kernel at
+one query per row, whose blocking is built for long queries.
+
+Long rows (prompt chunks) run one SDPA call each with a causal mask shifted by the row's
+cached prefix. A chunk with no cached prefix attends only to its own new keys, which are
+still at hand, so it reads nothing from the pool.
+
+The pool stores K and V of a token side by side (kv_pool.py), so one `index_select` per
+layer gathers both, already in the [row, kv head, position, dim] layout the matmuls read.
+The gather index of each group is built once per forward (`prepare_gather`) and shared by
+every layer.
 """
 
 from __future__ import annotations
@@ -29,61 +39,114 @@ class ExtendRow:
 
 
 @dataclass
+class DecodeGroup:
+    """Short rows of similar KV length, padded to the longest of them."""
+
+    token_idx: torch.Tensor
+    """Flat-batch index of each row's query tokens, padded by repeating the row's last
+    token, [rows, max_q]."""
+    q_valid: torch.Tensor
+    """True where token_idx is a real query, [rows, max_q]."""
+    kv_indices: torch.Tensor
+    """Pool token index per row and key position, padded with 0, [rows, max_kv_len]."""
+    bias: torch.Tensor
+    """0 where query i of a row may see key j (j <= prefix + i), -inf elsewhere,
+    float32 [rows, 1, max_q, 1, max_kv_len]."""
+    covers_batch: bool
+    """The group is the whole batch, one query per row, in batch order (a plain decode
+    step): queries and outputs need no index."""
+    gather_index: torch.Tensor | None = None
+    """Rows of the pool viewed as [tokens * 2 * kv_heads, dim], [2, rows, heads', max_kv_len];
+    set by prepare_gather."""
+
+
+@dataclass
 class AttentionMetadata:
     out_cache_loc: torch.Tensor
     """Pool index each new token's K/V is written to, [num_tokens]."""
-    short_token_idx: torch.Tensor
-    """Flat-batch index of each short row's query tokens, padded by repeating the row's
-    last token, [num_short, max_q]."""
-    short_q_valid: torch.Tensor
-    """True where short_token_idx is a real query, [num_short, max_q]."""
-    short_kv_indices: torch.Tensor
-    """Pool indices per short row, padded with 0, [num_short, max_kv_len]."""
-    short_mask: torch.Tensor
-    """Query i of a row sees keys 0..prefix+i, [num_short, 1, max_q, max_kv_len]."""
+    decode_groups: list[DecodeGroup]
     extend_rows: list[ExtendRow]
+
+    def prepare_gather(self, num_kv_heads: int, kv_head_of: torch.Tensor) -> None:
+        """Builds each group's gather index once per forward.
+
+        `kv_head_of[h']` is the pool's KV head behind the h'-th head of the gathered
+        layout: arange(kv_heads) for plain GQA, or one entry per query head when a
+        tensor-parallel rank's heads straddle KV groups (parallel.py).
+        """
+        kv_or_v = torch.arange(2, device=kv_head_of.device)[:, None, None, None]
+        for g in self.decode_groups:
+            token = g.kv_indices[None, :, None, :]
+            g.gather_index = (token * 2 + kv_or_v) * num_kv_heads + kv_head_of[None, None, :, None]
 
 
 def paged_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     kv_head_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [num_tokens, heads, dim] -> [num_tokens, heads, dim].
+    """q: [num_tokens, heads, dim], this step's k/v: [num_tokens, kv_heads, dim] (already in
+    kv_cache [pool tokens, 2, kv_heads, dim]) -> [num_tokens, heads, dim].
 
     Query head h reads KV head h // (heads // kv_heads) (SDPA's GQA grouping), unless
     `kv_head_map` gives each query head's KV head: a tensor-parallel rank whose heads
-    straddle KV groups (parallel.py) reads gathered KV expanded to one head per query head.
-    """
+    straddle KV groups (parallel.py); prepare_gather must then have been given the same map."""
+    if len(meta.decode_groups) == 1 and meta.decode_groups[0].covers_batch:
+        return _decode_group(q, kv_cache, meta.decode_groups[0])
     out = torch.empty_like(q)
-
-    def gather(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # [..., KVH, D]
-        # index_select on the flat index is several times faster than advanced indexing on CPU.
-        rows = cache.index_select(0, idx.reshape(-1)).view(*idx.shape, *cache.shape[1:])
-        return rows if kv_head_map is None else rows.index_select(-2, kv_head_map)
-
-    if meta.short_token_idx.numel():
-        qs = q[meta.short_token_idx].transpose(1, 2)  # [B, H, Q, D]
-        ks = gather(k_cache, meta.short_kv_indices).transpose(1, 2)  # [B, KVH, L, D]
-        vs = gather(v_cache, meta.short_kv_indices).transpose(1, 2)
-        os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.short_mask, enable_gqa=True)
-        os_ = os_.transpose(1, 2)  # [B, Q, H, D]
-        if meta.short_token_idx.shape[1] == 1:
-            out[meta.short_token_idx[:, 0]] = os_[:, 0]
+    for g in meta.decode_groups:
+        rows = _decode_group(q, kv_cache, g)  # [rows, max_q, heads, dim]
+        if g.token_idx.shape[1] == 1:
+            out.index_copy_(0, g.token_idx[:, 0], rows[:, 0])
         else:
-            out[meta.short_token_idx[meta.short_q_valid]] = os_[meta.short_q_valid]
+            out[g.token_idx[g.q_valid]] = rows[g.q_valid]
     for row in meta.extend_rows:
         sl = slice(row.q_start, row.q_start + row.q_len)
-        qe = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        ke = gather(k_cache, row.kv_indices).transpose(0, 1).unsqueeze(0)
-        ve = gather(v_cache, row.kv_indices).transpose(0, 1).unsqueeze(0)
-        oe = F.scaled_dot_product_attention(
-            qe, ke, ve, attn_mask=row.causal_mask, is_causal=row.causal_mask is None, enable_gqa=True
-        )
-        out[sl] = oe.squeeze(0).transpose(0, 1)
+        out[sl] = _extend_row(q[sl], k[sl], v[sl], kv_cache, row, kv_head_map)
     return out
+
+
+def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup) -> torch.Tensor:
+    """[rows, heads, dim] when the group covers the batch, else [rows, max_q, heads, dim]."""
+    assert g.gather_index is not None, "prepare_gather was not called"
+    _, rows, heads_kv, max_kv = g.gather_index.shape
+    dim = q.shape[-1]
+    heads = q.shape[1]
+    group = heads // heads_kv
+    max_q = g.token_idx.shape[1]
+    kv = kv_cache.view(-1, dim).index_select(0, g.gather_index.view(-1)).view(2, rows, heads_kv, max_kv, dim)
+    qs = q if g.covers_batch else q[g.token_idx]  # [rows, (max_q,) heads, dim]
+    # Query head h = kv head * group + i reads KV head h // group: order queries [rows, kv head, q, i].
+    qs = qs.view(rows, max_q, heads_kv, group, dim).transpose(1, 2).reshape(rows, heads_kv, max_q * group, dim)
+    scores = torch.matmul(qs, kv[0].transpose(-1, -2)).view(rows, heads_kv, max_q, group, max_kv)
+    # bias + scale * scores in one op, in float32 whatever the model's dtype (as the reference does).
+    probs = torch.add(g.bias, scores, alpha=dim**-0.5).softmax(dim=-1).to(q.dtype)
+    out = torch.matmul(probs.view(rows, heads_kv, max_q * group, max_kv), kv[1])
+    out = out.view(rows, heads_kv, max_q, group, dim).transpose(1, 2)
+    return out.reshape(rows, heads, dim) if g.covers_batch else out.reshape(rows, max_q, heads, dim)
+
+
+def _extend_row(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    row: ExtendRow,
+    kv_head_map: torch.Tensor | None,
+) -> torch.Tensor:
+    if row.prefix_len:
+        kv = kv_cache.index_select(0, row.kv_indices)  # [n, 2, kv_heads, dim]
+        k, v = kv[:, 0], kv[:, 1]
+    if kv_head_map is not None:
+        k, v = k.index_select(1, kv_head_map), v.index_select(1, kv_head_map)
+    qe, ke, ve = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    oe = F.scaled_dot_product_attention(
+        qe, ke, ve, attn_mask=row.causal_mask, is_causal=row.causal_mask is None, enable_gqa=True
+    )
+    return oe.squeeze(0).transpose(0, 1)
 
 
 def shifted_causal_mask(q_len: int, prefix_len: int, device: torch.device) -> torch.Tensor:

@@ -20,12 +20,34 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.attention import AttentionMetadata, ExtendRow, shifted_causal_mask
+from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow, shifted_causal_mask
 from gpu_worker.sampler import SamplingTable
 from wire.backend import BatchDescriptor
 from wire.codec import unpack_int32
 
 _NO_DRAFT = np.zeros(0, dtype=np.int64)
+
+
+MAX_DECODE_GROUPS = 4
+"""Each group costs a handful of small ops per layer; past a few, they cost more than the
+padding they save."""
+
+
+def group_by_length(kv_lens: np.ndarray) -> list[list[int]]:
+    """Indices of short rows in groups of similar KV length: a group holds rows longer
+    than half its longest, so padding at most doubles a group's keys (the last of
+    MAX_DECODE_GROUPS groups takes all the rest). Row order within a group is kept."""
+    if not len(kv_lens):
+        return []
+    order = np.argsort(-kv_lens, kind="stable")
+    groups: list[list[int]] = [[]]
+    longest = kv_lens[order[0]]
+    for i in order:
+        if kv_lens[i] * 2 <= longest and len(groups) < MAX_DECODE_GROUPS:
+            groups.append([])
+            longest = kv_lens[i]
+        groups[-1].append(int(i))
+    return [sorted(g) for g in groups]
 
 
 class StepGapError(RuntimeError):
@@ -204,7 +226,11 @@ class BatchState:
             kv = self._pool_index(np.full(prefix + n, slot), np.arange(prefix + n))
             mask = shifted_causal_mask(n, prefix, dev) if prefix else None
             rows.append(ExtendRow(q_start, n, prefix, torch.from_numpy(kv).to(dev), mask))
-        meta = AttentionMetadata(torch.from_numpy(out_loc).to(dev), *self._short_row_metadata(plan.short_rows), rows)
+        short_rows = plan.short_rows
+        grouped = group_by_length(self.row_lens_host[[s for _, _, s in short_rows]])
+        alone = len(grouped) == 1 and not plan.extend_rows
+        groups = [self._decode_group([short_rows[i] for i in members], alone) for members in grouped]
+        meta = AttentionMetadata(torch.from_numpy(out_loc).to(dev), groups, rows)
         return ForwardInputs(
             **vars(plan),
             input_ids=input_ids,
@@ -217,12 +243,10 @@ class BatchState:
         ps = self.page_size
         return self.page_table[slots, positions // ps] * ps + positions % ps
 
-    def _short_row_metadata(self, rows: list[tuple[int, int, int]]):
-        """Padded query indices, key indices and masks for the rows batched in one SDPA call."""
+    def _decode_group(self, rows: list[tuple[int, int, int]], alone: bool) -> DecodeGroup:
+        """Padded query indices, key indices and the mask bias of rows batched together;
+        `alone`: they are all the rows that compute this step."""
         dev = self.device
-        if not rows:
-            empty = torch.zeros((0, 1), dtype=torch.int64, device=dev)
-            return empty, empty.bool(), empty, torch.zeros((0, 1, 1, 1), dtype=torch.bool, device=dev)
         offsets = np.asarray([o for o, _, _ in rows])
         q_lens = np.asarray([n for _, n, _ in rows])
         slots = np.asarray([s for _, _, s in rows])
@@ -234,12 +258,16 @@ class BatchState:
         kv = np.arange(int(kv_lens.max()))
         kv_idx = np.where(kv[None, :] < kv_lens[:, None], self._pool_index(slots[:, None], kv[None, :]), 0)
         # Query i of a row sits at position prefix+i and sees keys 0..prefix+i.
-        mask = kv[None, None, :] <= (prefix[:, None, None] + np.minimum(q, q_lens[:, None] - 1)[:, :, None])
-        return (
-            torch.from_numpy(token_idx).to(dev),
-            torch.from_numpy(q_valid).to(dev),
-            torch.from_numpy(kv_idx).to(dev),
-            torch.from_numpy(mask).to(dev)[:, None],
+        visible = kv[None, None, :] <= (prefix[:, None, None] + np.minimum(q, q_lens[:, None] - 1)[:, :, None])
+        bias = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, :, None, :]
+        # A plain decode step: one query per row, the rows in batch order.
+        covers_batch = alone and max_q == 1 and bool((offsets == np.arange(len(rows))).all())
+        return DecodeGroup(
+            token_idx=torch.from_numpy(token_idx).to(dev),
+            q_valid=torch.from_numpy(q_valid).to(dev),
+            kv_indices=torch.from_numpy(kv_idx).to(dev),
+            bias=torch.from_numpy(bias).to(dev),
+            covers_batch=covers_batch,
         )
 
     def advance(self, inputs: StepPlan, accepted: list[np.ndarray]) -> None:

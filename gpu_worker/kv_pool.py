@@ -3,6 +3,10 @@
 Token `t` of a request lives at pool index `page_table[slot, t // page_size] * page_size
 + t % page_size`. Page 0 is never handed out by the scheduler's allocator: padded
 gathers read it, so it must exist but its contents never matter.
+
+One tensor per layer holds K and V of a token side by side, [pool tokens, 2, kv_heads,
+dim]: a step writes both with one `index_copy_`, and attention gathers both with one
+`index_select` (attention.py).
 """
 
 from __future__ import annotations
@@ -30,10 +34,8 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         size = num_pages * page_size
-        shape = (size, num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        shape = (size, 2, num_kv_heads, cfg.head_dim)
+        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][loc] = k
-        self.v[layer][loc] = v
+        self.kv[layer].index_copy_(0, loc, torch.stack((k, v), dim=1))

@@ -23,16 +23,16 @@ from gpu_worker.parallel import ShardPlan, TPGroup
 
 
 class RMSNorm(nn.Module):
+    """Normalised in float32, then cast, then scaled by the weight (the reference's order);
+    F.rms_norm is one fused kernel where the reference spells out six ops."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -42,25 +42,20 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos().repeat(1, 2), persistent=False)
+        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table.
+        self.register_buffer("signed_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for this batch's positions, looked up once per forward, shared by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """cos/signed sin for this batch's positions, looked up once per forward, shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.signed_sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = rotary
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, over [tokens, heads, dim]; the same products and sum
+    as the reference, so the same bits, in four ops instead of ten."""
+    cos, signed_sin = rotary
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -88,13 +83,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, rotary)
+        # q and k sit side by side in qkv: one rotary over both heads at once.
+        qk = apply_rotary(
+            qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rotary
+        )
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         kv_pool.write(self.layer_id, meta.out_cache_loc, k, v)
-        out = paged_attention(q, kv_pool.k[self.layer_id], kv_pool.v[self.layer_id], meta, self.kv_head_map)
+        out = paged_attention(q, k, v, kv_pool.kv[self.layer_id], meta, self.kv_head_map)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
@@ -138,6 +134,12 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False)
+        # The pool's KV head behind each head of the decode gather: one per KV head, or one per
+        # query head when this rank's heads straddle KV groups.
+        heads_of_gather = range(self.plan.num_kv_heads) if self.plan.uniform_gqa else self.plan.kv_of_head
+        self.register_buffer(
+            "gather_kv_heads", torch.tensor(list(heads_of_gather), dtype=torch.int64), persistent=False
+        )
 
     @torch.inference_mode()
     def forward(
@@ -148,14 +150,16 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Runs the flat token batch; returns float32 logits of the rows in logits_indices."""
+        """Runs the flat token batch; returns the logits (in the model's dtype: the sampler
+        converts them when it needs float32) of the rows in logits_indices."""
         x = self.tp.embed(input_ids, self.embed_tokens.weight, self.plan.vocab)
+        meta.prepare_gather(self.plan.num_kv_heads, self.gather_kv_heads)
         rotary = self.rope.tables(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rotary, kv_pool, meta)
         x = self.norm(x[logits_indices])
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.gather_vocab(F.linear(x, head), self.cfg.vocab_size).float()
+        return self.tp.gather_vocab(F.linear(x, head), self.cfg.vocab_size)
 
     def load_weights(self, weights) -> None:
         """Takes (name, tensor) pairs in Hugging Face LLaMA names (full, unsharded tensors);

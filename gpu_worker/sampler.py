@@ -82,20 +82,25 @@ def sample(
     table: SamplingTable,
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[RowLogprobs | None]]:
-    """logits [rows, vocab] float32 -> (token ids [rows] int64, per-row logprobs or []).
+    """logits [rows, vocab] in the model's dtype -> (token ids [rows] int64, per-row logprobs or []).
 
+    A batch of plain greedy rows takes the argmax of the logits as they are (converting
+    them cannot change which is largest); anything else works on float32 logits.
     `agree` makes the tensor-parallel ranks take one set of tokens (rank 0's) before any
     per-row state (penalty counts, logprobs) is updated from them."""
     params = [table.params[s] for s in slots]
+    all_greedy = all(p.temperature <= 0.0 for p in params)
+    if not all_greedy or any(p.logprobs or _uses_penalties(p) for p in params):
+        logits = logits.float()
     raw_logprobs = None
     if any(p.logprobs for p in params):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = _apply_penalties(logits, slots, params, table)
     logits = _mask_eos_before_min_tokens(logits, slots, params, table)
 
-    greedy = torch.tensor([p.temperature <= 0.0 for p in params], device=logits.device)
     tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    if not all_greedy:
+        greedy = torch.tensor([p.temperature <= 0.0 for p in params], device=logits.device)
         temps = torch.tensor([max(p.temperature, 1e-6) for p in params], device=logits.device)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         probs = _filter_top_k_top_p_min_p(probs, params)

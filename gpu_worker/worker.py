@@ -149,9 +149,11 @@ class Worker(WorkerLoop):
         accepted: list[np.ndarray] = [None] * len(inputs.sampling_slots)  # type: ignore[list-item]
         logprobs: list = []
         if plain:
-            rows = torch.from_numpy(ends[plain] - 1).to(self.device)
+            rows = ends[plain] - 1
+            # When every logit row is a plain row's, in order (a decode step), they are used as they are.
+            plain_logits = logits if len(rows) == len(logits) else logits[torch.from_numpy(rows).to(self.device)]
             tokens, plain_logprobs = sample(
-                logits[rows], [inputs.sampling_slots[i] for i in plain], self.sampling, self.tp.broadcast
+                plain_logits, [inputs.sampling_slots[i] for i in plain], self.sampling, self.tp.broadcast
             )
             for i, t in zip(plain, tokens.cpu().numpy()):
                 accepted[i] = t.reshape(1)

@@ -1,0 +1,167 @@
+"""The worker alone, in this process: prefill time and decode ms/step at given batch sizes.
+
+    python benchmarks/bench_worker_step.py --dtype bfloat16 --batch-sizes 1,32 --profile 32
+
+It loads the model into a real `Worker` (as `gpu_worker.replay` does) and feeds it
+synthetic descriptors: B requests of `--prompt-len` tokens join in one extend step, then
+the batch decodes `--decode-steps` tokens, gaining one page per row per step (page size
+1), exactly as the scheduler would send it. No scheduler, no sockets: this is the
+worker's own cost per step, the number the per-op work in gpu_worker/ moves.
+
+`--profile B` adds a torch.profiler table of decode steps at batch B (top ops by self
+CPU time). Output: one JSON line per batch size, and the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model_source import default_model_path  # noqa: E402
+from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppend, StepResult  # noqa: E402
+from wire.child import ChildContext  # noqa: E402
+from wire.codec import pack_int32, unpack_int32  # noqa: E402
+from wire.frontend import SamplingParams  # noqa: E402
+from wire.server_args import ServerArgs  # noqa: E402
+
+
+class SyntheticScheduler:
+    """Builds the descriptors a scheduler would send for B equal greedy requests."""
+
+    def __init__(self, worker, batch: int, prompt_len: int, max_new: int, seed: int) -> None:
+        self.worker = worker
+        self.batch = batch
+        self.step_id = worker.state.next_step_id
+        self.next_page = 1  # page 0 is the padding page
+        self.lens = [0] * batch
+        rng = np.random.default_rng(seed)
+        self.prompts = [rng.integers(100, 20000, prompt_len) for _ in range(batch)]
+        self.max_new = max_new
+
+    def _pages(self, slot: int, n: int) -> PageAppend:
+        ids = np.arange(self.next_page, self.next_page + n)
+        self.next_page += n
+        first = self.lens[slot]
+        self.lens[slot] += n
+        return PageAppend(slot, first, pack_int32(ids))
+
+    def _send(self, mode: ForwardMode, **fields) -> StepResult:
+        desc = BatchDescriptor(self.step_id, int(mode), seq_lens_sum=sum(self.lens), **fields)
+        self.step_id += 1
+        out = self.worker.step(desc)
+        assert isinstance(out, StepResult), out
+        return out
+
+    def prefill(self) -> StepResult:
+        params = SamplingParams(max_new_tokens=self.max_new, ignore_eos=True)
+        added = [AddedRequest(s, 0, params) for s in range(self.batch)]
+        pages = [self._pages(s, len(p)) for s, p in enumerate(self.prompts)]
+        extends = [ExtendChunk(s, pack_int32(p), True) for s, p in enumerate(self.prompts)]
+        return self._send(ForwardMode.EXTEND, removed_slots=[], added=added, page_appends=pages, extends=extends)
+
+    def decode(self) -> StepResult:
+        pages = [self._pages(s, 1) for s in range(self.batch)]
+        return self._send(ForwardMode.DECODE, removed_slots=[], added=[], page_appends=pages, extends=[])
+
+    def finish(self) -> None:
+        self._send(ForwardMode.IDLE, removed_slots=list(range(self.batch)), added=[], page_appends=[], extends=[])
+
+
+def make_worker(model: str, dtype: str, pool_tokens: int, max_running: int):
+    from gpu_worker.worker import Worker
+
+    args = ServerArgs(
+        model_path=model,
+        dtype=dtype,
+        max_total_tokens=pool_tokens,
+        max_running_requests=max_running,
+        run_dir=tempfile.mkdtemp(prefix="trident-bench-"),
+        log_level="warning",
+    )
+    return Worker(ChildContext(args, "worker", 0))
+
+
+def measure(worker, batch: int, prompt_len: int, steps: int, warmup: int) -> dict:
+    sched = SyntheticScheduler(worker, batch, prompt_len, steps + warmup + 1, seed=batch)
+    t0 = time.perf_counter()
+    sched.prefill()
+    prefill_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        sched.decode()
+    times, tokens = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = sched.decode()
+        times.append(time.perf_counter() - t0)
+        tokens.append(unpack_int32(out.next_token_ids)[0])
+    sched.finish()
+    median = statistics.median(times)
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "prefill_ms": prefill_s * 1e3,
+        "decode_ms_median": median * 1e3,
+        "decode_ms_mean": statistics.fmean(times) * 1e3,
+        "decode_tok_s": batch / median,
+        "row0_tokens": [int(t) for t in tokens[:8]],
+    }
+
+
+def profile(worker, batch: int, prompt_len: int, steps: int) -> str:
+    sched = SyntheticScheduler(worker, batch, prompt_len, steps + 4, seed=batch)
+    sched.prefill()
+    for _ in range(3):
+        sched.decode()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            sched.decode()
+    sched.finish()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M GGUF")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--profile", type=int, default=0, help="batch size to profile (0: none)")
+    p.add_argument("--profile-steps", type=int, default=10)
+    ns = p.parse_args(argv)
+    batches = [int(b) for b in ns.batch_sizes.split(",")]
+    most = max(batches + [ns.profile])
+    pool = most * (ns.prompt_len + ns.decode_steps + ns.warmup_steps + 16) + 64
+    t0 = time.perf_counter()
+    worker = make_worker(ns.model or default_model_path(), ns.dtype, pool, max(most, 1))
+    print(
+        json.dumps(
+            {
+                "load_s": time.perf_counter() - t0,
+                "dtype": str(worker.dtype),
+                "threads": torch.get_num_threads(),
+                "loadavg": os.getloadavg(),
+            }
+        ),
+        flush=True,
+    )
+    for b in batches:
+        print(json.dumps(measure(worker, b, ns.prompt_len, ns.decode_steps, ns.warmup_steps)), flush=True)
+    if ns.profile:
+        print(profile(worker, ns.profile, ns.prompt_len, ns.profile_steps))
+    print(json.dumps({"loadavg_after": os.getloadavg()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
