@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="weight and KV dtype; auto is bfloat16 on CUDA and on CPUs with AVX-512, else float32",
     )
+    m.add_argument(
+        "--weight-dtype",
+        choices=["auto", "int8"],
+        default="auto",
+        help="int8: linear layers as weight-only int8 with per-channel scales (CPU; faster at batch 1, "
+        "slower from ~8 running requests)",
+    )
     m.add_argument("--context-length", type=int, default=0, help="max prompt+output tokens; 0: the model's")
     m.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     h = p.add_argument_group("HTTP")
@@ -203,6 +210,7 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
         served_model_name=ns.served_model_name or served_name,
         device=ns.device,
         dtype=ns.dtype,
+        weight_dtype=ns.weight_dtype,
         context_length=ns.context_length,
         seed=ns.seed,
         host=ns.host,

@@ -10,6 +10,10 @@ worker's own cost per step, the number the per-op work in gpu_worker/ moves.
 
 `--profile B` adds a torch.profiler table of decode steps at batch B (top ops by self
 CPU time). Output: one JSON line per batch size, and the table.
+
+On a machine shared with other work, wall time per step swings with the load; with
+`--threads 1` the process CPU time per step (`decode_cpu_ms_median`) is the steadier
+number to compare two versions by.
 """
 
 from __future__ import annotations
@@ -76,12 +80,13 @@ class SyntheticScheduler:
         self._send(ForwardMode.IDLE, removed_slots=list(range(self.batch)), added=[], page_appends=[], extends=[])
 
 
-def make_worker(model: str, dtype: str, pool_tokens: int, max_running: int):
+def make_worker(model: str, dtype: str, pool_tokens: int, max_running: int, weight_dtype: str = "auto"):
     from gpu_worker.worker import Worker
 
     args = ServerArgs(
         model_path=model,
         dtype=dtype,
+        weight_dtype=weight_dtype,
         max_total_tokens=pool_tokens,
         max_running_requests=max_running,
         run_dir=tempfile.mkdtemp(prefix="trident-bench-"),
@@ -97,11 +102,12 @@ def measure(worker, batch: int, prompt_len: int, steps: int, warmup: int) -> dic
     prefill_s = time.perf_counter() - t0
     for _ in range(warmup):
         sched.decode()
-    times, tokens = [], []
+    times, cpu_times, tokens = [], [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = sched.decode()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
         tokens.append(unpack_int32(out.next_token_ids)[0])
     sched.finish()
     median = statistics.median(times)
@@ -110,7 +116,8 @@ def measure(worker, batch: int, prompt_len: int, steps: int, warmup: int) -> dic
         "prompt_len": prompt_len,
         "prefill_ms": prefill_s * 1e3,
         "decode_ms_median": median * 1e3,
-        "decode_ms_mean": statistics.fmean(times) * 1e3,
+        "decode_ms_min": min(times) * 1e3,
+        "decode_cpu_ms_median": statistics.median(cpu_times) * 1e3,
         "decode_tok_s": batch / median,
         "row0_tokens": [int(t) for t in tokens[:8]],
     }
@@ -132,10 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M GGUF")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--weight-dtype", default="auto", choices=["auto", "int8"])
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: the worker's own choice)")
     p.add_argument("--profile", type=int, default=0, help="batch size to profile (0: none)")
     p.add_argument("--profile-steps", type=int, default=10)
     ns = p.parse_args(argv)
@@ -143,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     most = max(batches + [ns.profile])
     pool = most * (ns.prompt_len + ns.decode_steps + ns.warmup_steps + 16) + 64
     t0 = time.perf_counter()
-    worker = make_worker(ns.model or default_model_path(), ns.dtype, pool, max(most, 1))
+    worker = make_worker(ns.model or default_model_path(), ns.dtype, pool, max(most, 1), ns.weight_dtype)
     print(
         json.dumps(
             {

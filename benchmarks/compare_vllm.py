@@ -1,6 +1,7 @@
 """trident against vLLM CPU on the same workload, back to back in one run.
 
-    python benchmarks/compare_vllm.py --vllm-python /work/vllm-venv/bin/python --output-json benchmarks/results/compare_vllm.json
+    python benchmarks/compare_vllm.py --vllm-python /work/vllm-venv/bin/python \\
+        --output-json benchmarks/results/compare_vllm.json
 
 What it does, in order (the servers never share the CPU):
 
@@ -73,7 +74,8 @@ def export_dense_copy(model_path: str, dtype: str, export_dir: str) -> str:
 
 
 class VllmServer:
-    """vLLM's OpenAI server for DIR on a free port; ready when /v1/models answers; SIGTERM, then SIGKILL of its group."""
+    """vLLM's OpenAI server for DIR on a free port; ready when /v1/models answers; stopped with
+    SIGTERM, then SIGKILL of its process group."""
 
     def __init__(self, python: str, model_dir: str, dtype: str, extra: str, log_path: str) -> None:
         self.port = free_port()

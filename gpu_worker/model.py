@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention import AttentionMetadata, paged_attention
+from gpu_worker.int8_weights import Int8Linear, quantize_linear_layers
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.parallel import ShardPlan, TPGroup
@@ -158,8 +159,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, rotary, kv_pool, meta)
         x = self.norm(x[logits_indices])
+        logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
+        return self.tp.gather_vocab(logits, self.cfg.vocab_size)
+
+    def quantize_weights_int8(self) -> None:
+        """Every linear layer and the LM head to weight-only int8 (int8_weights.py); call
+        after load_weights and the cast to the activation dtype."""
+        quantize_linear_layers(self.layers)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.gather_vocab(F.linear(x, head), self.cfg.vocab_size)
+        self.lm_head = Int8Linear(head.data, None)
 
     def load_weights(self, weights) -> None:
         """Takes (name, tensor) pairs in Hugging Face LLaMA names (full, unsharded tensors);

@@ -20,6 +20,7 @@ import psutil
 import torch
 
 from gpu_worker.batch_state import BatchState, StepPlan
+from gpu_worker.int8_weights import check_supported as check_int8_supported
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.model_config import ModelConfig
@@ -98,6 +99,9 @@ class Worker(WorkerLoop):
         model.load_weights(iter_weights(args.model_path, self.cfg))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rope.to(dtype=torch.float32)
+        if args.weight_dtype == "int8":
+            check_int8_supported(self.device, self.dtype)
+            self.model.quantize_weights_int8()
         logger.info("loaded %s in %.1f s (%s, %s)", args.model_path, time.monotonic() - t0, self.dtype, self.device)
 
         # Every rank must hold the same pages: the scheduler allocates from one pool.

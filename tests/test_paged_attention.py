@@ -103,8 +103,8 @@ def test_ragged_decode_verify_and_prefill_rows_equal_dense_attention(kv_heads, k
     grow.update({5: 13, 6: 30})
     params = SamplingParams(max_new_tokens=8)
     added = [AddedRequest(5, 0, params), AddedRequest(6, 21, params)]
-    chunks = batch.send(added, [ExtendChunk(5, pack_int32(range(13)), True), ExtendChunk(6, pack_int32(range(9)), False)],
-                        grow=grow)
+    extends = [ExtendChunk(5, pack_int32(range(13)), True), ExtendChunk(6, pack_int32(range(9)), False)]
+    chunks = batch.send(added, extends, grow=grow)
     drafts = {2: np.array([7, 8]), 4: np.array([9, 9, 9])}
     inputs = batch.state.build_forward(chunks, drafts)
     assert len(inputs.meta.decode_groups) > 1 and len(inputs.meta.extend_rows) == 2

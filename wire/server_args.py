@@ -23,6 +23,8 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     device: str = "cpu"
     dtype: str = "auto"
     """auto | float32 | bfloat16 | float16; the worker resolves auto per device."""
+    weight_dtype: str = "auto"
+    """auto (the same as dtype) | int8 (weight-only int8 linear layers, CPU)."""
     context_length: int = 0
     """Maximum prompt + output tokens per request; 0 means the model's own limit."""
     seed: int = 0

@@ -1,0 +1,76 @@
+"""Weight-only int8 (`--weight-dtype int8`): the kernel computes what the dequantized
+weights would, and SmolLM2 with int8 weights predicts nearly what it does in float32."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.attention import AttentionMetadata, ExtendRow
+from gpu_worker.int8_weights import Int8Linear, quantize_per_channel
+from gpu_worker.kv_pool import KVPool
+from gpu_worker.model import LlamaForCausalLM
+from gpu_worker.weights import iter_weights, load_config
+from tests.helpers import make_random_llama, running_server
+
+TEXT = (
+    "The capital of France is Paris. It is known for the Eiffel Tower, museums such as the Louvre, and its cafes. "
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    "Once upon a time, in a small village, there lived an old baker who made bread every morning."
+)
+
+
+def test_per_channel_quantization_is_within_half_a_step_of_each_weight():
+    w = torch.randn(96, 64) * torch.logspace(-3, 1, 96)[:, None]  # rows of very different ranges
+    q, scale = quantize_per_channel(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_equals_a_linear_layer_with_the_dequantized_weights(dtype):
+    w, b, x = torch.randn(48, 64, dtype=dtype), torch.randn(48, dtype=dtype), torch.randn(2, 5, 64, dtype=dtype)
+    layer = Int8Linear(w, b)
+    q, scale = quantize_per_channel(w)
+    want = F.linear(x.float(), q.float() * scale.to(dtype).float()[:, None], b.float())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(layer(x).float(), want, atol=tol, rtol=tol)
+
+
+def _prompt_logits(path: str, ids: torch.Tensor, dtype: torch.dtype, int8: bool) -> torch.Tensor:
+    """Next-token logits at every position of one prompt, through the worker's own model."""
+    cfg = load_config(path)
+    model = LlamaForCausalLM(cfg)
+    model.load_weights(iter_weights(path, cfg))
+    model = model.to(dtype=dtype).eval()
+    model.rope.to(dtype=torch.float32)
+    if int8:
+        model.quantize_weights_int8()
+    n = len(ids)
+    pool = KVPool(cfg, n + 1, 1, dtype, torch.device("cpu"), cfg.num_kv_heads)
+    loc = torch.arange(1, n + 1)
+    meta = AttentionMetadata(loc, [], [ExtendRow(0, n, 0, loc, None)])
+    return model(ids, torch.arange(n), pool, meta, torch.arange(n)).float()
+
+
+def test_smollm2_with_int8_weights_predicts_nearly_what_float32_does(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
+    ids = torch.tensor(tok(TEXT).input_ids)
+    reference = _prompt_logits(smollm2_path, ids, torch.float32, int8=False)
+    int8 = _prompt_logits(smollm2_path, ids, torch.bfloat16, int8=True)
+    # bf16 weights agree on 98.8 % of these 85 positions, int8 on 96.5 % (measured).
+    assert (int8.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+    assert F.cosine_similarity(int8, reference, dim=-1).min() >= 0.98
+
+
+def test_a_server_started_with_int8_weights_generates(tmp_path):
+    model = make_random_llama(str(tmp_path / "model"), seed=3)
+    with running_server(["--model", model, "--dtype", "bfloat16", "--weight-dtype", "int8"]) as server:
+        r = server.http().post("/generate", json={"text": "one two three", "sampling_params": {
+            "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 12
