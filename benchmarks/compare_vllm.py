@@ -56,15 +56,17 @@ def export_dense_copy(model_path: str, dtype: str, export_dir: str) -> str:
     """A Hugging Face directory (config, safetensors, tokenizer) of the GGUF's dequantized weights."""
     if os.path.isfile(os.path.join(export_dir, "config.json")):
         return export_dir
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     directory, name = os.path.split(os.path.abspath(model_path))
     model = load_hf_model(model_path, DTYPES[dtype])
     # save_pretrained refuses a model loaded from GGUF, so write the dense tensors and the
-    # config ourselves (save_model drops the tied LM head's duplicate).
+    # config ourselves; a tied LM head is the embedding, which must be the copy kept.
+    tied = model.config.tie_word_embeddings
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     os.makedirs(export_dir, exist_ok=True)
-    save_model(model, os.path.join(export_dir, "model.safetensors"))
+    save_file(state, os.path.join(export_dir, "model.safetensors"), metadata={"format": "pt"})
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
