@@ -27,9 +27,13 @@ import tempfile
 import time
 
 import numpy as np
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gpu_worker.omp_policy import use_passive_omp_wait  # noqa: E402
+
+use_passive_omp_wait()  # before torch loads, as the worker process does
+import torch  # noqa: E402
+
 from model_source import default_model_path  # noqa: E402
 from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppend, StepResult  # noqa: E402
 from wire.child import ChildContext  # noqa: E402

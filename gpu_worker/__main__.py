@@ -6,10 +6,12 @@ import logging
 import os
 import sys
 
+from gpu_worker.omp_policy import use_passive_omp_wait
 from wire.child import start_child
 
 
 def main() -> None:
+    use_passive_omp_wait()
     ctx = start_child("worker")
     try:
         if ctx.args.worker == "simulated":

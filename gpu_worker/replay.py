@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 from tqdm import tqdm
 
+from gpu_worker.omp_policy import use_passive_omp_wait
 from wire.backend import BatchDescriptor, ResetBatch, StepResult, WorkerError, WorkerInput
 from wire.child import ChildContext
 from wire.codec import unpack_int32
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--json", default=None, help="write the report here")
     ns = p.parse_args(argv)
+    use_passive_omp_wait()  # as the served worker does, so that served / replayed compares like with like
     logging.basicConfig(level="WARNING")
 
     try:
