@@ -1,0 +1,30 @@
+"""The worker's OpenMP threads sleep when they wait, unless the user chose otherwise."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.helpers import REPO_ROOT
+
+SET_THEN_IMPORT = (
+    "import os\nfrom gpu_worker.omp_policy import use_passive_omp_wait\nuse_passive_omp_wait()\n"
+    "import torch\nprint(os.environ['OMP_WAIT_POLICY'])"
+)
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env={**clean, **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_worker_waits_passively_by_default_and_a_users_choice_wins():
+    assert run(SET_THEN_IMPORT).stdout.strip() == "PASSIVE"
+    assert run(SET_THEN_IMPORT, OMP_WAIT_POLICY="ACTIVE").stdout.strip() == "ACTIVE"
+
+
+def test_setting_it_after_torch_is_loaded_is_refused():
+    res = run("import torch\nfrom gpu_worker.omp_policy import use_passive_omp_wait\nuse_passive_omp_wait()")
+    assert res.returncode != 0 and "before torch is imported" in res.stderr
