@@ -76,10 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     overhead = statistics.median(r["ttft_ms"] - r["forward_ms"] for r in rows)
     report = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": cmd, "requests": len(rows),
-        "median_ttft_ms": med["ttft_ms"], "median_prefill_forward_ms": med["forward_ms"],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": cmd,
+        "requests": len(rows),
+        "median_ttft_ms": med["ttft_ms"],
+        "median_prefill_forward_ms": med["forward_ms"],
         "median_scheduler_sent_to_result_ms": med["sent_to_result_ms"],
-        "median_ttft_minus_forward_ms": overhead, "loadavg": os.getloadavg(), "rows": rows,
+        "median_ttft_minus_forward_ms": overhead,
+        "loadavg": os.getloadavg(),
+        "rows": rows,
     }
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=2))
     if ns.output_json:
