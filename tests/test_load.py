@@ -35,8 +35,9 @@ async def hold_streams_then_burst(base_url: str) -> tuple[list[tuple[int, int]],
             stats = (await client.get("/server_info")).json()["scheduler_stats"] or {}
             if stats.get("running_requests", 0) + stats.get("queued_requests", 0) >= STREAMS - 100:
                 break
+        # Larger than the streams that may finish meanwhile, so the queue limit is crossed.
         burst = [client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
-                 for _ in range(100)]
+                 for _ in range(300)]
         burst_responses = await asyncio.gather(*burst)
         return (await asyncio.gather(*held), [r.status_code for r in burst_responses],
                 [r.headers.get("retry-after", "") for r in burst_responses if r.status_code == 503])
