@@ -13,7 +13,7 @@ STREAMS = 1000
 
 async def stream_one(client: httpx.AsyncClient, i: int) -> tuple[int, int]:
     body = {"input_ids": [100 + i % 500, 7, 8, 9], "stream": True,
-            "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True}}
     events = 0
     async with client.stream("POST", "/generate", json=body) as r:
         if r.status_code != 200:
@@ -29,11 +29,13 @@ async def hold_streams_then_burst(base_url: str) -> tuple[list[tuple[int, int]],
     limits = httpx.Limits(max_connections=STREAMS + 200, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
         held = [asyncio.create_task(stream_one(client, i)) for i in range(STREAMS)]
-        # Burst once the scheduler holds (nearly) all of them: the next ones exceed the queue.
-        for _ in range(600):
+        # Burst once the tokenizer holds (nearly) all of them open (a live count, unlike the
+        # scheduler's periodic stats). The streams are long enough (256 tokens, 64 at a time)
+        # to still be open when the busy tokenizer gets to the burst, which then crosses the
+        # queue limit.
+        for _ in range(1200):
             await asyncio.sleep(0.05)
-            stats = (await client.get("/server_info")).json()["scheduler_stats"] or {}
-            if stats.get("running_requests", 0) + stats.get("queued_requests", 0) >= STREAMS - 100:
+            if (await client.get("/server_info")).json()["tokenizer_stats"]["open_requests"] >= STREAMS - 50:
                 break
         # Larger than the streams that may finish meanwhile, so the queue limit is crossed.
         burst = [client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
