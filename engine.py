@@ -232,10 +232,16 @@ class Engine:
         handles = []
         try:
             for ids, params, native in requests:
-                handles.append(await manager.submit(
-                    ids, params, rids=[manager.new_rid("engine")], stop=native.stop_list(),
-                    skip_special_tokens=native.skip_special_tokens, check_capacity=False,
-                ))
+                handles.append(
+                    await manager.submit(
+                        ids,
+                        params,
+                        rids=[manager.new_rid("engine")],
+                        stop=native.stop_list(),
+                        skip_special_tokens=native.skip_special_tokens,
+                        check_capacity=False,
+                    )
+                )
             results = await asyncio.gather(*(collect(None, h) for h in handles))
         except APIError as e:  # a request the scheduler failed
             raise RuntimeError(e.message) from None
@@ -275,5 +281,8 @@ class Engine:
         launcher = self._procs.launcher
         if launcher is None:
             return []
-        return [f"{c.name} (pid {c.proc.pid}, code {c.proc.returncode})"
-                for c in launcher.children if c.proc.poll() is not None]
+        return [
+            f"{c.name} (pid {c.proc.pid}, code {c.proc.returncode})"
+            for c in launcher.children
+            if c.proc.poll() is not None
+        ]

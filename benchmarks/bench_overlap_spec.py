@@ -67,7 +67,8 @@ def run_config(label: str, launch: str, requests: list[BenchRequest], concurrenc
         asyncio.run(run_requests(server.base_url, requests[:4], opts, float("inf"), 4, 0, progress=False))  # warm
         before = stats(server.base_url)
         results, duration = asyncio.run(
-            run_requests(server.base_url, requests, opts, float("inf"), concurrency, 0, progress=True))
+            run_requests(server.base_url, requests, opts, float("inf"), concurrency, 0, progress=True)
+        )
         after = stats(server.base_url)
     summary = summarize(results, duration)
     busy = after["worker_busy_s"] - before["worker_busy_s"]
@@ -75,7 +76,9 @@ def run_config(label: str, launch: str, requests: list[BenchRequest], concurrenc
     rows = after["spec_verify_rows"] - before["spec_verify_rows"]
     accepted = after["spec_accepted_drafts"] - before["spec_accepted_drafts"]
     out = {
-        "label": label, "launch": launch, "duration_s": duration,
+        "label": label,
+        "launch": launch,
+        "duration_s": duration,
         "output_tok_s": summary["output_throughput"],
         "worker_wait_fraction": idle / (busy + idle) if busy + idle else 0.0,
         "mean_accepted_length": 1 + accepted / rows if rows else None,
@@ -100,8 +103,12 @@ def comparison_parser(description: str, output_json: str) -> argparse.ArgumentPa
 
 
 def fixed_length_workload(ns: argparse.Namespace) -> list[BenchRequest]:
-    spec = WorkloadSpec(dataset="random", num_prompts=ns.num_prompts, random_input_len=(ns.input_len, ns.input_len),
-                        random_output_len=(ns.output_len, ns.output_len))
+    spec = WorkloadSpec(
+        dataset="random",
+        num_prompts=ns.num_prompts,
+        random_input_len=(ns.input_len, ns.input_len),
+        random_output_len=(ns.output_len, ns.output_len),
+    )
     return build_workload(spec, load_tokenizer("auto"))
 
 
@@ -121,8 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         run_config("overlap_on", base, plain, ns.concurrency, log_dir),
         run_config("overlap_off", base + " --disable-overlap", plain, ns.concurrency, log_dir),
         run_config("repetitive_spec_off", base, repetitive, ns.concurrency, log_dir),
-        run_config("repetitive_spec_ngram", base + " --speculative-algorithm ngram --speculative-num-draft-tokens 4",
-                   repetitive, ns.concurrency, log_dir),
+        run_config(
+            "repetitive_spec_ngram",
+            base + " --speculative-algorithm ngram --speculative-num-draft-tokens 4",
+            repetitive,
+            ns.concurrency,
+            log_dir,
+        ),
     ]
     by = {r["label"]: r for r in runs}
     report = {

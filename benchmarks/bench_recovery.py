@@ -36,8 +36,11 @@ def one_recovery(base_url: str, root_pid: int, title: str, max_tokens: int) -> d
     done = threading.Event()
 
     def stream() -> None:
-        body = {"text": "Once upon a time", "stream": True,
-                "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+        body = {
+            "text": "Once upon a time",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        }
         with httpx.stream("POST", base_url + "/generate", json=body, timeout=600) as r:
             for line in r.iter_lines():
                 if line.startswith("data:") and line != "data: [DONE]":
@@ -53,8 +56,11 @@ def one_recovery(base_url: str, root_pid: int, title: str, max_tokens: int) -> d
     done.wait(600)
     after = [t for t in arrivals if t > killed_at]
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return {"kill_to_next_token_s": after[0] - killed_at if after else None,
-            "longest_gap_s": max(gaps), "events": len(arrivals)}
+    return {
+        "kill_to_next_token_s": after[0] - killed_at if after else None,
+        "longest_gap_s": max(gaps),
+        "events": len(arrivals),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,8 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i + 1}/{ns.repeats}] {json.dumps(run)}", flush=True)
             runs.append(run)
     times = sorted(r["kill_to_next_token_s"] for r in runs if r["kill_to_next_token_s"] is not None)
-    report = {"role": ns.role, "launch": ns.launch, "runs": runs,
-              "median_kill_to_next_token_s": times[len(times) // 2] if times else None}
+    report = {
+        "role": ns.role,
+        "launch": ns.launch,
+        "runs": runs,
+        "median_kill_to_next_token_s": times[len(times) // 2] if times else None,
+    }
     print_and_write_report(report, ns.output_json)
     return 0
 

@@ -151,8 +151,9 @@ def single_token_words(tokenizer: Any | None) -> list[str]:
     if tokenizer is None:
         return list(FALLBACK_WORDS)
     candidates = sorted(
-        tok[1:] for tok in tokenizer.get_vocab() if tok.startswith("Ġ") and tok[1:].isascii() and tok[1:].isalpha()
-        and tok[1:].islower() and len(tok) >= 4
+        tok[1:]
+        for tok in tokenizer.get_vocab()
+        if tok.startswith("Ġ") and tok[1:].isascii() and tok[1:].isalpha() and tok[1:].islower() and len(tok) >= 4
     )
     encoded = tokenizer([" " + w for w in candidates], add_special_tokens=False)["input_ids"]
     words = [w for w, ids in zip(candidates, encoded, strict=True) if len(ids) == 1]
@@ -164,8 +165,9 @@ def random_text(rng: random.Random, words: Sequence[str], n: int) -> str:
     return "".join(" " + rng.choice(words) for _ in range(n))
 
 
-def gen_random(rng: random.Random, words: Sequence[str], num: int, input_len: tuple[int, int],
-               output_len: tuple[int, int]) -> list[BenchRequest]:
+def gen_random(
+    rng: random.Random, words: Sequence[str], num: int, input_len: tuple[int, int], output_len: tuple[int, int]
+) -> list[BenchRequest]:
     out = []
     for _ in range(num):
         n_in, n_out = rng.randint(*input_len), rng.randint(*output_len)
@@ -179,8 +181,9 @@ def gen_shared_prefix(rng: random.Random, words: Sequence[str], spec: WorkloadSp
         system = random_text(rng, words, spec.gsp_system_prompt_len)
         for _ in range(spec.gsp_prompts_per_group):
             question = random_text(rng, words, spec.gsp_question_len)
-            out.append(BenchRequest(system + question, spec.gsp_system_prompt_len + spec.gsp_question_len,
-                                    spec.gsp_output_len))
+            out.append(
+                BenchRequest(system + question, spec.gsp_system_prompt_len + spec.gsp_question_len, spec.gsp_output_len)
+            )
     rng.shuffle(out)
     return out
 
@@ -236,8 +239,12 @@ class RequestResult:
 def request_payload(req: BenchRequest, opts: RequestOptions, max_tokens: int | None = None) -> dict[str, Any]:
     n = max_tokens or req.output_len
     body: dict[str, Any] = {
-        "model": opts.model, "prompt": req.prompt, "max_tokens": n, "temperature": opts.temperature,
-        "stream": True, "stream_options": {"include_usage": True},
+        "model": opts.model,
+        "prompt": req.prompt,
+        "max_tokens": n,
+        "temperature": opts.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
     if opts.ignore_eos:
         body["ignore_eos"] = True
@@ -256,8 +263,9 @@ def parse_sse_lines(line: str) -> dict[str, Any] | None:
     return json.loads(data)
 
 
-async def send_request(client: httpx.AsyncClient, url: str, req: BenchRequest, opts: RequestOptions,
-                       max_tokens: int | None = None) -> RequestResult:
+async def send_request(
+    client: httpx.AsyncClient, url: str, req: BenchRequest, opts: RequestOptions, max_tokens: int | None = None
+) -> RequestResult:
     """Stream one completion; record chunk arrival times and the server's usage."""
     res = RequestResult(ok=False, prompt_len=req.prompt_len, output_len=max_tokens or req.output_len)
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
@@ -312,9 +320,17 @@ def poisson_delays(rate: float, n: int, seed: int) -> list[float]:
     return [rng.expovariate(rate) for _ in range(n)]
 
 
-async def run_requests(base_url: str, requests: Sequence[BenchRequest], opts: RequestOptions, rate: float,
-                       max_concurrency: int | None, seed: int, progress: bool = True,
-                       max_tokens: int | None = None, timeout_s: float = 3600.0) -> tuple[list[RequestResult], float]:
+async def run_requests(
+    base_url: str,
+    requests: Sequence[BenchRequest],
+    opts: RequestOptions,
+    rate: float,
+    max_concurrency: int | None,
+    seed: int,
+    progress: bool = True,
+    max_tokens: int | None = None,
+    timeout_s: float = 3600.0,
+) -> tuple[list[RequestResult], float]:
     """Send every request (Poisson arrivals at `rate`, at most `max_concurrency` in flight); (results, wall s)."""
     url = base_url.rstrip("/") + "/v1/completions"
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -360,14 +376,22 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, An
     tpots = [(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
     errors = sorted({r.error for r in results if not r.ok})
     return {
-        "completed": len(ok), "failed": len(results) - len(ok), "errors": errors[:5],
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors[:5],
         "output_len_mismatches": sum(1 for r in ok if r.completion_tokens != r.output_len),
-        "duration_s": duration, "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / duration, "input_throughput": in_tokens / duration,
-        "output_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "input_throughput": in_tokens / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
         "mean_concurrency": sum(r.latency for r in ok) / duration,
-        "ttft_ms": stats_ms([r.ttft for r in ok]), "tpot_ms": stats_ms(tpots),
-        "itl_ms": stats_ms([x for r in ok for x in r.itl]), "e2e_latency_ms": stats_ms([r.latency for r in ok]),
+        "ttft_ms": stats_ms([r.ttft for r in ok]),
+        "tpot_ms": stats_ms(tpots),
+        "itl_ms": stats_ms([x for r in ok for x in r.itl]),
+        "e2e_latency_ms": stats_ms([r.latency for r in ok]),
     }
 
 
@@ -396,8 +420,12 @@ def print_summary(title: str, s: dict[str, Any]) -> None:
     ]
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
         st = s[name]
-        rows.append((f"{name[:-3].upper()} mean / median / p99 (ms)",
-                     f"{st['mean']:.1f} / {st['median']:.1f} / {st['p99']:.1f}"))
+        rows.append(
+            (
+                f"{name[:-3].upper()} mean / median / p99 (ms)",
+                f"{st['mean']:.1f} / {st['median']:.1f} / {st['p99']:.1f}",
+            )
+        )
     for k, v in rows:
         print(f"{k:<40}{v:>24}")
     for e in s["errors"]:
@@ -452,16 +480,20 @@ class LaunchedServer:
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         log = self._log = open(self.log_path, "w")  # closed in stop()
         print(f"starting in {self.cwd}: {shlex.join(self.argv)} (log: {self.log_path})", file=sys.stderr, flush=True)
-        self.proc = subprocess.Popen(self.argv, cwd=self.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv, cwd=self.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         threading.Thread(target=self._pump, args=(log,), daemon=True).start()
         t0 = time.monotonic()
         while not self.ready.wait(0.5):
             if self.proc.poll() is not None or time.monotonic() - t0 > self.timeout_s:
                 self.stop()
                 raise RuntimeError(f"server did not become ready (exit {self.proc.returncode}); see {self.log_path}")
-        print(f"server ready in {time.monotonic() - t0:.1f} s at {self.base_url} (pid {self.proc.pid})",
-              file=sys.stderr, flush=True)
+        print(
+            f"server ready in {time.monotonic() - t0:.1f} s at {self.base_url} (pid {self.proc.pid})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def stop(self, grace_s: float = 30.0) -> None:
         if self.proc is None:
@@ -518,18 +550,24 @@ async def flush_cache(base_url: str, api_key: str | None) -> str | None:
     return None
 
 
-async def benchmark(base_url: str, requests: Sequence[BenchRequest], opts: RequestOptions,
-                    args: argparse.Namespace) -> list[dict[str, Any]]:
+async def benchmark(
+    base_url: str, requests: Sequence[BenchRequest], opts: RequestOptions, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     """Warm up, then one run per concurrency level; the summaries (with per-request tables)."""
     await warm_up(base_url, requests, opts, args.warmup_requests)
     runs = []
     for conc in concurrency_levels(args):
         flushed = None if args.no_flush_cache else await flush_cache(base_url, opts.api_key)
-        print(f"\nrun: {len(requests)} requests, max concurrency {conc or 'unlimited'}, "
-              f"request rate {args.request_rate}, prefix cache flushed: {flushed or 'no'}", file=sys.stderr, flush=True)
+        print(
+            f"\nrun: {len(requests)} requests, max concurrency {conc or 'unlimited'}, "
+            f"request rate {args.request_rate}, prefix cache flushed: {flushed or 'no'}",
+            file=sys.stderr,
+            flush=True,
+        )
         load_before = os.getloadavg()[0]
-        results, duration = await run_requests(base_url, requests, opts, args.request_rate, conc, args.seed,
-                                               progress=not args.disable_tqdm)
+        results, duration = await run_requests(
+            base_url, requests, opts, args.request_rate, conc, args.seed, progress=not args.disable_tqdm
+        )
         summary = summarize(results, duration)
         summary["cache_flushed_via"] = flushed
         summary["loadavg_1min_before_after"] = [load_before, os.getloadavg()[0]]
@@ -543,27 +581,46 @@ async def benchmark(base_url: str, requests: Sequence[BenchRequest], opts: Reque
 
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(
-        dataset=args.dataset, num_prompts=args.num_prompts, random_input_len=args.random_input_len,
-        random_output_len=args.random_output_len, gsp_num_groups=args.gsp_num_groups,
-        gsp_prompts_per_group=args.gsp_prompts_per_group, gsp_system_prompt_len=args.gsp_system_prompt_len,
-        gsp_question_len=args.gsp_question_len, gsp_output_len=args.gsp_output_len, seed=args.seed,
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        gsp_num_groups=args.gsp_num_groups,
+        gsp_prompts_per_group=args.gsp_prompts_per_group,
+        gsp_system_prompt_len=args.gsp_system_prompt_len,
+        gsp_question_len=args.gsp_question_len,
+        gsp_output_len=args.gsp_output_len,
+        seed=args.seed,
     )
 
 
 def workload_stats(requests: Sequence[BenchRequest]) -> dict[str, Any]:
     ins, outs = [r.prompt_len for r in requests], [r.output_len for r in requests]
-    return {"num_requests": len(requests), "prompt_tokens": sum(ins), "output_tokens": sum(outs),
-            "prompt_len_min_max": [min(ins), max(ins)], "output_len_min_max": [min(outs), max(outs)]}
-
-
-def result_document(args: argparse.Namespace, base_url: str, model: str, requests: Sequence[BenchRequest],
-                    runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "label": args.label or model, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "base_url": base_url,
-        "model": model, "launch": args.launch, "launch_cwd": args.launch_cwd if args.launch else None,
+        "num_requests": len(requests),
+        "prompt_tokens": sum(ins),
+        "output_tokens": sum(outs),
+        "prompt_len_min_max": [min(ins), max(ins)],
+        "output_len_min_max": [min(outs), max(outs)],
+    }
+
+
+def result_document(
+    args: argparse.Namespace, base_url: str, model: str, requests: Sequence[BenchRequest], runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "label": args.label or model,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "base_url": base_url,
+        "model": model,
+        "launch": args.launch,
+        "launch_cwd": args.launch_cwd if args.launch else None,
         "workload": asdict(workload_spec(args)),
-        "workload_stats": workload_stats(requests), "request_rate": args.request_rate,
-        "ignore_eos": not args.no_ignore_eos, "min_tokens": not args.no_min_tokens, "runs": runs,
+        "workload_stats": workload_stats(requests),
+        "request_rate": args.request_rate,
+        "ignore_eos": not args.no_ignore_eos,
+        "min_tokens": not args.no_min_tokens,
+        "runs": runs,
     }
 
 
@@ -597,8 +654,12 @@ def write_png(docs: Sequence[dict[str, Any]], path: str, title: str = "") -> Non
         print("matplotlib is not installed (pip install matplotlib): no PNG written", file=sys.stderr)
         return
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
-    panels = [("output_throughput", "output tok/s", None), ("ttft_ms", "median TTFT (ms)", "median"),
-              ("tpot_ms", "median TPOT (ms)", "median"), ("e2e_latency_ms", "median end-to-end (ms)", "median")]
+    panels = [
+        ("output_throughput", "output tok/s", None),
+        ("ttft_ms", "median TTFT (ms)", "median"),
+        ("tpot_ms", "median TPOT (ms)", "median"),
+        ("e2e_latency_ms", "median end-to-end (ms)", "median"),
+    ]
     for label, xs, runs in plot_series(docs):
         for ax, (key, _, sub) in zip(axes, panels, strict=True):
             ys = [r[key][sub] if sub else r[key] for r in runs]
@@ -632,17 +693,24 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--gsp-question-len", type=int, default=32, help="shared-prefix: per-request tokens")
     w.add_argument("--gsp-output-len", type=int, default=64, help="shared-prefix: output tokens")
     w.add_argument("--seed", type=int, default=1, help="workload and arrival RNG seed")
-    w.add_argument("--tokenizer", default="auto",
-                   help="a .gguf or HF directory for exact prompt lengths; 'auto': trident's default model; 'none'")
+    w.add_argument(
+        "--tokenizer",
+        default="auto",
+        help="a .gguf or HF directory for exact prompt lengths; 'auto': trident's default model; 'none'",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     t = p.add_argument_group("target")
     t.add_argument("--base-url", default="http://127.0.0.1:30000", help="an OpenAI-compatible server")
-    t.add_argument("--launch", default=None,
-                   help='start this trident command on a free port first, e.g. "python launch.py --dtype bfloat16"')
+    t.add_argument(
+        "--launch",
+        default=None,
+        help='start this trident command on a free port first, e.g. "python launch.py --dtype bfloat16"',
+    )
     t.add_argument("--launch-cwd", default=REPO_ROOT, help="directory --launch runs in (another checkout of trident)")
     t.add_argument("--model", default=None, help="the `model` field (default: the first of GET /v1/models)")
     t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token (env OPENAI_API_KEY)")
@@ -667,8 +735,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run_against(base_url: str, args: argparse.Namespace, requests: Sequence[BenchRequest]) -> dict[str, Any]:
     """The whole benchmark against one server: model name, warm-up, runs; the result document."""
     model = args.model or fetch_model_name(base_url, args.api_key)
-    opts = RequestOptions(model=model, api_key=args.api_key, ignore_eos=not args.no_ignore_eos,
-                          min_tokens=not args.no_min_tokens)
+    opts = RequestOptions(
+        model=model, api_key=args.api_key, ignore_eos=not args.no_ignore_eos, min_tokens=not args.no_min_tokens
+    )
     runs = asyncio.run(benchmark(base_url, requests, opts, args))
     return result_document(args, base_url, model, requests, runs)
 

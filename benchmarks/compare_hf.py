@@ -89,7 +89,7 @@ def load_hf_model(model_path: str, dtype: torch.dtype) -> Any:
 
 
 def batches(requests: Sequence[BenchRequest], size: int) -> list[list[BenchRequest]]:
-    return [list(requests[i:i + size]) for i in range(0, len(requests), size)]
+    return [list(requests[i : i + size]) for i in range(0, len(requests), size)]
 
 
 def generate_batch(model: Any, tokenizer: Any, batch: Sequence[BenchRequest], max_new: int | None = None) -> int:
@@ -97,16 +97,18 @@ def generate_batch(model: Any, tokenizer: Any, batch: Sequence[BenchRequest], ma
     enc = tokenizer([r.prompt for r in batch], return_tensors="pt", padding=True)
     n = max_new or max(r.output_len for r in batch)
     with torch.inference_mode():
-        out = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            **enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
     produced = int(out.shape[1] - enc["input_ids"].shape[1])
     if produced != n:
         raise RuntimeError(f"generate() produced {produced} new tokens per row, expected {n}")
     return produced
 
 
-def run_hf(model_path: str, dtype: torch.dtype, tokenizer: Any, requests: Sequence[BenchRequest],
-           batch_size: int) -> HFResult:
+def run_hf(
+    model_path: str, dtype: torch.dtype, tokenizer: Any, requests: Sequence[BenchRequest], batch_size: int
+) -> HFResult:
     """Load the model, warm up on a tiny batch, then time every static batch."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -128,8 +130,12 @@ def run_hf(model_path: str, dtype: torch.dtype, tokenizer: Any, requests: Sequen
         useful += sum(r.output_len for r in batch)
         generated += n * len(batch)
         latencies += [time.perf_counter() - start] * len(batch)
-        print(f"  HF batch {i + 1}/{len(groups)}: {len(batch)} rows x {n} new tokens in {batch_seconds[-1]:.1f} s "
-              f"({sum(r.output_len for r in batch) / batch_seconds[-1]:.1f} useful tok/s)", file=sys.stderr, flush=True)
+        print(
+            f"  HF batch {i + 1}/{len(groups)}: {len(batch)} rows x {n} new tokens in {batch_seconds[-1]:.1f} s "
+            f"({sum(r.output_len for r in batch) / batch_seconds[-1]:.1f} useful tok/s)",
+            file=sys.stderr,
+            flush=True,
+        )
     return HFResult(load_s, time.perf_counter() - start, useful, generated, batch_seconds, latencies)
 
 
@@ -156,11 +162,16 @@ def run_trident(args: argparse.Namespace, model_path: str, requests: Sequence[Be
 
 def hf_summary(hf: HFResult, batch_size: int) -> dict[str, Any]:
     return {
-        "batch_size": batch_size, "load_s": hf.load_s, "duration_s": hf.duration_s,
-        "useful_output_tokens": hf.useful_output_tokens, "generated_tokens": hf.generated_tokens,
+        "batch_size": batch_size,
+        "load_s": hf.load_s,
+        "duration_s": hf.duration_s,
+        "useful_output_tokens": hf.useful_output_tokens,
+        "generated_tokens": hf.generated_tokens,
         "padding_waste": 1 - hf.useful_output_tokens / hf.generated_tokens,
-        "output_throughput": hf.output_throughput, "generated_throughput": hf.generated_tokens / hf.duration_s,
-        "batch_seconds": hf.batch_seconds, "e2e_latency_mean_s": statistics.fmean(hf.request_latency_s),
+        "output_throughput": hf.output_throughput,
+        "generated_throughput": hf.generated_tokens / hf.duration_s,
+        "batch_seconds": hf.batch_seconds,
+        "e2e_latency_mean_s": statistics.fmean(hf.request_latency_s),
         "e2e_latency_median_s": statistics.median(hf.request_latency_s),
     }
 
@@ -172,16 +183,19 @@ def print_report(served: dict[str, Any], hf: dict[str, Any], dtype: str) -> floa
     print(f"{'output tok/s (requested tokens)':32}{served['output_throughput']:>14.1f}{hf['output_throughput']:>14.1f}")
     print(f"{'wall time (s)':32}{served['duration_s']:>14.2f}{hf['duration_s']:>14.2f}")
     print(f"{'output tokens counted':32}{served['total_output_tokens']:>14}{hf['useful_output_tokens']:>14}")
-    print(f"{'median end-to-end latency (s)':32}{served['e2e_latency_ms']['median'] / 1000:>14.2f}"
-          f"{hf['e2e_latency_median_s']:>14.2f}")
+    print(
+        f"{'median end-to-end latency (s)':32}{served['e2e_latency_ms']['median'] / 1000:>14.2f}"
+        f"{hf['e2e_latency_median_s']:>14.2f}"
+    )
     print(f"HF padding waste: {hf['padding_waste']:.0%} of generated tokens; trident failures: {served['failed']}")
     print(f"ratio trident / HF: {ratio:.2f}x (issue 8 goal on the mixed workload: >= 3x)")
     return ratio
 
 
 def build_compare_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add_workload_args(p)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="for trident and HF alike")
     p.add_argument("--model-path", default=None, help="a .gguf or HF directory (default: trident's bundled SmolLM2)")
@@ -208,15 +222,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[1/2] trident ({args.dtype}) from {args.trident_root}", file=sys.stderr, flush=True)
     doc = run_trident(args, model_path, requests)
     served = doc["runs"][0]
-    print(f"[2/2] HF transformers generate() ({args.dtype}, batches of {args.hf_batch_size}, "
-          f"{torch.get_num_threads()} threads)", file=sys.stderr, flush=True)
-    hf = hf_summary(run_hf(model_path, DTYPES[args.dtype], tokenizer, requests, args.hf_batch_size),
-                    args.hf_batch_size)
+    print(
+        f"[2/2] HF transformers generate() ({args.dtype}, batches of {args.hf_batch_size}, "
+        f"{torch.get_num_threads()} threads)",
+        file=sys.stderr,
+        flush=True,
+    )
+    hf = hf_summary(run_hf(model_path, DTYPES[args.dtype], tokenizer, requests, args.hf_batch_size), args.hf_batch_size)
     ratio = print_report(served, hf, args.dtype)
     if args.output_json:
-        write_json({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": args.dtype, "model_path": model_path,
-                    "torch_threads": torch.get_num_threads(), "ratio_trident_over_hf": ratio, "trident": doc,
-                    "hf": hf}, args.output_json)
+        write_json(
+            {
+                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "dtype": args.dtype,
+                "model_path": model_path,
+                "torch_threads": torch.get_num_threads(),
+                "ratio_trident_over_hf": ratio,
+                "trident": doc,
+                "hf": hf,
+            },
+            args.output_json,
+        )
     return 0 if served["failed"] == 0 else 1
 
 

@@ -50,10 +50,15 @@ class SchedulerCounters:
             logger.info(
                 "step %d mode %d rows %d: schedule %.3f ms | sent->result %.3f ms = forward %.3f ms + wire/queue "
                 "%.3f ms | worker idle before it %.3f ms | descriptor %d B",
-                d.step_id, d.forward_mode, len(step.expected_seq_lens), step.build_s * 1e3,
-                self.last_step_time_s * 1e3, result.forward_time_s * 1e3,
+                d.step_id,
+                d.forward_mode,
+                len(step.expected_seq_lens),
+                step.build_s * 1e3,
+                self.last_step_time_s * 1e3,
+                result.forward_time_s * 1e3,
                 (self.last_step_time_s - result.forward_time_s) * 1e3,
-                (result.counters.idle_s - self.worker.idle_s) * 1e3, self.scheduler.io.last_descriptor_bytes,
+                (result.counters.idle_s - self.worker.idle_s) * 1e3,
+                self.scheduler.io.last_descriptor_bytes,
             )
         self.worker = result.counters
 

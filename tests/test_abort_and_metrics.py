@@ -49,8 +49,14 @@ def running(server: Server) -> int:
 
 
 def long_request(model_name: str, **kw) -> dict:
-    return {"model": model_name, "prompt": "Tell me everything.", "max_tokens": LONG, "ignore_eos": True,
-            "temperature": 0, **kw}
+    return {
+        "model": model_name,
+        "prompt": "Tell me everything.",
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "temperature": 0,
+        **kw,
+    }
 
 
 def assert_freed_soon(server: Server, since: float) -> None:
@@ -85,9 +91,14 @@ def test_client_that_gives_up_on_a_non_streaming_request_frees_the_slot(server, 
 
 def test_post_abort_with_the_openai_id_ends_the_stream_with_abort(server, model_name):
     with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        with c.stream("POST", "/v1/chat/completions", json={
-            **long_request(model_name, stream=True), "messages": [{"role": "user", "content": "Hi"}],
-        }) as r:
+        with c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                **long_request(model_name, stream=True),
+                "messages": [{"role": "user", "content": "Hi"}],
+            },
+        ) as r:
             lines = r.iter_lines()
             first = json.loads(next(ln for ln in lines if ln.startswith("data: "))[6:])
             assert wait_until(lambda: running(server) == 1, 15, interval=0.05)
@@ -105,8 +116,16 @@ def test_post_abort_with_a_client_rid_ends_a_generate_request(server):
 
     def generate() -> None:
         with httpx.Client(base_url=server.base_url, timeout=60) as c:
-            result.update(c.post("/generate", json={"text": "Tell me everything.", "rid": rid, "sampling_params": {
-                "max_new_tokens": LONG, "ignore_eos": True, "temperature": 0}}).json())
+            result.update(
+                c.post(
+                    "/generate",
+                    json={
+                        "text": "Tell me everything.",
+                        "rid": rid,
+                        "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True, "temperature": 0},
+                    },
+                ).json()
+            )
 
     t = threading.Thread(target=generate)
     t.start()
@@ -136,23 +155,39 @@ def scrape(server: Server) -> dict[str, dict]:
 def test_metrics_expose_load_kv_cache_throughput_latency_steps_restarts_and_dropped_frames(server, model_name):
     prompt = f"{uuid.uuid4().hex} " + "shared prefix " * 20
     with server.http() as c:
-        first = c.post("/v1/completions", json={"model": model_name, "prompt": prompt, "max_tokens": 8,
-                                                "ignore_eos": True}).json()
-        stream = c.post("/v1/completions", json={"model": model_name, "prompt": prompt, "max_tokens": 8,
-                                                 "ignore_eos": True, "stream": True})
+        first = c.post(
+            "/v1/completions", json={"model": model_name, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+        ).json()
+        stream = c.post(
+            "/v1/completions",
+            json={"model": model_name, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "stream": True},
+        )
         assert stream.status_code == 200
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert wait_until(lambda: running(server) == 0, 5)
     time.sleep(0.6)  # the next stats frame
     m = scrape(server)
 
-    gauges = ["trident_num_requests_running", "trident_num_requests_waiting", "trident_kv_cache_usage_ratio",
-              "trident_prefix_cache_hit_rate", "trident_step_time_seconds"]
-    counters = ["trident_prompt_tokens", "trident_generation_tokens", "trident_restarts",
-                "trident_dropped_frames", "trident_prefix_cache_hit_tokens"]
+    gauges = [
+        "trident_num_requests_running",
+        "trident_num_requests_waiting",
+        "trident_kv_cache_usage_ratio",
+        "trident_prefix_cache_hit_rate",
+        "trident_step_time_seconds",
+    ]
+    counters = [
+        "trident_prompt_tokens",
+        "trident_generation_tokens",
+        "trident_restarts",
+        "trident_dropped_frames",
+        "trident_prefix_cache_hit_tokens",
+    ]
     histograms = ["trident_time_to_first_token_seconds", "trident_inter_token_latency_seconds"]
-    for name, kind in [*((g, "gauge") for g in gauges), *((c, "counter") for c in counters),
-                       *((h, "histogram") for h in histograms)]:
+    for name, kind in [
+        *((g, "gauge") for g in gauges),
+        *((c, "counter") for c in counters),
+        *((h, "histogram") for h in histograms),
+    ]:
         assert name in m, f"/metrics lacks {name}"
         assert m[name]["type"] == kind, name
 
@@ -188,8 +223,18 @@ def test_server_info_reports_arguments_limits_and_live_stats(server):
     assert info["scheduler_info"]["context_length"] == LONG + 2048
     assert info["scheduler_info"]["vocab_size"] == 49152 and info["scheduler_info"]["eos_token_ids"]
     stats = info["scheduler_stats"]
-    for key in ("running_requests", "queued_requests", "kv_used_tokens", "kv_total_tokens", "generation_tokens",
-                "prompt_tokens", "steps", "last_step_time_s", "dropped_frames", "retractions"):
+    for key in (
+        "running_requests",
+        "queued_requests",
+        "kv_used_tokens",
+        "kv_total_tokens",
+        "generation_tokens",
+        "prompt_tokens",
+        "steps",
+        "last_step_time_s",
+        "dropped_frames",
+        "retractions",
+    ):
         assert key in stats, key
     assert stats["kv_total_tokens"] >= LONG + 4096
     assert info["tokenizer_stats"]["open_requests"] == 0 and info["tokenizer_stats"]["dropped_frames"] == 0

@@ -50,15 +50,31 @@ BAD_INPUTS = [
     case("/v1/completions", {**C, "stop": [""]}, "stop", id="stop-empty-string"),
     case("/v1/completions", {**C, "stop_token_ids": [VOCAB]}, "stop_token_ids", id="stop_token_id-outside-vocab"),
     case("/v1/completions", {**C, "stop_token_ids": [-1]}, "stop_token_ids", id="stop_token_id-negative"),
-    case("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
-         id="chat-top_logprobs-above-20"),
+    case(
+        "/v1/chat/completions",
+        {**CHAT, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        id="chat-top_logprobs-above-20",
+    ),
     case("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", id="chat-top_logprobs-without-logprobs"),
-    case("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens",
-         id="chat-max_completion_tokens-zero"),
-    case("/generate", {**GEN, "sampling_params": {"temperature": 9}}, "sampling_params",
-         id="generate-temperature-above-2"),
-    case("/generate", {**GEN, "sampling_params": {"max_new_tokens": 0}}, "sampling_params",
-         id="generate-max_new_tokens-zero"),
+    case(
+        "/v1/chat/completions",
+        {**CHAT, "max_completion_tokens": 0},
+        "max_completion_tokens",
+        id="chat-max_completion_tokens-zero",
+    ),
+    case(
+        "/generate",
+        {**GEN, "sampling_params": {"temperature": 9}},
+        "sampling_params",
+        id="generate-temperature-above-2",
+    ),
+    case(
+        "/generate",
+        {**GEN, "sampling_params": {"max_new_tokens": 0}},
+        "sampling_params",
+        id="generate-max_new_tokens-zero",
+    ),
     # wrong type, per parameter
     case("/v1/completions", {**C, "temperature": "hot"}, "temperature", id="temperature-string"),
     case("/v1/completions", {**C, "top_p": [1]}, "top_p", id="top_p-list"),
@@ -77,18 +93,30 @@ BAD_INPUTS = [
     case("/v1/completions", {**C, "logprobs": "x"}, "logprobs", id="logprobs-string"),
     case("/v1/completions", {**C, "echo": "maybe"}, "echo", id="echo-string"),
     case("/v1/completions", {**C, "stream": "maybe"}, "stream", id="stream-string"),
-    case("/v1/completions", {**C, "stream_options": {"include_usage": "x"}}, "stream_options",
-         id="stream_options-include_usage-string"),
+    case(
+        "/v1/completions",
+        {**C, "stream_options": {"include_usage": "x"}},
+        "stream_options",
+        id="stream_options-include_usage-string",
+    ),
     case("/v1/completions", {**C, "model": 5}, "model", id="model-number"),
     case("/v1/completions", {**C, "prompt": [1.5]}, "prompt", id="prompt-floats"),
     case("/v1/completions", {**C, "prompt": None}, "prompt", id="prompt-null"),
     case("/v1/completions", {"model": MODEL, "max_tokens": 2}, "prompt", id="prompt-missing"),
     case("/v1/completions", [1, 2], None, id="body-a-list"),
     case("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages", id="chat-messages-string"),
-    case("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages",
-         id="chat-unknown-role"),
-    case("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages",
-         id="chat-content-number"),
+    case(
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+        "messages",
+        id="chat-unknown-role",
+    ),
+    case(
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": 5}]},
+        "messages",
+        id="chat-content-number",
+    ),
     case("/v1/chat/completions", {**CHAT, "logprobs": "x"}, "logprobs", id="chat-logprobs-string"),
     case("/generate", {**GEN, "sampling_params": "x"}, "sampling_params", id="generate-sampling_params-string"),
     case("/abort", {"rid": 5}, "rid", id="abort-rid-number"),
@@ -101,14 +129,26 @@ BAD_INPUTS = [
     case("/generate", {"input_ids": []}, "input_ids", id="generate-empty-input_ids"),
     case("/v1/completions", {**C, "prompt": "hello " * (CONTEXT + 100)}, "prompt", id="over-long-prompt"),
     case("/v1/completions", {**C, "prompt": [1] * (CONTEXT + 1)}, "prompt", id="over-long-token-prompt"),
-    case("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hello " * CONTEXT}]},
-         "messages", id="chat-over-long-prompt"),
+    case(
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "hello " * CONTEXT}]},
+        "messages",
+        id="chat-over-long-prompt",
+    ),
     case("/generate", {"text": "hello " * (CONTEXT + 100)}, "text", id="generate-over-long-text"),
     case("/v1/completions", {**C, "max_tokens": CONTEXT}, "max_tokens", id="prompt-plus-max_tokens-over-context"),
-    case("/v1/chat/completions", {**CHAT, "max_completion_tokens": CONTEXT}, "max_completion_tokens",
-         id="chat-prompt-plus-max_completion_tokens-over-context"),
-    case("/generate", {**GEN, "sampling_params": {"max_new_tokens": CONTEXT}}, "sampling_params.max_new_tokens",
-         id="generate-prompt-plus-max_new_tokens-over-context"),
+    case(
+        "/v1/chat/completions",
+        {**CHAT, "max_completion_tokens": CONTEXT},
+        "max_completion_tokens",
+        id="chat-prompt-plus-max_completion_tokens-over-context",
+    ),
+    case(
+        "/generate",
+        {**GEN, "sampling_params": {"max_new_tokens": CONTEXT}},
+        "sampling_params.max_new_tokens",
+        id="generate-prompt-plus-max_new_tokens-over-context",
+    ),
     case("/v1/completions", {**C, "prompt": [5, VOCAB]}, "prompt", id="token-id-equal-to-vocab-size"),
     case("/v1/completions", {**C, "prompt": [-1, 5]}, "prompt", id="token-id-negative"),
     case("/v1/completions", {**C, "prompt": [[2**40]]}, "prompt", id="token-id-beyond-int32"),
@@ -150,12 +190,20 @@ def test_bad_input_is_a_4xx_with_an_openai_error_body(smollm2_server, http, pids
     assert_no_process_restarted(smollm2_server, pids_before)
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"model": "smollm2-135m", "prompt": ', b"not json", b"\xff\xfe\x00garbage", b'{"prompt": "Hi",}',
-], ids=["truncated", "not-json", "binary", "trailing-comma"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "smollm2-135m", "prompt": ',
+        b"not json",
+        b"\xff\xfe\x00garbage",
+        b'{"prompt": "Hi",}',
+    ],
+    ids=["truncated", "not-json", "binary", "trailing-comma"],
+)
 def test_malformed_json_is_a_400_with_an_error_body(smollm2_server, http, pids_before, raw):
-    err = assert_error_body(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
-                            400)
+    err = assert_error_body(
+        http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}), 400
+    )
     assert err["code"] == "json_invalid"
     assert_no_process_restarted(smollm2_server, pids_before)
 
@@ -164,16 +212,18 @@ def test_malformed_json_is_a_400_with_an_error_body(smollm2_server, http, pids_b
 @pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "repetition_penalty"])
 def test_non_finite_numbers_are_rejected(smollm2_server, http, pids_before, field, raw):
     body = b'{"prompt": "Hi", "max_tokens": 2, "%s": %s}' % (field.encode(), raw)
-    assert_error_body(http.post("/v1/completions", content=body, headers={"content-type": "application/json"}),
-                      400, field)
+    assert_error_body(
+        http.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400, field
+    )
     assert_no_process_restarted(smollm2_server, pids_before)
 
 
 def test_body_over_the_size_limit_is_413_with_or_without_content_length(smollm2_server, http, pids_before):
     limit = http.get("/server_info").json()["max_request_body_bytes"]
     big = b'{"prompt": "' + b"a" * (limit + 1) + b'"}'
-    err = assert_error_body(http.post("/v1/completions", content=big, headers={"content-type": "application/json"}),
-                            413)
+    err = assert_error_body(
+        http.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413
+    )
     assert err["code"] == "request_too_large"
 
     def chunked():  # no Content-Length: the server must count while it reads
@@ -182,8 +232,9 @@ def test_body_over_the_size_limit_is_413_with_or_without_content_length(smollm2_
             yield b"a" * (1 << 20)
         yield b'"}'
 
-    assert_error_body(http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"}),
-                      413)
+    assert_error_body(
+        http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"}), 413
+    )
     assert_no_process_restarted(smollm2_server, pids_before)
 
 
@@ -209,8 +260,20 @@ KEY = "sk-trident-test-key"
 def guarded_server(tmp_path_factory):
     """Tiny random model, an API key, and room for just two open requests (one running, one queued)."""
     model = make_random_llama(str(tmp_path_factory.mktemp("tiny-llama")))
-    server = Server(["--model", model, "--api-key", KEY, "--max-running-requests", "1",
-                     "--max-queued-requests", "1", "--max-total-tokens", "4096"])
+    server = Server(
+        [
+            "--model",
+            model,
+            "--api-key",
+            KEY,
+            "--max-running-requests",
+            "1",
+            "--max-queued-requests",
+            "1",
+            "--max-total-tokens",
+            "4096",
+        ]
+    )
     yield server
     server.stop()
 
@@ -259,9 +322,11 @@ GUARDED_ENDPOINTS = [
 ]
 
 
-@pytest.mark.parametrize("headers", [{}, auth("wrong-key"), {"Authorization": KEY}, auth(KEY + "x"),
-                                     {"Authorization": "Basic " + KEY}],
-                         ids=["missing", "wrong", "no-bearer-scheme", "key-prefix", "basic-scheme"])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, auth("wrong-key"), {"Authorization": KEY}, auth(KEY + "x"), {"Authorization": "Basic " + KEY}],
+    ids=["missing", "wrong", "no-bearer-scheme", "key-prefix", "basic-scheme"],
+)
 def test_missing_or_wrong_key_is_401_on_every_guarded_endpoint(guarded_server, headers):
     with guarded_server.http() as c:
         for method, path, body in GUARDED_ENDPOINTS:

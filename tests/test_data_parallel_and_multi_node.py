@@ -111,8 +111,12 @@ def test_dp2_serves_through_both_replicas_with_dp1_outputs(fault_model, fault_re
         assert run_with_fault(server, None) == fault_reference
         replicas = replica_counts(server)
         assert [r["routed_requests"] for r in replicas] == [6, 6]  # round robin over 12 requests
-        assert wait_until(lambda: all(r["scheduler_stats"] and r["scheduler_stats"]["generation_tokens"] > 0
-                                      for r in replica_counts(server)), 10)
+        assert wait_until(
+            lambda: all(
+                r["scheduler_stats"] and r["scheduler_stats"]["generation_tokens"] > 0 for r in replica_counts(server)
+            ),
+            10,
+        )
         metrics = server.http().get("/metrics").text
         assert 'trident_replica_requests_routed_total{dp_rank="1"} 6.0' in metrics
 
@@ -123,8 +127,7 @@ def test_dp2_longest_prefix_keeps_each_system_prompt_on_one_replica(fault_model)
         http = s.http()
         systems = [list(range(200, 264)), list(range(5000, 5064))]
         for i in range(8):
-            body = {"input_ids": systems[i % 2] + [30 + i],
-                    "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+            body = {"input_ids": systems[i % 2] + [30 + i], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
             r = http.post("/generate", json=body)
             assert r.status_code == 200, r.text
             if i >= 2:  # the replica that already holds this system prompt serves it from cache
@@ -168,8 +171,19 @@ def send_signed_with(address: str, signer: FrameSigner, frames: list[bytes]) -> 
 
 def test_two_nodes_serve_tp2_together_and_reject_bad_tags(fault_model, fault_reference, secret_file):
     port = free_port()
-    cluster = ["--model", fault_model, *BASE, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr",
-               f"127.0.0.1:{port}", "--cluster-secret-file", secret_file]
+    cluster = [
+        "--model",
+        fault_model,
+        *BASE,
+        "--tp-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        f"127.0.0.1:{port}",
+        "--cluster-secret-file",
+        secret_file,
+    ]
     node1 = Server([*cluster, "--node-rank", "1"], ready_prefix="trident node 1 ready:")
     try:
         with running_server([*cluster, "--node-rank", "0"]) as node0:
@@ -187,8 +201,9 @@ def test_two_nodes_serve_tp2_together_and_reject_bad_tags(fault_model, fault_ref
             descriptor_port = f"tcp://127.0.0.1:{port + 1}"
             forged = FrameEncoder().encode(ResetBatch(next_step_id=1))
             send_signed_with(descriptor_port, FrameSigner(new_secret()), [forged, b"junk"])
-            assert wait_until(lambda: node0.http().get("/server_info").json()["scheduler_stats"]
-                              ["rejected_frames"] >= 2, 15)
+            assert wait_until(
+                lambda: node0.http().get("/server_info").json()["scheduler_stats"]["rejected_frames"] >= 2, 15
+            )
             assert 'trident_replica_rejected_frames_total{dp_rank="0"} 2.0' in node0.http().get("/metrics").text
             assert run_with_fault(node0, None) == fault_reference  # nothing was acted on
         node1.proc.wait(timeout=15)  # node 0's stop stops node 1
@@ -199,10 +214,25 @@ def test_two_nodes_serve_tp2_together_and_reject_bad_tags(fault_model, fault_ref
 
 def test_cross_node_ports_listen_only_on_the_given_address(fault_model, secret_file):
     port = free_port()
-    cluster = ["--model", fault_model, *BASE, "--nnodes", "2", "--tp-size", "2", "--dist-init-addr",
-               f"127.0.0.1:{port}", "--cluster-secret-file", secret_file]
-    node0 = subprocess.Popen([sys.executable, "launch.py", *cluster, "--node-rank", "0", "--port", str(free_port())],
-                             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cluster = [
+        "--model",
+        fault_model,
+        *BASE,
+        "--nnodes",
+        "2",
+        "--tp-size",
+        "2",
+        "--dist-init-addr",
+        f"127.0.0.1:{port}",
+        "--cluster-secret-file",
+        secret_file,
+    ]
+    node0 = subprocess.Popen(
+        [sys.executable, "launch.py", *cluster, "--node-rank", "0", "--port", str(free_port())],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         control = port + 2
         assert wait_until(lambda: _listening("127.0.0.1", control), 60)
@@ -228,4 +258,3 @@ def _non_loopback_ip() -> str | None:
         except OSError:
             return None
     return None if ip.startswith("127.") else ip
-

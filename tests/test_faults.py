@@ -41,12 +41,16 @@ def hang_worker(server: Server) -> None:
     child(server, "trident::worker[tp0]").send_signal(signal.SIGSTOP)
 
 
-@pytest.mark.parametrize("fault,flags", [
-    (kill_worker, []),
-    (kill_scheduler, []),
-    (hang_worker, ["--watchdog-timeout", "3"]),
-    (kill_worker, ["--disable-overlap", "--speculative-algorithm", "ngram"]),
-], ids=["sigkill_worker", "sigkill_scheduler", "sigstop_worker_past_watchdog", "sigkill_worker_plain_loop_spec"])
+@pytest.mark.parametrize(
+    "fault,flags",
+    [
+        (kill_worker, []),
+        (kill_scheduler, []),
+        (hang_worker, ["--watchdog-timeout", "3"]),
+        (kill_worker, ["--disable-overlap", "--speculative-algorithm", "ngram"]),
+    ],
+    ids=["sigkill_worker", "sigkill_scheduler", "sigstop_worker_past_watchdog", "sigkill_worker_plain_loop_spec"],
+)
 def test_every_request_completes_unchanged_after_a_fault(fault, flags, fault_model, fault_reference):
     with running_server(["--model", fault_model, *BASE, *flags]) as server:
         before = {p.pid for p in server.process_tree()}
@@ -61,12 +65,19 @@ def test_restart_limit_exhaustion_answers_503_with_an_error_body(fault_model):
     with running_server(["--model", fault_model, *BASE, "--max-restarts", "1"]) as server:
         http = server.http()
         kill_worker(server)
-        assert wait_until(lambda: http.post("/generate", json={"text": "hi", "sampling_params": {
-            "max_new_tokens": 2}}).status_code == 200, 60)
+        assert wait_until(
+            lambda: (
+                http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+            ),
+            60,
+        )
         kill_worker(server)
         assert wait_until(lambda: http.get("/health").status_code == 503, 20)
-        r = http.post("/v1/completions", json={"model": os.path.basename(fault_model), "prompt": "hi", "max_tokens": 4},
-                      timeout=30)
+        r = http.post(
+            "/v1/completions",
+            json={"model": os.path.basename(fault_model), "prompt": "hi", "max_tokens": 4},
+            timeout=30,
+        )
         assert r.status_code == 503 and "error" in r.json() and r.json()["error"]["message"]
 
 
@@ -94,8 +105,13 @@ def test_random_bytes_and_wrong_messages_to_every_endpoint_kill_nothing(fault_mo
         ]
         ctx = zmq.Context()
         try:
-            endpoints = [scheduler_in_endpoint(0), ENDPOINT_TOKENIZER_IN, scheduler_reply_endpoint(0),
-                         ENDPOINT_LAUNCHER, worker_endpoint(0, 0)]
+            endpoints = [
+                scheduler_in_endpoint(0),
+                ENDPOINT_TOKENIZER_IN,
+                scheduler_reply_endpoint(0),
+                ENDPOINT_LAUNCHER,
+                worker_endpoint(0, 0),
+            ]
             for name in endpoints:
                 sock = ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 2000)
@@ -137,8 +153,18 @@ def test_sigterm_drains_open_requests_before_exit(fault_model):
     try:
         http = server.http()
         with ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(http.post, "/generate", json={"input_ids": p, "sampling_params": {
-                "max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}, timeout=120) for p in prompts()[:4]]
+            futures = [
+                pool.submit(
+                    http.post,
+                    "/generate",
+                    json={
+                        "input_ids": p,
+                        "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
+                    },
+                    timeout=120,
+                )
+                for p in prompts()[:4]
+            ]
             assert wait_until(lambda: generation_tokens(server) > 8, 60)
             server.proc.send_signal(signal.SIGTERM)
             results = [f.result() for f in futures]
@@ -156,8 +182,13 @@ def test_launch_py_without_a_free_port_is_a_clear_error(fault_model):
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
         s.listen()
-        res = subprocess.run([sys.executable, "launch.py", "--model", fault_model, "--port", str(port), *BASE],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+        res = subprocess.run(
+            [sys.executable, "launch.py", "--model", fault_model, "--port", str(port), *BASE],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     assert res.returncode != 0 and "cannot listen" in res.stderr
 
 
@@ -165,8 +196,15 @@ def test_a_killed_tokenizer_is_restarted_and_its_requests_are_freed(fault_model)
     with running_server(["--model", fault_model, *BASE]) as server:
         http = server.http()
         with ThreadPoolExecutor(2) as pool:
-            lost = [pool.submit(http.post, "/generate", json={"text": "x", "sampling_params": {
-                "max_new_tokens": 4000, "ignore_eos": True}}, timeout=60) for _ in range(2)]
+            lost = [
+                pool.submit(
+                    http.post,
+                    "/generate",
+                    json={"text": "x", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}},
+                    timeout=60,
+                )
+                for _ in range(2)
+            ]
             assert wait_until(lambda: generation_tokens(server) > 4, 60)
             old = child(server, "trident::tokenizer")
             old.send_signal(signal.SIGKILL)
@@ -176,8 +214,12 @@ def test_a_killed_tokenizer_is_restarted_and_its_requests_are_freed(fault_model)
 
         def serving_again() -> bool:
             try:
-                return http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}},
-                                 timeout=5).status_code == 200
+                return (
+                    http.post(
+                        "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=5
+                    ).status_code
+                    == 200
+                )
             except Exception:
                 return False
 

@@ -71,6 +71,11 @@ def test_smollm2_with_int8_weights_predicts_nearly_what_float32_does(smollm2_pat
 def test_a_server_started_with_int8_weights_generates(tmp_path):
     model = make_random_llama(str(tmp_path / "model"), seed=3)
     with running_server(["--model", model, "--dtype", "bfloat16", "--weight-dtype", "int8"]) as server:
-        r = server.http().post("/generate", json={"text": "one two three", "sampling_params": {
-            "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})
+        r = server.http().post(
+            "/generate",
+            json={
+                "text": "one two three",
+                "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+            },
+        )
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 12

@@ -12,8 +12,11 @@ STREAMS = 1000
 
 
 async def stream_one(client: httpx.AsyncClient, i: int) -> tuple[int, int]:
-    body = {"input_ids": [100 + i % 500, 7, 8, 9], "stream": True,
-            "sampling_params": {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": [100 + i % 500, 7, 8, 9],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True},
+    }
     events = 0
     async with client.stream("POST", "/generate", json=body) as r:
         if r.status_code != 200:
@@ -38,17 +41,31 @@ async def hold_streams_then_burst(base_url: str) -> tuple[list[tuple[int, int]],
             if (await client.get("/server_info")).json()["tokenizer_stats"]["open_requests"] >= STREAMS - 50:
                 break
         # Larger than the streams that may finish meanwhile, so the queue limit is crossed.
-        burst = [client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
-                 for _ in range(300)]
+        burst = [
+            client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}}) for _ in range(300)
+        ]
         burst_responses = await asyncio.gather(*burst)
-        return (await asyncio.gather(*held), [r.status_code for r in burst_responses],
-                [r.headers.get("retry-after", "") for r in burst_responses if r.status_code == 503])
+        return (
+            await asyncio.gather(*held),
+            [r.status_code for r in burst_responses],
+            [r.headers.get("retry-after", "") for r in burst_responses if r.status_code == 503],
+        )
 
 
 def test_a_thousand_streams_complete_and_a_burst_past_the_queue_gets_503(tmp_path):
     model = make_random_llama(str(tmp_path / "model"), seed=8)
-    flags = ["--model", model, "--dtype", "float32", "--max-total-tokens", "65536",
-             "--max-running-requests", "64", "--max-queued-requests", str(STREAMS - 64)]
+    flags = [
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "65536",
+        "--max-running-requests",
+        "64",
+        "--max-queued-requests",
+        str(STREAMS - 64),
+    ]
     with running_server(flags) as server:
         rss_before = sum(p.memory_info().rss for p in server.process_tree())
         held, burst_codes, retry_after = asyncio.run(hold_streams_then_burst(server.base_url))

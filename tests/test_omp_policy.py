@@ -16,8 +16,9 @@ SET_THEN_IMPORT = (
 
 def run(code: str, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env={**clean, **env},
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_worker_waits_passively_by_default_and_a_users_choice_wins():

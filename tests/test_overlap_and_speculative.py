@@ -51,8 +51,10 @@ def serve(model: str, flags: list[str], prompts: list[list[int]], max_new: int =
         http = server.http()
 
         def one(ids: list[int]) -> list[int]:
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
-                                                          "ignore_eos": True}}
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+            }
             r = http.post("/generate", json=body)
             assert r.status_code == 200, r.text
             return r.json()["output_ids"]
@@ -71,15 +73,17 @@ def reference(tiny_model):
 
 @pytest.fixture(scope="module")
 def retraction_reference(tiny_model):
-    outputs, _ = serve(tiny_model, ["--disable-overlap", "--max-total-tokens", "65536"], retraction_workload(),
-                       RETRACTION_NEW)
+    outputs, _ = serve(
+        tiny_model, ["--disable-overlap", "--max-total-tokens", "65536"], retraction_workload(), RETRACTION_NEW
+    )
     return outputs
 
 
 @pytest.mark.parametrize("spec", list(SPEC))
 @pytest.mark.parametrize("overlap", list(OVERLAP))
-def test_greedy_output_is_identical_with_overlap_and_speculation_batched_and_chunked(overlap, spec, tiny_model,
-                                                                                     reference):
+def test_greedy_output_is_identical_with_overlap_and_speculation_batched_and_chunked(
+    overlap, spec, tiny_model, reference
+):
     # All prompts arrive together (continuous batching); 16-token chunks spread the long ones.
     flags = ["--max-total-tokens", "65536", "--chunked-prefill-size", "16", "--page-size", "4"]
     outputs, stats = serve(tiny_model, flags + OVERLAP[overlap] + SPEC[spec], repetitive_workload())
@@ -107,13 +111,27 @@ def test_exactly_one_seq_lens_copy_per_overlapped_step(tiny_model):
     lengths = [int(n) for n in rng.integers(5, 160, 24)]
 
     def run(flags: list[str]) -> dict:
-        with running_server(["--model", tiny_model, "--dtype", "float32", "--check-seq-lens",
-                             "--max-running-requests", "6", "--max-total-tokens", "65536", *flags]) as server:
+        with running_server(
+            [
+                "--model",
+                tiny_model,
+                "--dtype",
+                "float32",
+                "--check-seq-lens",
+                "--max-running-requests",
+                "6",
+                "--max-total-tokens",
+                "65536",
+                *flags,
+            ]
+        ) as server:
             http = server.http()
 
             def one(i: int) -> int:
-                body = {"input_ids": prompts[i], "sampling_params": {"max_new_tokens": lengths[i], "temperature": 0,
-                                                                     "ignore_eos": True}}
+                body = {
+                    "input_ids": prompts[i],
+                    "sampling_params": {"max_new_tokens": lengths[i], "temperature": 0, "ignore_eos": True},
+                }
                 return http.post("/generate", json=body).status_code
 
             with ThreadPoolExecutor(24) as pool:
@@ -129,12 +147,15 @@ def test_exactly_one_seq_lens_copy_per_overlapped_step(tiny_model):
     assert plain["steps"] >= 200 and plain["overlapped_steps"] == 0 and plain["seq_lens_d2h_copies"] == 0
 
 
-@pytest.mark.parametrize("flags", [["--disable-overlap"], ["--speculative-algorithm", "ngram"]],
-                         ids=["overlap_off", "spec_overlap_on"])
+@pytest.mark.parametrize(
+    "flags", [["--disable-overlap"], ["--speculative-algorithm", "ngram"]], ids=["overlap_off", "spec_overlap_on"]
+)
 def test_real_smollm2_greedy_text_is_identical_with_overlap_and_speculation(flags, smollm2_server, smollm2_path):
-    prompts = ["Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox",
-               "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
-               "The capital of France is"]
+    prompts = [
+        "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox",
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+        "The capital of France is",
+    ]
     http = smollm2_server.http()
 
     def reference(p: str) -> list[int]:
@@ -145,6 +166,12 @@ def test_real_smollm2_greedy_text_is_identical_with_overlap_and_speculation(flag
     with running_server(["--dtype", "float32", "--check-seq-lens", "--max-total-tokens", "8192", *flags]) as server:
         other = server.http()
         with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda p: other.post("/generate", json={
-                "text": p, "sampling_params": {"max_new_tokens": 32, "temperature": 0}}).json()["output_ids"], prompts))
+            got = list(
+                pool.map(
+                    lambda p: other.post(
+                        "/generate", json={"text": p, "sampling_params": {"max_new_tokens": 32, "temperature": 0}}
+                    ).json()["output_ids"],
+                    prompts,
+                )
+            )
     assert got == want

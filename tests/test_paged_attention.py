@@ -28,10 +28,23 @@ class Batch:
     """A worker batch of rows with given lengths, on a pool whose pages are handed out shuffled."""
 
     def __init__(self, kv_heads: int, seed: int) -> None:
-        self.cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                               num_kv_heads=kv_heads, head_dim=HEAD_DIM)
-        self.pool = KVPool(self.cfg, num_pages=400, page_size=PAGE, dtype=torch.float32, device=torch.device("cpu"),
-                           num_kv_heads=kv_heads)
+        self.cfg = ModelConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=1,
+            num_heads=4,
+            num_kv_heads=kv_heads,
+            head_dim=HEAD_DIM,
+        )
+        self.pool = KVPool(
+            self.cfg,
+            num_pages=400,
+            page_size=PAGE,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            num_kv_heads=kv_heads,
+        )
         self.pool.kv[0].normal_(generator=torch.Generator().manual_seed(seed))
         self.free_pages = list(np.random.default_rng(seed).permutation(np.arange(1, 400)))
         self.state = BatchState(8, 100, PAGE, SamplingTable(8, 64, [], torch.device("cpu")), torch.device("cpu"))

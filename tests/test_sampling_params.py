@@ -110,8 +110,9 @@ def test_top_k_top_p_and_min_p_restrict_the_sampled_tokens_to_their_support(clie
 
     def draw(name: str, seed: int) -> list[str]:
         """16 first tokens drawn at temperature 1 with fixed seeds (n=16 choices)."""
-        res = complete(client, FLAT_PROMPT, max_tokens=1, temperature=1.0, n=16, seed=seed, logprobs=0,
-                       **settings[name])
+        res = complete(
+            client, FLAT_PROMPT, max_tokens=1, temperature=1.0, n=16, seed=seed, logprobs=0, **settings[name]
+        )
         return [c.logprobs.tokens[0] for c in res.choices]
 
     drawn: dict[str, list[str]] = {name: [] for name in settings}
@@ -157,15 +158,20 @@ def test_different_seeds_give_different_text(client):
 
 
 def test_frequency_presence_and_repetition_penalties_lower_the_repetition_count(client):
-    settings = {"none": {}, "frequency": {"frequency_penalty": 1.0}, "presence": {"presence_penalty": 1.5},
-                "repetition": {"extra_body": {"repetition_penalty": 1.3}}}
+    settings = {
+        "none": {},
+        "frequency": {"frequency_penalty": 1.0},
+        "presence": {"presence_penalty": 1.5},
+        "repetition": {"extra_body": {"repetition_penalty": 1.3}},
+    }
 
     def repeated_tokens(name: str) -> int:
         """Tokens of a 32-token greedy continuation that repeat an earlier token of it."""
         kw = settings[name]
         extra = {"ignore_eos": True, **kw.get("extra_body", {})}
-        res = complete(client, REPETITIVE_PROMPT, temperature=0, max_tokens=32, logprobs=0,
-                       **{**kw, "extra_body": extra})
+        res = complete(
+            client, REPETITIVE_PROMPT, temperature=0, max_tokens=32, logprobs=0, **{**kw, "extra_body": extra}
+        )
         tokens = res.choices[0].logprobs.tokens
         assert len(tokens) == 32
         return len(tokens) - len(set(tokens))
@@ -176,15 +182,14 @@ def test_frequency_presence_and_repetition_penalties_lower_the_repetition_count(
         assert counts[name] <= counts["none"] * 0.7, counts
 
 
-def test_repetition_penalty_equals_transformers_also_when_the_prompt_is_in_the_prefix_cache(client,
-                                                                                           hf_reference):
+def test_repetition_penalty_equals_transformers_also_when_the_prompt_is_in_the_prefix_cache(client, hf_reference):
     """The penalty must see every prompt token, also those whose KV the prefix cache holds."""
     tok, model = hf_reference
     prompt = f"[{uuid.uuid4().hex[:6]}] The cat sat on the mat. The cat sat on the mat. The cat sat on the"
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=8, do_sample=False, repetition_penalty=1.3)
-    want = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    want = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
     penalised = {"temperature": 0, "max_tokens": 8, "extra_body": {"repetition_penalty": 1.3}}
     cold = complete(client, prompt, **penalised).choices[0].text
@@ -199,10 +204,13 @@ def test_repetition_penalty_equals_transformers_also_when_the_prompt_is_in_the_p
 
 
 def test_n_3_returns_three_choices_and_counts_their_tokens(client):
-    res, chat_res = parallel(lambda f: f(), [
-        lambda: complete(client, FLAT_PROMPT, n=3, temperature=1.0, seed=7, logprobs=0),
-        lambda: chat(client, n=3, temperature=1.0, seed=7, max_tokens=4),
-    ])
+    res, chat_res = parallel(
+        lambda f: f(),
+        [
+            lambda: complete(client, FLAT_PROMPT, n=3, temperature=1.0, seed=7, logprobs=0),
+            lambda: chat(client, n=3, temperature=1.0, seed=7, max_tokens=4),
+        ],
+    )
     assert [c.index for c in res.choices] == [0, 1, 2]
     assert len({c.text for c in res.choices}) >= 2
     assert res.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in res.choices)
@@ -243,7 +251,7 @@ def test_served_logprobs_match_a_transformers_forward(france, hf_reference):
     lp = france.logprobs
     ids = tok(FRANCE, return_tensors="pt").input_ids
     with torch.no_grad():
-        gen = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:]
+        gen = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :]
         full = torch.cat([ids[0], gen])[None]
         ref = torch.log_softmax(model(full).logits[0, ids.shape[1] - 1 : -1].float(), dim=-1)
     assert lp.tokens == [tok.decode([t]) for t in gen.tolist()]
@@ -263,10 +271,13 @@ def test_stop_string_cuts_the_text_and_finishes_with_stop(client, france):
     while full.find(full[cut : cut + 3]) != cut:  # a stop string whose first occurrence is at `cut`
         cut += 1
     stop = full[cut : cut + 3]
-    res, streamed = parallel(lambda f: f(), [
-        lambda: complete(client, FRANCE, temperature=0, max_tokens=16, stop=["never-in-the-text", stop]),
-        lambda: list(complete(client, FRANCE, temperature=0, max_tokens=16, stop=stop, stream=True)),
-    ])
+    res, streamed = parallel(
+        lambda f: f(),
+        [
+            lambda: complete(client, FRANCE, temperature=0, max_tokens=16, stop=["never-in-the-text", stop]),
+            lambda: list(complete(client, FRANCE, temperature=0, max_tokens=16, stop=stop, stream=True)),
+        ],
+    )
     assert res.choices[0].text == full[:cut]
     assert res.choices[0].finish_reason == "stop"
     assert "".join(c.choices[0].text for c in streamed if c.choices) == full[:cut]
@@ -289,10 +300,13 @@ def test_ignore_eos_and_min_tokens_keep_generating_past_eos(client):
     natural = chat(client, temperature=0, max_tokens=60)
     assert natural.choices[0].finish_reason == "stop", "the model should end this reply with EOS on its own"
     n = natural.usage.completion_tokens
-    ignore, at_least = parallel(lambda f: f(), [
-        lambda: chat(client, temperature=0, max_tokens=n + 8, extra_body={"ignore_eos": True}),
-        lambda: chat(client, temperature=0, max_tokens=n + 12, extra_body={"min_tokens": n + 6}),
-    ])
+    ignore, at_least = parallel(
+        lambda f: f(),
+        [
+            lambda: chat(client, temperature=0, max_tokens=n + 8, extra_body={"ignore_eos": True}),
+            lambda: chat(client, temperature=0, max_tokens=n + 12, extra_body={"min_tokens": n + 6}),
+        ],
+    )
     assert ignore.usage.completion_tokens == n + 8
     assert ignore.choices[0].finish_reason == "length"
     assert at_least.usage.completion_tokens >= n + 6
@@ -304,10 +318,13 @@ def test_ignore_eos_and_min_tokens_keep_generating_past_eos(client):
 
 def test_echo_prepends_the_prompt_to_the_completion(client, france):
     want = FRANCE + "".join(france.logprobs.tokens[:4])
-    echoed, chunks = parallel(lambda f: f(), [
-        lambda: complete(client, FRANCE, temperature=0, max_tokens=4, echo=True).choices[0].text,
-        lambda: list(complete(client, FRANCE, temperature=0, max_tokens=4, echo=True, stream=True)),
-    ])
+    echoed, chunks = parallel(
+        lambda f: f(),
+        [
+            lambda: complete(client, FRANCE, temperature=0, max_tokens=4, echo=True).choices[0].text,
+            lambda: list(complete(client, FRANCE, temperature=0, max_tokens=4, echo=True, stream=True)),
+        ],
+    )
     assert echoed == want
     assert chunks[0].choices[0].text == FRANCE
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
@@ -315,11 +332,23 @@ def test_echo_prepends_the_prompt_to_the_completion(client, france):
 
 def test_stream_include_usage_sends_one_final_usage_chunk(client, france):
     want = "".join(france.logprobs.tokens[:6])
-    chunks, without = parallel(lambda f: f(), [
-        lambda: list(complete(client, FRANCE, temperature=0, max_tokens=6, n=2, stream=True,
-                              stream_options={"include_usage": True})),
-        lambda: list(complete(client, FRANCE, temperature=0, max_tokens=6, stream=True)),
-    ])
+    chunks, without = parallel(
+        lambda f: f(),
+        [
+            lambda: list(
+                complete(
+                    client,
+                    FRANCE,
+                    temperature=0,
+                    max_tokens=6,
+                    n=2,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            ),
+            lambda: list(complete(client, FRANCE, temperature=0, max_tokens=6, stream=True)),
+        ],
+    )
     *body, last = chunks
     assert last.choices == [] and last.usage is not None
     assert all(c.usage is None for c in body)

@@ -41,8 +41,7 @@ def run_with_fault(server: Server, fault) -> list[list[int]]:
     http = server.http()
 
     def one(ids: list[int]) -> list[int]:
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0,
-                                                      "ignore_eos": True}}
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}
         r = http.post("/generate", json=body, timeout=300)
         assert r.status_code == 200, r.text
         return r.json()["output_ids"]

@@ -101,7 +101,9 @@ async def _run(ctx: ChildContext) -> None:
             raise StartupError(f"the scheduler did not answer the handshake within {args.startup_timeout_s:g}s") from e
         logger.info(
             "scheduler handshake done: context_length=%d vocab_size=%d max_running_requests=%d",
-            info.context_length, info.vocab_size, info.max_running_requests,
+            info.context_length,
+            info.vocab_size,
+            info.max_running_requests,
         )
         manager.start()
         await _serve(ctx, sock, FrontendState(args, tokenizer, manager, metrics))

@@ -39,7 +39,9 @@ class FrontDoorMiddleware:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self._key):
                 response = error_response(
-                    "Missing or invalid API key: send `Authorization: Bearer <key>`.", 401, code="invalid_api_key",
+                    "Missing or invalid API key: send `Authorization: Bearer <key>`.",
+                    401,
+                    code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
                 await response(scope, receive, send)
@@ -51,9 +53,7 @@ class FrontDoorMiddleware:
         await self.app(scope, self._counting_receive(receive), send)
 
     def _too_large(self) -> Response:
-        return error_response(
-            f"The request body is larger than {self._max_body} bytes.", 413, code="request_too_large"
-        )
+        return error_response(f"The request body is larger than {self._max_body} bytes.", 413, code="request_too_large")
 
     def _counting_receive(self, receive: Receive) -> Receive:
         seen = 0

@@ -23,7 +23,25 @@ from wire.frontend import SchedulerStats
 
 PREFIX = "trident_"
 LATENCY_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
 )
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -31,8 +49,9 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300
 class _SchedulerCollector(Collector):
     """Reads the mirrored stats when Prometheus scrapes; never caches them."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats | None], own_dropped: Callable[[], int],
-                 hit_rate: Callable[[], float]) -> None:
+    def __init__(
+        self, stats: Callable[[], SchedulerStats | None], own_dropped: Callable[[], int], hit_rate: Callable[[], float]
+    ) -> None:
         self._stats = stats
         self._own_dropped = own_dropped
         self._hit_rate = hit_rate
@@ -44,8 +63,11 @@ class _SchedulerCollector(Collector):
             PREFIX + "dropped_frames", "Malformed frames dropped (tokenizer + scheduler).", value=dropped
         )
         # Not SchedulerStats.cache_hit_tokens: that covers only the requests running now.
-        yield GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
-                                "Fraction of prompt tokens served from the prefix cache.", value=self._hit_rate())
+        yield GaugeMetricFamily(
+            PREFIX + "prefix_cache_hit_rate",
+            "Fraction of prompt tokens served from the prefix cache.",
+            value=self._hit_rate(),
+        )
         if s is None:
             return
         usage = s.kv_used_tokens / s.kv_total_tokens if s.kv_total_tokens else 0.0
@@ -66,6 +88,7 @@ class _SchedulerCollector(Collector):
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
 
+
 class _ReplicaCollector(Collector):
     """Per data-parallel replica: what the router sent it and what its scheduler reports."""
 
@@ -75,16 +98,36 @@ class _ReplicaCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         r = self._replicas
         families = [
-            (CounterMetricFamily, "replica_requests_routed", "Requests the tokenizer routed to the replica.",
-             lambda d: r.router.routed[d]),
-            (GaugeMetricFamily, "replica_requests_open", "Requests routed to the replica and not finished.",
-             lambda d: r.router.open_requests[d]),
-            (GaugeMetricFamily, "replica_num_requests_running", "Requests in the replica's running batch.",
-             lambda d: r.stats[d].running_requests if r.stats[d] else 0),
-            (CounterMetricFamily, "replica_generation_tokens", "Tokens the replica generated.",
-             lambda d: r.stats[d].generation_tokens if r.stats[d] else 0),
-            (CounterMetricFamily, "replica_rejected_frames", "Frames with a bad HMAC tag at the replica.",
-             lambda d: r.stats[d].rejected_frames if r.stats[d] else 0),
+            (
+                CounterMetricFamily,
+                "replica_requests_routed",
+                "Requests the tokenizer routed to the replica.",
+                lambda d: r.router.routed[d],
+            ),
+            (
+                GaugeMetricFamily,
+                "replica_requests_open",
+                "Requests routed to the replica and not finished.",
+                lambda d: r.router.open_requests[d],
+            ),
+            (
+                GaugeMetricFamily,
+                "replica_num_requests_running",
+                "Requests in the replica's running batch.",
+                lambda d: r.stats[d].running_requests if r.stats[d] else 0,
+            ),
+            (
+                CounterMetricFamily,
+                "replica_generation_tokens",
+                "Tokens the replica generated.",
+                lambda d: r.stats[d].generation_tokens if r.stats[d] else 0,
+            ),
+            (
+                CounterMetricFamily,
+                "replica_rejected_frames",
+                "Frames with a bad HMAC tag at the replica.",
+                lambda d: r.stats[d].rejected_frames if r.stats[d] else 0,
+            ),
         ]
         for kind, name, doc, value in families:
             family = kind(PREFIX + name, doc, labels=["dp_rank"])
@@ -101,18 +144,14 @@ class Metrics:
         r = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens submitted.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
-        self.finished = Counter(
-            PREFIX + "requests_finished", "Finished requests.", ["finish_reason"], registry=r
-        )
+        self.finished = Counter(PREFIX + "requests_finished", "Finished requests.", ["finish_reason"], registry=r)
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "Submit to first token.", buckets=LATENCY_BUCKETS, registry=r
         )
         self.itl = Histogram(
             PREFIX + "inter_token_latency_seconds", "Between token outputs.", buckets=LATENCY_BUCKETS, registry=r
         )
-        self.restarts = Counter(
-            PREFIX + "restarts", "Process restarts by launch.py (any role).", registry=r
-        )
+        self.restarts = Counter(PREFIX + "restarts", "Process restarts by launch.py (any role).", registry=r)
         self.resumed_requests = Counter(
             PREFIX + "resumed_requests", "Requests resubmitted after a scheduler restart.", registry=r
         )

@@ -62,8 +62,9 @@ class EventStreamResponse(StreamingResponse):
                 handle.close()
 
 
-def sampling_request(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                     logprobs: bool, top_logprobs: int) -> SamplingRequest:
+def sampling_request(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: bool, top_logprobs: int
+) -> SamplingRequest:
     return SamplingRequest(
         max_tokens=max_tokens,
         min_tokens=body.min_tokens,
@@ -83,8 +84,12 @@ def sampling_request(body: CompletionRequest | ChatCompletionRequest, max_tokens
 
 
 async def submit_choices(
-    st: FrontendState, prompt_ids: list[int], body: CompletionRequest | ChatCompletionRequest,
-    sreq: SamplingRequest, cid: str, max_tokens_param: str,
+    st: FrontendState,
+    prompt_ids: list[int],
+    body: CompletionRequest | ChatCompletionRequest,
+    sreq: SamplingRequest,
+    cid: str,
+    max_tokens_param: str,
 ) -> list[RequestHandle]:
     prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     params = build_sampling_params(sreq, len(prompt_ids), st.limits, max_tokens_param, prompt_param)
@@ -173,8 +178,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 
 async def _stream_completion(
-    st: FrontendState, body: CompletionRequest, handles: Sequence[RequestHandle], cid: str, created: int,
-    model: str, prompt_ids: list[int], echo_text: str | None,
+    st: FrontendState,
+    body: CompletionRequest,
+    handles: Sequence[RequestHandle],
+    cid: str,
+    created: int,
+    model: str,
+    prompt_ids: list[int],
+    echo_text: str | None,
 ) -> AsyncIterator[str]:
     include_usage = body.include_usage()
     want_lp = body.logprobs is not None
@@ -207,9 +218,7 @@ async def _stream_completion(
 
 
 def chat_prompt(st: FrontendState, body: ChatCompletionRequest) -> list[int]:
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
-    ]
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     try:
         _, ids = apply_chat_template(st.tokenizer, messages)
     except Exception as e:  # the template rejects this conversation (e.g. role order)
@@ -246,8 +255,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 
 async def _stream_chat(
-    st: FrontendState, body: ChatCompletionRequest, handles: Sequence[RequestHandle], cid: str, created: int,
-    model: str, prompt_len: int,
+    st: FrontendState,
+    body: ChatCompletionRequest,
+    handles: Sequence[RequestHandle],
+    cid: str,
+    created: int,
+    model: str,
+    prompt_len: int,
 ) -> AsyncIterator[str]:
     include_usage = body.include_usage()
     results = [ChoiceResult(i) for i in range(len(handles))]

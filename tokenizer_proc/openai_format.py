@@ -77,14 +77,16 @@ def chat_logprobs(
     content = []
     for i, tid in enumerate(token_ids):
         pairs = top[i] if i < len(top) else []
-        content.append({
-            "token": strings.text(tid),
-            "logprob": token_logprobs[i] if i < len(token_logprobs) else None,
-            "bytes": strings.raw_bytes(tid),
-            "top_logprobs": [
-                {"token": strings.text(t), "logprob": lp, "bytes": strings.raw_bytes(t)} for t, lp in pairs
-            ],
-        })
+        content.append(
+            {
+                "token": strings.text(tid),
+                "logprob": token_logprobs[i] if i < len(token_logprobs) else None,
+                "bytes": strings.raw_bytes(tid),
+                "top_logprobs": [
+                    {"token": strings.text(t), "logprob": lp, "bytes": strings.raw_bytes(t)} for t, lp in pairs
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -92,7 +94,11 @@ def completion_body(
     cid: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
     }
     if usage is not None:
         body["usage"] = usage
@@ -103,8 +109,14 @@ def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None, fi
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
 
 
-def chat_body(cid: str, created: int, model: str, results: Sequence[ChoiceResult], logprobs: list[dict | None],
-              usage: dict[str, Any]) -> dict[str, Any]:
+def chat_body(
+    cid: str,
+    created: int,
+    model: str,
+    results: Sequence[ChoiceResult],
+    logprobs: list[dict | None],
+    usage: dict[str, Any],
+) -> dict[str, Any]:
     choices = [
         {
             "index": r.index,
@@ -115,7 +127,11 @@ def chat_body(cid: str, created: int, model: str, results: Sequence[ChoiceResult
         for r in results
     ]
     return {
-        "id": cid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
         "usage": usage,
     }
 

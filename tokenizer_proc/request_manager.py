@@ -76,7 +76,10 @@ class RequestManager:
         self.metrics = metrics
         self.replicas = ReplicaSet(zmq_ctx, args)
         self._pull = AsyncPullSocket(
-            zmq_ctx, endpoint(args.run_dir, ENDPOINT_TOKENIZER_IN), bind=True, union=TokenizerInput,
+            zmq_ctx,
+            endpoint(args.run_dir, ENDPOINT_TOKENIZER_IN),
+            bind=True,
+            union=TokenizerInput,
             name="tokenizer.in",
         )
         self._open: dict[str, OpenRequest] = {}
@@ -170,8 +173,9 @@ class RequestManager:
         if self.draining:
             raise APIError("the server is shutting down", 503, type_=SERVER_ERROR, headers={"Retry-After": "5"})
         if not self.health.healthy:
-            raise APIError(f"{SERVER_UNAVAILABLE}: too many restarts ({self.health.last_cause})", 503,
-                           type_=SERVER_ERROR)
+            raise APIError(
+                f"{SERVER_UNAVAILABLE}: too many restarts ({self.health.last_cause})", 503, type_=SERVER_ERROR
+            )
         params = [sampling] if isinstance(sampling, SamplingParams) else list(sampling)
         rids = list(rids) if rids is not None else [self.new_rid() for _ in params]
         if check_capacity and len(self._open) + len(params) > self.capacity:
@@ -295,8 +299,12 @@ class RequestManager:
         self.health = health
         if health.healthy:
             return
-        logger.error("server unhealthy after %d restarts (%s): failing %d open requests",
-                     health.restarts, health.last_cause, len(self._open))
+        logger.error(
+            "server unhealthy after %d restarts (%s): failing %d open requests",
+            health.restarts,
+            health.last_cause,
+            len(self._open),
+        )
         for req in self._open.values():
             req.queue.put_nowait(TokenOut(req.rid, [], "error", error=f"{SERVER_UNAVAILABLE}: {health.last_cause}"))
 

@@ -68,8 +68,9 @@ def check_prompt_ids(ids: Sequence[int], limits: ModelLimits, param: str = "prom
         )
 
 
-def resolve_max_tokens(prompt_len: int, max_tokens: int | None, limits: ModelLimits, param: str,
-                       prompt_param: str = "prompt") -> int:
+def resolve_max_tokens(
+    prompt_len: int, max_tokens: int | None, limits: ModelLimits, param: str, prompt_param: str = "prompt"
+) -> int:
     """The output budget: the requested one if it fits, else a 400; None means the rest."""
     ctx = limits.context_length
     if prompt_len >= ctx:
@@ -94,7 +95,10 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, limits: ModelLim
 
 
 def build_sampling_params(
-    req: SamplingRequest, prompt_len: int, limits: ModelLimits, max_tokens_param: str = "max_tokens",
+    req: SamplingRequest,
+    prompt_len: int,
+    limits: ModelLimits,
+    max_tokens_param: str = "max_tokens",
     prompt_param: str = "prompt",
 ) -> SamplingParams:
     """Validate against the model and map to the wire struct (max_tokens -> max_new_tokens...)."""
@@ -103,9 +107,7 @@ def build_sampling_params(
         raise APIError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_new}).", param="min_tokens")
     bad = next((t for t in req.stop_token_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
-        raise APIError(
-            f"stop_token_ids holds {bad}, outside [0, {limits.vocab_size}).", param="stop_token_ids"
-        )
+        raise APIError(f"stop_token_ids holds {bad}, outside [0, {limits.vocab_size}).", param="stop_token_ids")
     if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise APIError(f"top logprobs must be in [0, {MAX_LOGPROBS}].", param="logprobs")
     return SamplingParams(
@@ -126,17 +128,26 @@ def build_sampling_params(
     )
 
 
-def native_sampling_params(sp: NativeSamplingParams, prompt_len: int, limits: ModelLimits,
-                           prompt_param: str = "text") -> SamplingParams:
+def native_sampling_params(
+    sp: NativeSamplingParams, prompt_len: int, limits: ModelLimits, prompt_param: str = "text"
+) -> SamplingParams:
     """SGLang-style `sampling_params` (POST /generate, the offline `Engine`) -> the wire struct."""
     max_new = sp.max_new_tokens
     if "max_new_tokens" not in sp.model_fields_set and max_new is not None:
         max_new = max(1, min(max_new, limits.context_length - prompt_len))  # a default never causes a 400
     sreq = SamplingRequest(
-        max_tokens=max_new, min_tokens=sp.min_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-        top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty, seed=sp.seed,
-        ignore_eos=sp.ignore_eos, stop_token_ids=sp.stop_token_ids or (),
+        max_tokens=max_new,
+        min_tokens=sp.min_new_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        seed=sp.seed,
+        ignore_eos=sp.ignore_eos,
+        stop_token_ids=sp.stop_token_ids or (),
     )
     return build_sampling_params(sreq, prompt_len, limits, "sampling_params.max_new_tokens", prompt_param)
 
