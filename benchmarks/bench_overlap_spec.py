@@ -25,17 +25,10 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import (  # noqa: E402
-    BenchRequest,
-    LaunchedServer,
-    RequestOptions,
-    WorkloadSpec,
-    build_workload,
-    load_tokenizer,
-    print_and_write_report,
-    run_requests,
-    summarize,
-)
+from launched_server import LaunchedServer  # noqa: E402
+from serving_client import RequestOptions, run_requests  # noqa: E402
+from serving_report import print_and_write_report, summarize  # noqa: E402
+from serving_workload import BenchRequest, WorkloadSpec, build_workload, load_tokenizer  # noqa: E402
 
 PASSAGE = (
     "def moving_average(values, window):\n    result = []\n    for i in range(len(values) - window + 1):\n"

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_overlap_spec import comparison_parser, fixed_length_workload, log_dir_of, run_config  # noqa: E402
-from bench_serving import print_and_write_report  # noqa: E402
+from serving_report import print_and_write_report  # noqa: E402
 
 CONFIGS = [("tp1", ""), ("tp2", "--tp-size 2"), ("dp2", "--dp-size 2")]
 

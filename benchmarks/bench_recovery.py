@@ -21,7 +21,8 @@ import httpx
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import LaunchedServer, print_and_write_report  # noqa: E402
+from launched_server import LaunchedServer  # noqa: E402
+from serving_report import print_and_write_report  # noqa: E402
 
 
 def find_child(root_pid: int, title: str) -> psutil.Process:

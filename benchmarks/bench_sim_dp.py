@@ -30,8 +30,9 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import REPO_ROOT, LaunchedServer, write_json  # noqa: E402
 from bench_sim_scale import RESULTS  # noqa: E402
+from launched_server import REPO_ROOT, LaunchedServer  # noqa: E402
+from serving_report import write_json  # noqa: E402
 
 METHODS = ("round_robin", "shortest_queue", "longest_prefix")
 

@@ -42,7 +42,8 @@ import httpx
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import REPO_ROOT, LaunchedServer, write_json  # noqa: E402
+from launched_server import REPO_ROOT, LaunchedServer  # noqa: E402
+from serving_report import write_json  # noqa: E402
 
 RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results")
 SCHEDULER_TITLE = "trident::scheduler"

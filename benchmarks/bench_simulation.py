@@ -28,16 +28,10 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import (  # noqa: E402  (the path line above makes this importable from anywhere)
-    REPO_ROOT,
-    LaunchedServer,
-    build_parser,
-    build_workload,
-    load_tokenizer,
-    run_against,
-    workload_spec,
-    write_json,
-)
+from bench_serving import build_parser, run_against, workload_spec  # noqa: E402
+from launched_server import REPO_ROOT, LaunchedServer  # noqa: E402
+from serving_report import write_json  # noqa: E402
+from serving_workload import build_workload, load_tokenizer  # noqa: E402
 
 RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results")
 COMPARED = {

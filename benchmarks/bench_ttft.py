@@ -24,7 +24,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import REPO_ROOT, LaunchedServer  # noqa: E402
+from launched_server import REPO_ROOT, LaunchedServer  # noqa: E402
 
 STEP_LINE = re.compile(r"step (\d+) mode 1 rows 1: .*sent->result ([\d.]+) ms = forward ([\d.]+) ms")
 

@@ -37,19 +37,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import (  # noqa: E402  (the path line above makes this importable from anywhere)
-    REPO_ROOT,
-    BenchRequest,
-    LaunchedServer,
-    add_workload_args,
-    build_parser,
-    build_workload,
-    load_tokenizer,
-    run_against,
-    workload_spec,
-    workload_stats,
-    write_json,
-)
+from bench_serving import add_workload_args, build_parser, run_against, workload_spec  # noqa: E402
+from launched_server import REPO_ROOT, LaunchedServer  # noqa: E402
+from serving_report import write_json  # noqa: E402
+from serving_workload import BenchRequest, build_workload, load_tokenizer, workload_stats  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

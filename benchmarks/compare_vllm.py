@@ -37,19 +37,11 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import (  # noqa: E402
-    REPO_ROOT,
-    LaunchedServer,
-    build_parser,
-    build_workload,
-    free_port,
-    load_tokenizer,
-    run_against,
-    workload_spec,
-    workload_stats,
-    write_json,
-)
+from bench_serving import build_parser, run_against, workload_spec  # noqa: E402
 from compare_hf import DTYPES, default_model_path, load_hf_model  # noqa: E402
+from launched_server import REPO_ROOT, LaunchedServer, free_port  # noqa: E402
+from serving_report import write_json  # noqa: E402
+from serving_workload import build_workload, load_tokenizer, workload_stats  # noqa: E402
 
 
 def export_dense_copy(model_path: str, dtype: str, export_dir: str) -> str:
