@@ -30,8 +30,8 @@ import time
 import msgspec
 import numpy as np
 
+from gpu_worker.omp_policy import use_passive_omp_wait
 from gpu_worker.replay import load_recording, replay_steps, replay_worker
-from gpu_worker.simulated import SimulatedWorker
 from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, StepProfile, fit_step_times
 from wire.backend import BatchDescriptor
 from wire.child import ChildContext
@@ -58,6 +58,8 @@ def time_recording(path: str, passes: int, overrides: dict) -> tuple[np.ndarray,
 
 def recorded_timings(path: str) -> tuple[np.ndarray, np.ndarray]:
     """(features, seconds) of every computing step, with the forward times the recording holds."""
+    from gpu_worker.simulated import SimulatedWorker  # imports torch: not before main() sets the OpenMP policy
+
     rec = load_recording(path)
     if rec.args.speculative_algorithm:
         raise ValueError(f"{path}: --timing recorded needs a recording without speculative decoding")
@@ -101,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="override the recorded model path")
     p.add_argument("--dtype", default=None, help="override the recorded dtype")
     ns = p.parse_args(argv)
+    use_passive_omp_wait()  # replayed step times must be the served worker's: same OpenMP policy
     logging.basicConfig(level="WARNING")
     overrides = {k: v for k, v in (("model_path", ns.model), ("dtype", ns.dtype)) if v}
     try:
