@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers import running_server, wait_until, write_sim_profile
+from tests.helpers import Server, free_port, running_server, wait_until, write_sim_profile
+from wire.signing import new_secret, write_secret_file
 
 PROMPTS = [f"Request {i}: " + "tell me about the sea and the ships " * (1 + i % 5) for i in range(10)]
 MAX_TOKENS = [8 + 7 * i for i in range(10)]
@@ -69,3 +70,29 @@ def test_output_is_deterministic_across_runs_overlap_and_speculation(profile):
         http = server.http()
         # Statistics are published every half second: wait for the last of them.
         assert wait_until(lambda: http.get("/server_info").json()["scheduler_stats"]["spec_accepted_drafts"] > 0, 5)
+
+
+def test_simulated_workers_serve_dp2_tp2_over_two_nodes_with_one_workers_output(profile, tmp_path):
+    # The simulated worker plugs into the multi-node launch unchanged: each replica's tp 2
+    # group has rank 0 on node 0 and rank 1 on node 1, and the output is one worker's.
+    with running_server(sim_args(profile)) as server:
+        single = completions(server, stream=False)
+    secret = str(tmp_path / "cluster.secret")
+    write_secret_file(secret, new_secret())
+    cluster = [
+        *sim_args(profile, "--dp-size", "2", "--tp-size", "2", "--nnodes", "2"),
+        *("--dist-init-addr", f"127.0.0.1:{free_port()}", "--cluster-secret-file", secret),
+    ]
+    node1 = Server([*cluster, "--node-rank", "1"], ready_prefix="trident node 1 ready:")
+    try:
+        with running_server([*cluster, "--node-rank", "0"]) as node0:
+            assert {" ".join(p.cmdline()).strip() for p in node1.process_tree()[1:]} == {
+                "trident::worker[dp0.tp1]",
+                "trident::worker[dp1.tp1]",
+            }
+            assert completions(node0, stream=True) == single
+            replicas = node0.http().get("/server_info").json()["replicas"]
+            assert [r["routed_requests"] for r in replicas] == [5, 5]  # round robin over 10 requests
+            assert 'trident_replica_requests_routed_total{dp_rank="1"} 5.0' in node0.http().get("/metrics").text
+    finally:
+        node1.stop()
