@@ -199,3 +199,24 @@ def wait_until(pred, timeout: float, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+def record_workload(tmp_path, seed: int, num_prompts: int, max_new_tokens: int, chunk: int) -> str:
+    """Serves `num_prompts` concurrent prompts of growing length on a random-weight LLaMA with
+    `--record-batches`; the recording's path. Prompts of many lengths cut into `chunk`-token
+    prefill chunks give a stream of extend, mixed and decode steps of many shapes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = make_random_llama(str(tmp_path / "model"), seed=seed)
+    recording = str(tmp_path / "steps.rec")
+    args = ["--model", model, "--dtype", "float32", "--max-total-tokens", "8192"]
+    with running_server([*args, "--record-batches", recording, "--chunked-prefill-size", str(chunk)]) as server:
+        http = server.http()
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+
+        def one(n: int) -> int:
+            return http.post("/generate", json={"text": "one two three " * n, "sampling_params": params}).status_code
+
+        with ThreadPoolExecutor(num_prompts) as pool:
+            assert list(pool.map(one, range(1, num_prompts + 1))) == [200] * num_prompts
+    return recording

@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, StepProfile, fit_step_times
-from tests.helpers import REPO_ROOT, make_random_llama, running_server
+from tests.helpers import REPO_ROOT, record_workload
 
 
 def synthetic_steps(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -41,40 +40,7 @@ def test_fit_never_gives_a_negative_coefficient():
 
 
 def test_fit_profile_command_on_a_recording(tmp_path):
-    model = make_random_llama(str(tmp_path / "model"), seed=3)
-    recording = str(tmp_path / "steps.rec")
-    with running_server(
-        [
-            "--model",
-            model,
-            "--dtype",
-            "float32",
-            "--max-total-tokens",
-            "8192",
-            "--record-batches",
-            recording,
-            "--chunked-prefill-size",
-            "32",
-        ]
-    ) as server:
-        http = server.http()
-        prompts = ["one two three " * n for n in range(1, 13)]
-        with ThreadPoolExecutor(12) as pool:
-            codes = list(
-                pool.map(
-                    lambda p: (
-                        http.post(
-                            "/generate",
-                            json={
-                                "text": p,
-                                "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
-                            },
-                        ).status_code
-                    ),
-                    prompts,
-                )
-            )
-        assert codes == [200] * 12
+    recording = record_workload(tmp_path, seed=3, num_prompts=12, max_new_tokens=40, chunk=32)
     out = str(tmp_path / "profile.json")
     res = subprocess.run(
         [sys.executable, "-m", "gpu_worker.fit_profile", recording, "-o", out, "--description", "tiny test model"],

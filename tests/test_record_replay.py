@@ -6,46 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
-from tests.helpers import REPO_ROOT, make_random_llama, running_server
+from tests.helpers import REPO_ROOT, record_workload
 
 
 def test_replayed_worker_samples_the_recorded_tokens(tmp_path):
-    model = make_random_llama(str(tmp_path / "model"), seed=7)
-    recording = str(tmp_path / "steps.rec")
-    with running_server(
-        [
-            "--model",
-            model,
-            "--dtype",
-            "float32",
-            "--max-total-tokens",
-            "8192",
-            "--record-batches",
-            recording,
-            "--chunked-prefill-size",
-            "8",
-        ]
-    ) as server:
-        http = server.http()
-        prompts = ["one two three " * n for n in range(1, 9)]
-        with ThreadPoolExecutor(8) as pool:
-            codes = list(
-                pool.map(
-                    lambda p: (
-                        http.post(
-                            "/generate",
-                            json={
-                                "text": p,
-                                "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
-                            },
-                        ).status_code
-                    ),
-                    prompts,
-                )
-            )
-        assert codes == [200] * 8
+    recording = record_workload(tmp_path, seed=7, num_prompts=8, max_new_tokens=24, chunk=8)
     assert os.path.getsize(recording) > 0
     out = str(tmp_path / "replay.json")
     res = subprocess.run(
