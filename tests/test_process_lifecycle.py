@@ -21,7 +21,9 @@ def test_sigterm_leaves_no_process_and_no_run_directory(tmp_path):
         assert titles == ["trident::scheduler", "trident::tokenizer", "trident::worker[tp0]"]
         run_dir = run_dir_of(server)
         assert os.stat(run_dir).st_mode & 0o777 == 0o700
-        res = server.client().completions.create(model="smollm2-135m", prompt="Hello", max_tokens=4)
+        res = server.client().completions.create(
+            model="smollm2-135m", prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}
+        )
         assert res.usage.completion_tokens == 4
         tree = server.process_tree()
         server.proc.send_signal(signal.SIGTERM)

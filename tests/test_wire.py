@@ -104,7 +104,9 @@ def test_malformed_frames_sent_to_live_processes_are_dropped_and_serving_continu
         ctx.term()
     client = smollm2_server.client()
     for _ in range(2):  # the worker reports its drops with the steps that follow them
-        res = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=4)
+        res = client.completions.create(
+            model="smollm2-135m", prompt="The capital of France is", max_tokens=4, extra_body={"ignore_eos": True}
+        )
         assert res.usage.completion_tokens == 4
     http = smollm2_server.http()
     assert wait_until(lambda: http.get("/server_info").json()["scheduler_stats"]["dropped_frames"] >= 6, 10)
