@@ -8,7 +8,11 @@ the result), sends `--requests` streaming completions one at a time (a few-token
 prompt, one output token), and pairs each request's client-side TTFT with its prefill
 step's log line. The difference is what the engine adds around the forward: HTTP,
 tokenizing, two hops over ZeroMQ each way, scheduling, detokenizing and streaming.
-Issue 8's goal: TTFT within 5 ms of the worker's prefill time.
+Issue 8's goal: TTFT within 5 ms of the worker's prefill time. It also times the end of
+each stream and a non-streamed one-token request (the same work, answered whole).
+
+With `--extra "--worker simulated --sim-profile profiles/constant-1ms.json"` the forward is a
+1 ms sleep, so what remains is the engine's own latency.
 """
 
 from __future__ import annotations
@@ -29,16 +33,27 @@ from launched_server import REPO_ROOT, LaunchedServer  # noqa: E402
 STEP_LINE = re.compile(r"step (\d+) mode 1 rows 1: .*sent->result ([\d.]+) ms = forward ([\d.]+) ms")
 
 
-def first_token_time(client: httpx.Client, base_url: str, model: str, prompt: str) -> float:
-    """Seconds from sending the request to the first streamed text chunk."""
+def first_token_time(client: httpx.Client, base_url: str, model: str, prompt: str) -> tuple[float, float]:
+    """Seconds from sending the request to the first streamed text chunk, and to the stream's end."""
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
+    first = None
     with client.stream("POST", base_url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
-            if line.startswith("data: ") and '"text"' in line:
-                return time.perf_counter() - t0
-    raise RuntimeError("the stream ended without a token")
+            if first is None and line.startswith("data: ") and '"text"' in line:
+                first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError("the stream ended without a token")
+    return first, time.perf_counter() - t0
+
+
+def whole_response_time(client: httpx.Client, base_url: str, model: str, prompt: str) -> float:
+    """Seconds for a non-streamed one-token completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    t0 = time.perf_counter()
+    client.post(base_url + "/v1/completions", json=body).raise_for_status()
+    return time.perf_counter() - t0
 
 
 def prefill_steps(log_path: str, seen: int) -> list[tuple[float, float]]:
@@ -66,13 +81,22 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.5)
         for i in range(ns.requests):
             seen = len(prefill_steps(log, 0))
-            ttft = first_token_time(client, server.base_url, model, f"{ns.prompt} {i}")
+            ttft, stream_end = first_token_time(client, server.base_url, model, f"{ns.prompt} {i}")
             time.sleep(0.2)  # the log line is written after the result is handled
             steps = prefill_steps(log, seen)
             if len(steps) != 1:
                 raise RuntimeError(f"request {i}: expected one prefill step in the log, found {len(steps)}")
             sent_to_result, forward = steps[0]
-            rows.append({"ttft_ms": ttft * 1e3, "forward_ms": forward, "sent_to_result_ms": sent_to_result})
+            whole = whole_response_time(client, server.base_url, model, f"{ns.prompt} {i}")
+            rows.append(
+                {
+                    "ttft_ms": ttft * 1e3,
+                    "stream_end_ms": stream_end * 1e3,
+                    "non_streamed_ms": whole * 1e3,
+                    "forward_ms": forward,
+                    "sent_to_result_ms": sent_to_result,
+                }
+            )
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     overhead = statistics.median(r["ttft_ms"] - r["forward_ms"] for r in rows)
     report = {
@@ -83,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         "median_prefill_forward_ms": med["forward_ms"],
         "median_scheduler_sent_to_result_ms": med["sent_to_result_ms"],
         "median_ttft_minus_forward_ms": overhead,
+        "median_stream_end_ms": med["stream_end_ms"],
+        "median_non_streamed_ms": med["non_streamed_ms"],
         "loadavg": os.getloadavg(),
         "rows": rows,
     }
