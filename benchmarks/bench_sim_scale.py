@@ -77,6 +77,15 @@ def cpu_seconds(p: psutil.Process) -> float:
     return t.user + t.system
 
 
+def main_thread_cpu_seconds(p: psutil.Process) -> float:
+    """The Python thread's share of cpu_seconds (the rest is ZeroMQ's I/O thread and
+    the parent-death watcher)."""
+    for t in p.threads():
+        if t.id == p.pid:
+            return t.user_time + t.system_time
+    return 0.0
+
+
 def generate_body(rid: str, prompt_len: int, max_new: int) -> dict[str, Any]:
     ids = [1000 + (hash(rid) + k) % 30000 for k in range(prompt_len)]  # distinct prompts: no prefix sharing
     return {
@@ -162,11 +171,11 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
         time.sleep(0.2)
     time.sleep(1.0)  # past the prefill steps
     sched = scheduler_process(server)
-    s0, c0, t0 = fresh_stats(http), cpu_seconds(sched), time.monotonic()
+    s0, c0, m0, t0 = fresh_stats(http), cpu_seconds(sched), main_thread_cpu_seconds(sched), time.monotonic()
     breakdown = py_spy_breakdown(sched.pid, ns.window) if ns.py_spy else None
     if breakdown is None:
         time.sleep(ns.window)
-    s1, c1, t1 = fresh_stats(http), cpu_seconds(sched), time.monotonic()
+    s1, c1, m1, t1 = fresh_stats(http), cpu_seconds(sched), main_thread_cpu_seconds(sched), time.monotonic()
     steps = s1["steps"] - s0["steps"]
     if steps <= 0:
         raise RuntimeError(f"no scheduler step in {t1 - t0:.1f} s with {n} requests: {s1}")
@@ -175,6 +184,8 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
         "running_measured": (s0["running_requests"] + s1["running_requests"]) / 2,
         "steps": steps,
         "scheduler_cpu_ms_per_step": (c1 - c0) / steps * 1e3,
+        "scheduler_main_thread_cpu_ms_per_step": (m1 - m0) / steps * 1e3,
+        "loadavg_1min": os.getloadavg()[0],
         "step_ms": (t1 - t0) / steps * 1e3,
         "scheduler_cpu_share": (c1 - c0) / (t1 - t0),
         "tokens_per_s": (s1["generation_tokens"] - s0["generation_tokens"]) / (t1 - t0),
