@@ -123,8 +123,7 @@ def make_scheduler(running: int, prompt_len: int, page_size: int) -> InProcessSc
 
 
 def cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
+    return time.process_time()
 
 
 def main(argv: list[str] | None = None) -> int:

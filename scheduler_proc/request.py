@@ -27,11 +27,23 @@ class Req:
                    ^-prefix_len (from cache)^    ^ kv_len: KV written by past steps
     """
 
-    def __init__(self, rid: str, prompt_ids: np.ndarray, sampling: SamplingParams) -> None:
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: np.ndarray,
+        sampling: SamplingParams,
+        eos_ids: frozenset[int] = frozenset(),
+        context_length: int = 1 << 62,
+    ) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.output_ids: list[int] = []
+        self.stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else eos_ids)
+        """Tokens that end the request once it has min_new_tokens (the model's EOS ids
+        unless ignore_eos, plus its own stop ids)."""
+        self.max_output_len = min(sampling.max_new_tokens, context_length - len(prompt_ids))
+        """Outputs at which it ends with "length" (its budget, or the context is full)."""
         self.arrival_time = time.monotonic()
 
         # KV state, valid while the request is in the running batch
@@ -53,8 +65,6 @@ class Req:
         self.finish_reason: FinishReason | None = None
         self.error = ""
         self.num_retractions = 0
-        self.sent_output_len = 0
-        """Output tokens already sent to the tokenizer."""
         self.pending_results = 0
         """Steps in flight that will sample a token for this request (overlap: up to 2).
         A retracted request is not re-admitted until they are processed."""

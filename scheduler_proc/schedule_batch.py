@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler_proc.request import Req
-from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppend
+from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends
 from wire.codec import pack_int32
 
 
@@ -102,7 +102,7 @@ class ScheduleBatch:
         self.seq_lens_sum = None
 
     def prepare_for_decode(self, decode_mask: np.ndarray) -> None:
-        """Every decoding row writes one more token this step."""
+        """Every decoding row (a bool or 0/1 per row) writes one more token this step."""
         self.seq_lens_cpu += decode_mask
         self.step_increments += decode_mask
         self._decode_rows = int(decode_mask.sum())
@@ -122,7 +122,7 @@ class ScheduleBatch:
 
     # --- the descriptor ----------------------------------------------------------------
 
-    def build_descriptor(self, step_id: int, page_appends: list[PageAppend]) -> BatchDescriptor:
+    def build_descriptor(self, step_id: int, page_appends: PageAppends) -> BatchDescriptor:
         if self.seq_lens_sum is None:
             self.refresh_seq_lens_cpu(sync=False)
         has_extend = bool(self._extends)

@@ -17,7 +17,7 @@ import numpy as np
 
 from scheduler_proc.io import SchedulerIO
 from scheduler_proc.kv_cache import KVCacheManager
-from scheduler_proc.output import append_token, token_out
+from scheduler_proc.output import finished_alone, take_step_tokens
 from scheduler_proc.prefill import PrefillPlanner, WaitingQueue
 from scheduler_proc.request import FinishReason, Req
 from scheduler_proc.schedule_batch import ScheduleBatch, check_seq_lens
@@ -25,14 +25,14 @@ from scheduler_proc.stats import SchedulerCounters
 from wire.backend import (
     BatchDescriptor,
     ForwardMode,
-    PageAppend,
+    PageAppends,
     SeqLensSync,
     StepResult,
     WorkerError,
     WorkerReady,
 )
 from wire.child import ChildContext
-from wire.codec import pack_int32, unpack_int32
+from wire.codec import unpack_int32
 from wire.control import PROTOCOL_VERSION, RestartWorkers, check_protocol_version
 from wire.frontend import (
     AbortReq,
@@ -41,8 +41,6 @@ from wire.frontend import (
     GenerateReq,
     ServerInfo,
     TokenizerHello,
-    TokenOut,
-    TokenOutBatch,
     WorkerGroupLost,
 )
 
@@ -184,7 +182,7 @@ class Scheduler:
         )
 
     def handle_generate(self, msg: GenerateReq) -> None:
-        req = Req(msg.rid, unpack_int32(msg.input_ids).copy(), msg.sampling)
+        req = Req(msg.rid, unpack_int32(msg.input_ids).copy(), msg.sampling, self.eos_ids, self.worker.context_length)
         need = len(req.prompt_ids) + 1
         if msg.rid in self.reqs:
             req.finish(FinishReason.ERROR, f"request id {msg.rid!r} is already running")
@@ -195,7 +193,7 @@ class Scheduler:
                 f"context ({self.worker.context_length}) or the KV pool ({self.kv.total_tokens})",
             )
         if req.finished:
-            self.io.tokenizer.send(TokenOutBatch([token_out(req, [])]))
+            self.io.tokenizer.send(finished_alone(req))
             return
         self.reqs[req.rid] = req
         self.waiting.push(req)
@@ -206,7 +204,7 @@ class Scheduler:
         if req is None or req.finished:
             return
         req.finish(FinishReason.ABORT)
-        self.io.tokenizer.send(TokenOutBatch([token_out(req, [])]))
+        self.io.tokenizer.send(finished_alone(req))
         if self.waiting.remove(rid) is not None:
             self.reqs.pop(rid, None)
         # A running request leaves the batch when the next step is built.
@@ -227,9 +225,8 @@ class Scheduler:
         t0 = time.perf_counter()
         if self.in_flight and self.is_overlapped(self.in_flight[-1]):
             self.apply_seq_lens_sync(self.in_flight[-1])
-        self.remove_rows([r for r in self.batch.reqs if r.finished])
-        self.reserve_decode_pages()
-        self.batch.prepare_for_decode(self.decoding_rows().astype(np.int64))
+        self.remove_rows([r for r in self.batch.reqs if r.finish_reason is not None])
+        self.batch.prepare_for_decode(self.reserve_decode_pages())
         self.prefill.plan(self.batch, self.waiting)
         if not self.batch.reqs:
             return None  # rows that left are told with the next descriptor
@@ -246,14 +243,16 @@ class Scheduler:
         reqs = self.batch.reqs
         return np.fromiter((r.decoding for r in reqs), dtype=bool, count=len(reqs))
 
-    def reserve_decode_pages(self) -> None:
+    def reserve_decode_pages(self) -> np.ndarray:
         """Every decoding row needs room for one more token: one allocation for all of them,
-        or, if the pool is short, row by row, retracting rows until the rest fit."""
-        rows = np.flatnonzero(self.decoding_rows())
+        or, if the pool is short, row by row, retracting rows until the rest fit. Returns
+        which rows decode (after any retraction)."""
+        decoding = self.decoding_rows()
+        rows = np.flatnonzero(decoding)
         reqs = [self.batch.reqs[i] for i in rows.tolist()]
         rooms = np.fromiter((self.draft_room(r) for r in reqs), np.int64, len(reqs)) if self.num_draft_tokens else 1
         if self.kv.grow_rows(reqs, self.batch.seq_lens_cpu[rows] + rooms):
-            return
+            return decoding
         i = 0
         while i < len(self.batch.reqs):
             req = self.batch.reqs[i]
@@ -262,11 +261,12 @@ class Scheduler:
                 continue
             if len(self.batch.reqs) == 1:
                 req.finish(FinishReason.ERROR, "the KV pool is too small for this request")
-                self.io.tokenizer.send(TokenOutBatch([token_out(req, [])]))
+                self.io.tokenizer.send(finished_alone(req))
                 self.remove_rows([req])
-                return
+                break
             self.retract(max(self.batch.reqs, key=lambda r: (r.remaining_new_tokens(), r.arrival_time)))
             i = 0  # rows moved; rows already grown pass straight through
+        return self.decoding_rows()
 
     def retract(self, req: Req) -> None:
         logger.warning(
@@ -290,16 +290,21 @@ class Scheduler:
             if req.finished:
                 self.reqs.pop(req.rid, None)
 
-    def collect_page_appends(self) -> list[PageAppend]:
-        reqs = self.batch.reqs
-        held = np.fromiter((len(r.pages) for r in reqs), dtype=np.int64, count=len(reqs))
-        sent = np.fromiter((r.pages_sent for r in reqs), dtype=np.int64, count=len(reqs))
-        appends = []
-        for i in np.flatnonzero(held > sent).tolist():
-            req = reqs[i]
-            appends.append(PageAppend(req.slot, req.pages_sent, pack_int32(req.pages[req.pages_sent :])))
-            req.pages_sent = len(req.pages)
-        return appends
+    def collect_page_appends(self) -> PageAppends:
+        """Pages the worker's page tables do not hold yet, column-wise."""
+        slots: list[int] = []
+        firsts: list[int] = []
+        counts: list[int] = []
+        ids: list[int] = []
+        for req in self.batch.reqs:
+            pages, sent = req.pages, req.pages_sent
+            if len(pages) > sent:
+                slots.append(req.slot)
+                firsts.append(sent)
+                counts.append(len(pages) - sent)
+                ids += pages[sent:]
+                req.pages_sent = len(pages)
+        return PageAppends.of_columns(slots, firsts, ids, counts)
 
     # ------------------------------------------------------------------ launch and results
 
@@ -405,38 +410,24 @@ class Scheduler:
         step, result = done
         self.io.record_result(result)
         self.counters.on_step(step, result)
-        tokens = unpack_int32(result.next_token_ids)
-        counts = unpack_int32(result.accept_lens) if result.accept_lens else np.ones(len(step.sampling_reqs), np.int32)
         if self.args.check_seq_lens and result.seq_lens is not None:
             expected = step.expected_seq_lens.copy()
-            expected[step.sampling_rows] += counts - 1
+            if result.accept_lens:
+                expected[step.sampling_rows] += unpack_int32(result.accept_lens) - 1
             check_seq_lens(expected, unpack_int32(result.seq_lens), result.step_id)
         if self.num_draft_tokens:
+            counts = (
+                unpack_int32(result.accept_lens) if result.accept_lens else np.ones(len(step.sampling_reqs), np.int32)
+            )
             self.counters.on_drafts(counts)
             if self.args.disable_overlap:  # the CPU mirror is authoritative: correct it here
                 self.batch.add_accepted_drafts(step.sampling_rows, counts.astype(np.int64) - 1)
                 self.trim_draft_pages()
-        outputs: list[TokenOut] = []
-        if result.accept_lens:
-            starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
-            per_row = [tokens[starts[i] : starts[i + 1]].tolist() for i in range(len(counts))]
-        else:  # one token per row: no per-row slicing
-            per_row = [[t] for t in tokens.tolist()]
-        generated = 0
-        for i, (req, row_tokens) in enumerate(zip(step.sampling_reqs, per_row)):
-            req.pending_results -= 1
-            if req.finished:
-                continue  # overlap ran one token past the finish (or an abort): discard it
-            for token in row_tokens:
-                append_token(req, token, self.eos_ids, self.worker.context_length)
-                generated += 1
-                if req.finished:
-                    break  # accepted drafts past a stop are dropped
-            lp = [result.logprobs[i]] if result.logprobs and result.logprobs[i] is not None else []
-            outputs.append(token_out(req, lp))
+        outputs = take_step_tokens(step.sampling_reqs, result)
+        for req in outputs.finished:
             # A retracted request (no slot) waits in the queue; only then is there one to search.
-            if req.finished and req.slot is None and self.waiting.remove(req.rid) is not None:
+            if req.slot is None and self.waiting.remove(req.rid) is not None:
                 self.reqs.pop(req.rid, None)
-        self.counters.generation_tokens += generated
-        if outputs:
-            self.io.tokenizer.send(TokenOutBatch(outputs))
+        self.counters.generation_tokens += outputs.tokens
+        if outputs.batch is not None:
+            self.io.tokenizer.send(outputs.batch)

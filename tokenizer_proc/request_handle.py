@@ -10,11 +10,42 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from tokenizer_proc.detokenizer import RequestDetokenizer
-from wire.frontend import SamplingParams, TokenOut
+from wire.frontend import RowExtras, SamplingParams
 
 if TYPE_CHECKING:
     from tokenizer_proc.request_manager import RequestManager
+
+
+class TokenOut(msgspec.Struct):
+    """One request's share of a step (a row of the scheduler's `TokenOutBatch`), or a finish
+    this process decides itself (abort, unhealthy server). Made by the receive task."""
+
+    rid: str
+    token_ids: list[int]
+    """New tokens since the previous TokenOut of this request."""
+    finish_reason: str | None = None
+    """stop | length | abort | error; None while the request runs."""
+    cached_tokens: int = 0
+    error: str = ""
+    token_logprobs: list[float] = []
+    top_logprobs: list[list[tuple[int, float]]] = []
+
+    @classmethod
+    def of_row(cls, rid: str, token_ids: list[int], extras: RowExtras | None) -> TokenOut:
+        if extras is None:
+            return cls(rid, token_ids)
+        return cls(
+            rid,
+            token_ids,
+            extras.finish_reason,
+            extras.cached_tokens,
+            extras.error,
+            extras.token_logprobs,
+            extras.top_logprobs,
+        )
 
 
 @dataclass

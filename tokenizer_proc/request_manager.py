@@ -29,7 +29,7 @@ from tokenizer_proc.detokenizer import RequestDetokenizer
 from tokenizer_proc.errors import SERVER_ERROR, SERVER_UNAVAILABLE, APIError
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.replicas import ReplicaSet
-from tokenizer_proc.request_handle import OpenRequest, RequestHandle
+from tokenizer_proc.request_handle import OpenRequest, RequestHandle, TokenOut
 from wire.codec import pack_int32
 from wire.control import PROTOCOL_VERSION, check_protocol_version
 from wire.frontend import (
@@ -43,7 +43,6 @@ from wire.frontend import (
     ServerInfo,
     TokenizerHello,
     TokenizerInput,
-    TokenOut,
     TokenOutBatch,
 )
 from wire.server_args import ServerArgs
@@ -273,10 +272,10 @@ class RequestManager:
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, TokenOutBatch):
-            for out in msg.outputs:
-                req = self._open.get(out.rid)
+            for rid, token_ids, extras in msg.rows():
+                req = self._open.get(rid)
                 if req is not None:  # else: aborted or finished here already; drop it
-                    req.queue.put_nowait(out)
+                    req.queue.put_nowait(TokenOut.of_row(rid, token_ids, extras))
         elif isinstance(msg, SchedulerStats):
             if self._valid_replica(msg.dp_rank):
                 self.replicas.stats[msg.dp_rank] = msg
