@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scheduler_proc.prefill import WaitingQueue  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
 from scheduler_proc.stats import SchedulerCounters  # noqa: E402
+from scheduler_proc.worker_link import Step, WorkerLink  # noqa: E402
 from wire.backend import SeqLensSync, StepResult, WorkerCounters, WorkerReady  # noqa: E402
 from wire.codec import FrameEncoder, pack_int32  # noqa: E402
 from wire.frontend import GenerateReq, SamplingParams  # noqa: E402
@@ -60,32 +61,37 @@ class FakeIO:
         self.dropped_frames = 0
         self.rejected_frames = 0
         self._encoder = FrameEncoder()
-        self.scheduler: Scheduler | None = None
 
     def send_to_workers(self, desc: Any) -> None:
         self.last_descriptor_bytes = len(self._encoder.encode(desc))
-        step = self.scheduler.in_flight[-1] if self.scheduler.in_flight else None
-        before = self.scheduler.batch.seq_lens_cpu - (step.increments if step else 0)
-        self.replies.append(SeqLensSync(desc.step_id, pack_int32(before), int(before.sum())))
-        self._pending = desc.step_id
-
-    def answer(self, step: Any) -> None:
-        tokens = pack_int32(np.full(len(step.sampling_reqs), 7, dtype=np.int32))
-        self.replies.append(StepResult(step.descriptor.step_id, tokens, WorkerCounters(), 0.0))
 
     def record_result(self, result: Any) -> None:
         pass
 
 
+class AnsweringLink(WorkerLink):
+    """A worker link whose worker answers every step as it is sent."""
+
+    def send(self, step: Step) -> None:
+        super().send(step)
+        before = step.expected_seq_lens - step.increments
+        tokens = pack_int32(np.full(len(step.sampling_reqs), 7, dtype=np.int32))
+        step_id = step.descriptor.step_id
+        self.io.replies.append(SeqLensSync(step_id, pack_int32(before), int(before.sum())))
+        self.io.replies.append(StepResult(step_id, tokens, WorkerCounters(), 0.0))
+
+    def next_reply(self) -> Any:
+        return self.io.replies.popleft()
+
+
 class InProcessScheduler(Scheduler):
-    """The real scheduler with FakeIO: replies come from the queue FakeIO fills."""
+    """The real scheduler with FakeIO and AnsweringLink."""
 
     def __init__(self, args: ServerArgs, num_pages: int) -> None:
-        self.ctx = SimpleNamespace(args=args, dp_rank=0)
+        self.ctx = SimpleNamespace(args=args, dp_rank=0, tell_launcher=print)
         self.args = args
         self.boot_id = "bench"
         self.io = FakeIO()
-        self.io.scheduler = self
         self.reqs = {}
         self.tokenizer_pid = None
         self.num_draft_tokens = 0
@@ -93,20 +99,17 @@ class InProcessScheduler(Scheduler):
         self.counters = SchedulerCounters(self)
         self.install_workers(WorkerReady(1, 0, num_pages, args.page_size, 32000, 1 << 20, [2], 1 << 16))
 
-    def launch(self, step: Any) -> None:
-        super().launch(step)
-        self.io.answer(step)
-
-    def next_reply(self) -> Any:
-        return self.io.replies.popleft()
+    def install_workers(self, ready: WorkerReady) -> None:
+        super().install_workers(ready)
+        self.link = AnsweringLink(self.ctx, self.io, self.counters, self.handle_request)
 
     def one_step(self) -> None:
         """One turn of event_loop_overlap (no requests arrive)."""
         step = self.schedule_step()
         if step is not None:
             self.launch(step)
-        if len(self.in_flight) > (1 if step is not None else 0):
-            self.process_result(self.wait_result())
+        if len(self.link.in_flight) > (1 if step is not None else 0):
+            self.process_result(*self.link.wait_result())
 
 
 def make_scheduler(running: int, prompt_len: int, page_size: int) -> InProcessScheduler:

@@ -12,7 +12,7 @@ Rules kept here and nowhere else:
 - `build_descriptor` refreshes lazily, so no consumer ever reads None.
 
 The batch also collects the delta the next descriptor carries (rows removed, rows added,
-pages gained, prompt chunks to run), because every change to the batch is a change the
+pages gained since the last descriptor, prompt chunks to run), because every change to the batch is a change the
 worker must hear about, and recording both in one place keeps them from drifting apart.
 """
 
@@ -122,7 +122,23 @@ class ScheduleBatch:
 
     # --- the descriptor ----------------------------------------------------------------
 
-    def build_descriptor(self, step_id: int, page_appends: PageAppends) -> BatchDescriptor:
+    def collect_page_appends(self) -> PageAppends:
+        """Pages the worker's page tables do not hold yet (`Req.pages_sent` onwards)."""
+        slots: list[int] = []
+        firsts: list[int] = []
+        counts: list[int] = []
+        ids: list[int] = []
+        for req in self.reqs:
+            pages, sent = req.pages, req.pages_sent
+            if len(pages) > sent:
+                slots.append(req.slot)
+                firsts.append(sent)
+                counts.append(len(pages) - sent)
+                ids += pages[sent:]
+                req.pages_sent = len(pages)
+        return PageAppends.of_columns(slots, firsts, ids, counts)
+
+    def build_descriptor(self, step_id: int) -> BatchDescriptor:
         if self.seq_lens_sum is None:
             self.refresh_seq_lens_cpu(sync=False)
         has_extend = bool(self._extends)
@@ -141,7 +157,7 @@ class ScheduleBatch:
             forward_mode=int(mode),
             removed_slots=self._removed_slots,
             added=self._added,
-            page_appends=page_appends,
+            page_appends=self.collect_page_appends(),
             extends=self._extends,
             seq_lens_sum=self.seq_lens_sum,
         )

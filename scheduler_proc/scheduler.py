@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,18 +21,11 @@ from scheduler_proc.prefill import PrefillPlanner, WaitingQueue
 from scheduler_proc.request import FinishReason, Req
 from scheduler_proc.schedule_batch import ScheduleBatch, check_seq_lens
 from scheduler_proc.stats import SchedulerCounters
-from wire.backend import (
-    BatchDescriptor,
-    ForwardMode,
-    PageAppends,
-    SeqLensSync,
-    StepResult,
-    WorkerError,
-    WorkerReady,
-)
+from scheduler_proc.worker_link import Step, WorkerLink, WorkerLost
+from wire.backend import ForwardMode, StepResult, WorkerReady
 from wire.child import ChildContext
 from wire.codec import unpack_int32
-from wire.control import PROTOCOL_VERSION, RestartWorkers, check_protocol_version
+from wire.control import PROTOCOL_VERSION, check_protocol_version
 from wire.frontend import (
     AbortReq,
     FlushCacheDone,
@@ -47,27 +39,6 @@ from wire.frontend import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
-
-
-class WorkerLost(RuntimeError):
-    """The worker group died, hung, or answered out of step: requeue and reconnect."""
-
-
-@dataclass
-class Step:
-    """A step in flight: what was sent and who samples in it."""
-
-    descriptor: BatchDescriptor
-    sampling_reqs: list[Req]
-    sampling_rows: np.ndarray
-    """Batch index of each sampling request at build time."""
-    expected_seq_lens: np.ndarray
-    """The mirror after this step (one token per decoding row), for --check-seq-lens."""
-    increments: np.ndarray
-    """What this step adds to each row as built (chunk length, or 1 per decoding row)."""
-    build_s: float = 0.0
-    """Scheduler CPU time spent building this step."""
-    sent_at: float = field(default_factory=time.perf_counter)
 
 
 class Scheduler:
@@ -96,9 +67,7 @@ class Scheduler:
         )
         self.batch = ScheduleBatch()
         self.next_step_id = 1
-        self.in_flight: list[Step] = []
-        self.pending_syncs: dict[int, SeqLensSync] = {}
-        """SeqLensSync frames that arrived while waiting for a result, by step id."""
+        self.link = WorkerLink(self.ctx, self.io, self.counters, self.handle_request)
 
     # ------------------------------------------------------------------ loops
 
@@ -117,16 +86,17 @@ class Scheduler:
             if step is None:
                 continue
             self.launch(step)
-            self.process_result(self.wait_result())
+            self.process_result(*self.link.wait_result())
 
     def event_loop_overlap(self) -> None:
         while True:
-            self.recv_requests(block=not self.has_work() and not self.in_flight)
+            self.recv_requests(block=not self.has_work() and not self.link.in_flight)
             step = self.schedule_step()
             if step is not None:
                 self.launch(step)
-            if len(self.in_flight) > (1 if step is not None else 0):
-                self.process_result(self.wait_result())
+            # Step N+1 is on the worker: now process step N.
+            if len(self.link.in_flight) > (1 if step is not None else 0):
+                self.process_result(*self.link.wait_result())
 
     # ------------------------------------------------------------------ receive
 
@@ -210,7 +180,7 @@ class Scheduler:
         # A running request leaves the batch when the next step is built.
 
     def handle_flush(self) -> None:
-        if self.batch.reqs or self.waiting or self.in_flight:
+        if self.batch.reqs or self.waiting or self.link.in_flight:
             self.io.tokenizer.send(
                 FlushCacheDone(False, "cannot flush the cache while requests are running", self.ctx.dp_rank)
             )
@@ -223,8 +193,8 @@ class Scheduler:
     def schedule_step(self) -> Step | None:
         """Builds the next descriptor: sync the mirror, drop finished rows, grow decodes, add prefill."""
         t0 = time.perf_counter()
-        if self.in_flight and self.is_overlapped(self.in_flight[-1]):
-            self.apply_seq_lens_sync(self.in_flight[-1])
+        if self.link.in_flight and self.is_overlapped(self.link.in_flight[-1]):
+            self.apply_seq_lens_sync(self.link.in_flight[-1])
         self.remove_rows([r for r in self.batch.reqs if r.finish_reason is not None])
         self.batch.prepare_for_decode(self.reserve_decode_pages())
         self.prefill.plan(self.batch, self.waiting)
@@ -235,7 +205,7 @@ class Scheduler:
         for req in sampling:
             req.pending_results += 1
         increments = self.batch.step_increments.copy()
-        desc = self.batch.build_descriptor(self.next_step_id, self.collect_page_appends())
+        desc = self.batch.build_descriptor(self.next_step_id)
         self.next_step_id += 1
         return Step(desc, sampling, rows, self.batch.seq_lens_cpu.copy(), increments, build_s=time.perf_counter() - t0)
 
@@ -290,70 +260,11 @@ class Scheduler:
             if req.finished:
                 self.reqs.pop(req.rid, None)
 
-    def collect_page_appends(self) -> PageAppends:
-        """Pages the worker's page tables do not hold yet, column-wise."""
-        slots: list[int] = []
-        firsts: list[int] = []
-        counts: list[int] = []
-        ids: list[int] = []
-        for req in self.batch.reqs:
-            pages, sent = req.pages, req.pages_sent
-            if len(pages) > sent:
-                slots.append(req.slot)
-                firsts.append(sent)
-                counts.append(len(pages) - sent)
-                ids += pages[sent:]
-                req.pages_sent = len(pages)
-        return PageAppends.of_columns(slots, firsts, ids, counts)
-
     # ------------------------------------------------------------------ launch and results
 
     def launch(self, step: Step) -> None:
-        self.io.send_to_workers(step.descriptor)
+        self.link.send(step)
         self.counters.overlapped_steps += self.is_overlapped(step)
-        self.in_flight.append(step)
-
-    def wait_result(self) -> tuple[Step, StepResult]:
-        step = self.in_flight[0]
-        while True:
-            msg = self.next_reply()
-            if isinstance(msg, StepResult):
-                if msg.step_id != step.descriptor.step_id:
-                    raise WorkerLost(f"expected result of step {step.descriptor.step_id}, got {msg.step_id}")
-                self.in_flight.pop(0)
-                return step, msg
-            self.pending_syncs[msg.step_id] = msg
-
-    def next_reply(self) -> StepResult | SeqLensSync:
-        """The next reply about a step in flight. Requests that arrive meanwhile are taken in;
-        replies about no step in flight (stale or forged) are counted and dropped; no reply
-        within the watchdog time means a hung worker."""
-        deadline = time.monotonic() + self.args.watchdog_timeout_s
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                self.ctx.tell_launcher(
-                    RestartWorkers(f"no step progress for {self.args.watchdog_timeout_s:.0f} s", self.ctx.dp_rank)
-                )
-                raise WorkerLost(f"watchdog: no reply for {self.args.watchdog_timeout_s:.0f} s")
-            reply_ready, request_ready = self.io.wait_any(left_ms)
-            if request_ready:
-                for msg in self.io.requests.recv_nowait():
-                    self.handle_request(msg)
-            msg = self.io.replies.recv(timeout_ms=0) if reply_ready else None
-            if msg is None or isinstance(msg, WorkerReady):
-                continue  # a WorkerReady here answers the ResetBatch sent at (re)connection
-            in_flight = {s.descriptor.step_id for s in self.in_flight}
-            step_id = getattr(msg, "step_id", None)
-            if step_id not in in_flight:
-                self.counters.ignored_replies += 1
-                logger.warning("ignoring %s for step %s, which is not in flight", type(msg).__name__, step_id)
-                continue
-            if isinstance(msg, WorkerError):
-                reason = f"worker rejected step {msg.step_id}: {msg.error}"
-                self.ctx.tell_launcher(RestartWorkers(reason, self.ctx.dp_rank))
-                raise WorkerLost(f"worker rejected step {msg.step_id}: {msg.error}")
-            return msg
 
     def recover_from_worker_loss(self, reason: str) -> None:
         """Every running request goes back to the front of the queue as a prefill of its
@@ -376,12 +287,7 @@ class Scheduler:
         """The one sync point: the worker's seq_lens before `step` ran (published before its
         forward), plus what the step adds, become the mirror. The batch has not changed since
         `step` was built, so the rows line up."""
-        while step.descriptor.step_id not in self.pending_syncs:
-            msg = self.next_reply()
-            if isinstance(msg, StepResult):
-                raise WorkerLost(f"result of step {msg.step_id} arrived before its seq_lens sync")
-            self.pending_syncs[msg.step_id] = msg
-        sync = self.pending_syncs.pop(step.descriptor.step_id)
+        sync = self.link.wait_seq_lens_sync(step)
         self.counters.seq_lens_syncs += 1
         published = unpack_int32(sync.seq_lens).astype(np.int64) + step.increments
         if self.args.check_seq_lens and not self.num_draft_tokens:
@@ -406,8 +312,7 @@ class Scheduler:
             if req.decoding:
                 self.kv.trim(req, self.batch.seq_len(i) + self.draft_room(req))
 
-    def process_result(self, done: tuple[Step, StepResult]) -> None:
-        step, result = done
+    def process_result(self, step: Step, result: StepResult) -> None:
         self.io.record_result(result)
         self.counters.on_step(step, result)
         if self.args.check_seq_lens and result.seq_lens is not None:

@@ -15,7 +15,7 @@ from gpu_worker.batch_state import BatchState, SeqLensSumMismatch
 from gpu_worker.sampler import SamplingTable
 from scheduler_proc.request import Req
 from scheduler_proc.schedule_batch import ScheduleBatch, SeqLensDrift, check_seq_lens
-from wire.backend import PageAppends, WorkerInput
+from wire.backend import WorkerInput
 from wire.codec import FrameEncoder
 from wire.frontend import SamplingParams
 
@@ -40,14 +40,7 @@ class Lockstep:
         self._dec = msgspec.msgpack.Decoder(WorkerInput)
 
     def run_step(self) -> None:
-        appends = []
-        for r in self.batch.reqs:
-            if r.pages_sent < len(r.pages):
-                appends.append((r.slot, r.pages_sent, r.pages[r.pages_sent :]))
-                r.pages_sent = len(r.pages)
-        desc = self._dec.decode(
-            self._enc.encode(self.batch.build_descriptor(self.step_id, PageAppends.of_rows(appends)))
-        )
+        desc = self._dec.decode(self._enc.encode(self.batch.build_descriptor(self.step_id)))
         self.step_id += 1
         chunks = self.worker.apply(desc)
         inputs = self.worker.build_forward(chunks)
@@ -110,7 +103,7 @@ def test_descriptor_build_refreshes_lazily_and_never_sends_none():
     b.merge_batch([make_req("a", 3, 0)])
     b.prepare_for_extend([(0, 3)])
     assert b.seq_lens_sum is None
-    desc = b.build_descriptor(1, PageAppends())
+    desc = b.build_descriptor(1)
     assert desc.seq_lens_sum == 3 and b.seq_lens_sum == 3
 
 
