@@ -4,6 +4,7 @@ sockets are never used). They use the real SmolLM2 tokenizer, loaded once per mo
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 
@@ -18,6 +19,7 @@ from tokenizer_proc.errors import APIError, validation_error_message
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.openai_format import CompletionLogprobs, chat_logprobs
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from tokenizer_proc.request_handle import TokenOut, take_queued
 from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import ModelLimits, SamplingRequest, build_sampling_params, check_model, check_prompt_ids
 from tokenizer_proc.state import FrontendState
@@ -284,3 +286,14 @@ def test_http_auth_and_body_limit(client):
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == "smollm2-135m"
     _assert_error(client.post("/v1/completions", json={"prompt": "x" * 5000}), 413)
+
+
+def test_outputs_queued_behind_one_are_taken_together_up_to_the_finish():
+    queue: asyncio.Queue[TokenOut] = asyncio.Queue()
+    for out in [TokenOut("r", [2], cached_tokens=4), TokenOut("r", [3, 4], "stop"), TokenOut("r", [], "abort")]:
+        queue.put_nowait(out)
+    merged = take_queued(TokenOut("r", [1]), queue)
+    assert merged.token_ids == [1, 2, 3, 4] and merged.finish_reason == "stop" and merged.cached_tokens == 4
+    assert queue.qsize() == 1  # what follows a finish is left alone
+    alone = TokenOut("r", [5])
+    assert take_queued(alone, asyncio.Queue()) is alone

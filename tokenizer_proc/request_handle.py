@@ -48,6 +48,26 @@ class TokenOut(msgspec.Struct):
         )
 
 
+def take_queued(out: TokenOut, queue: asyncio.Queue[TokenOut]) -> TokenOut:
+    """`out` with the outputs already queued behind it folded in, up to a finish.
+
+    A tokenizer that falls behind the scheduler (thousands of rows a step) finds several
+    steps queued per request: detokenizing and yielding them as one costs one task wake-up
+    instead of one per step, so the further it falls behind, the faster it catches up,
+    and HTTP requests (an /abort, /server_info) still get turns on the event loop."""
+    if queue.empty() or out.finish_reason is not None:
+        return out
+    token_ids, token_logprobs, top_logprobs = list(out.token_ids), list(out.token_logprobs), list(out.top_logprobs)
+    cached, error, finish = out.cached_tokens, out.error, None
+    while finish is None and not queue.empty():
+        nxt = queue.get_nowait()
+        token_ids += nxt.token_ids
+        token_logprobs += nxt.token_logprobs
+        top_logprobs += nxt.top_logprobs
+        cached, error, finish = max(cached, nxt.cached_tokens), nxt.error or error, nxt.finish_reason
+    return TokenOut(out.rid, token_ids, finish, cached, error, token_logprobs, top_logprobs)
+
+
 @dataclass
 class GenerationOutput:
     """What one request produced since its previous output, ready for the HTTP layer."""
@@ -103,7 +123,7 @@ class RequestHandle:
         last = req.created
         try:
             while True:
-                out = await req.queue.get()
+                out = take_queued(await req.queue.get(), req.queue)
                 now = time.monotonic()
                 if out.token_ids and metrics is not None:
                     if not req.generated:
