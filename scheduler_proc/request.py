@@ -18,14 +18,36 @@ class FinishReason(str, enum.Enum):
 
 
 class Req:
-    """Owned by the scheduler from GenerateReq until its final TokenOut.
+    """Owned by the scheduler from GenerateReq until its last TokenOutBatch row.
 
     KV of a running request (page_size 4, 10 tokens computed, 2 more in this step):
 
         fill_ids   [p p p p p p p p o o|o o]     p: prompt, o: outputs before a resume
         pages      [ page a | page b | page c ]  held: one reference each
-                   ^-prefix_len (from cache)^    ^ kv_len: KV written by past steps
+                   ^-prefix_len (from cache)^    ^ seq_len (ScheduleBatch's mirror): KV written
     """
+
+    # A decode step touches several of these per running request: slots make that cheaper.
+    __slots__ = (
+        "arrival_time",
+        "cached_tokens",
+        "decoding",
+        "error",
+        "fill_ids",
+        "finish_reason",
+        "max_output_len",
+        "num_retractions",
+        "output_ids",
+        "pages",
+        "pages_sent",
+        "pending_results",
+        "prefix_len",
+        "prompt_ids",
+        "rid",
+        "sampling",
+        "slot",
+        "stop_ids",
+    )
 
     def __init__(
         self,
@@ -49,8 +71,6 @@ class Req:
         # KV state, valid while the request is in the running batch
         self.slot: int | None = None
         self.pages: list[int] = []
-        self.kv_len = 0
-        """Tokens whose KV the worker has written (the mirror's notion of seq_len)."""
         self.prefix_len = 0
         """Tokens matched in the prefix cache at admission."""
         self.fill_ids: np.ndarray = prompt_ids
@@ -82,10 +102,6 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def remaining_prefill(self) -> int:
-        return len(self.fill_ids) - self.kv_len
 
     def all_token_ids(self) -> np.ndarray:
         if not self.output_ids:

@@ -200,7 +200,7 @@ class Scheduler:
         self.prefill.plan(self.batch, self.waiting)
         if not self.batch.reqs:
             return None  # rows that left are told with the next descriptor
-        rows = np.flatnonzero(self.decoding_rows())  # now with the rows whose prefill ends this step
+        rows = np.flatnonzero(self.batch.sampling_mask)
         sampling = [self.batch.reqs[i] for i in rows.tolist()]
         for req in sampling:
             req.pending_results += 1
