@@ -138,13 +138,16 @@ class ScheduleBatch:
         counts: list[int] = []
         ids: list[int] = []
         for req in self.reqs:
-            pages, sent = req.pages, req.pages_sent
-            if len(pages) > sent:
+            held, sent = len(req.pages), req.pages_sent
+            if held > sent:
                 slots.append(req.slot)
                 firsts.append(sent)
-                counts.append(len(pages) - sent)
-                ids += pages[sent:]
-                req.pages_sent = len(pages)
+                counts.append(held - sent)
+                if held - sent == 1:
+                    ids.append(req.pages[sent])
+                else:
+                    ids += req.pages[sent:]
+                req.pages_sent = held
         return PageAppends.of_columns(slots, firsts, ids, counts)
 
     def build_descriptor(self, step_id: int) -> BatchDescriptor:
