@@ -297,3 +297,20 @@ def test_outputs_queued_behind_one_are_taken_together_up_to_the_finish():
     assert queue.qsize() == 1  # what follows a finish is left alone
     alone = TokenOut("r", [5])
     assert take_queued(alone, asyncio.Queue()) is alone
+
+
+def test_text_at_end_only_gives_the_same_text_once_at_the_finish(tok):
+    ids = tok.encode("Ünïcödé: 你好，世界！ 🎉 done.")
+    chunks = [ids[i : i + 2] for i in range(0, len(ids), 2)]
+    deferred = RequestDetokenizer(tok, text_at_end_only=True)
+    streamed = RequestDetokenizer(tok)
+    outs = [deferred.step(c, "length" if i == len(chunks) - 1 else None).text for i, c in enumerate(chunks)]
+    assert outs[:-1] == [""] * (len(chunks) - 1)
+    assert outs[-1] == "".join(streamed.step(c, "length" if c is chunks[-1] else None).text for c in chunks)
+    assert outs[-1] == tok.decode(ids)
+
+
+def test_text_at_end_only_still_looks_for_stop_strings(tok):
+    detok = RequestDetokenizer(tok, stop=["world"], text_at_end_only=True)
+    step = detok.step(tok.encode("hello world again"))
+    assert step.stop_string_hit and step.text == "hello "

@@ -167,6 +167,7 @@ class RequestManager:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         check_capacity: bool = True,
+        stream: bool = True,
     ) -> list[RequestHandle]:
         """Open one request per SamplingParams (n > 1) and send them; raises Overloaded (503)."""
         if self.draining:
@@ -188,7 +189,9 @@ class RequestManager:
         self.replicas.router.opened(replica, prompt, len(params))
         handles = []
         for index, (rid, sp) in enumerate(zip(rids, params, strict=True)):
-            detok = RequestDetokenizer(self.tokenizer, stop, skip_special_tokens, sp.stop_token_ids)
+            detok = RequestDetokenizer(
+                self.tokenizer, stop, skip_special_tokens, sp.stop_token_ids, text_at_end_only=not stream
+            )
             req = OpenRequest(rid, index, prompt, sp, detok, replica)
             self._open[rid] = req
             handles.append(RequestHandle(self, req))
