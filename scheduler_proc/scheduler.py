@@ -196,8 +196,9 @@ class Scheduler:
         if self.link.in_flight and self.is_overlapped(self.link.in_flight[-1]):
             self.apply_seq_lens_sync(self.link.in_flight[-1])
         self.remove_rows([r for r in self.batch.reqs if r.finish_reason is not None])
-        self.batch.prepare_for_decode(self.reserve_decode_pages())
-        self.prefill.plan(self.batch, self.waiting)
+        decoding = self.reserve_decode_pages()
+        self.batch.prepare_for_decode(decoding)
+        self.prefill.plan(self.batch, self.waiting, decoding)
         if not self.batch.reqs:
             return None  # rows that left are told with the next descriptor
         rows = np.flatnonzero(self.batch.sampling_mask)
