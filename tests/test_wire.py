@@ -161,3 +161,32 @@ def test_token_out_batch_whose_columns_disagree_is_dropped_and_counted(columns):
     dec = FrameDecoder(TokenizerInput, "test")
     assert dec.decode(msgpack.packb(["tokens", *columns])) is None
     assert dec.dropped == 1
+
+
+def test_page_appends_round_trip_and_scatter_each_rows_pages_into_its_slot():
+    desc = sample_descriptor()
+    desc.page_appends = PageAppends.of_rows([(4, 0, [5, 6, 7]), (2, 3, [9]), (1, 1, [])])
+    decoded = FrameDecoder(WorkerInput, "test").decode(FrameEncoder().encode(desc))
+    slots, cols, ids = decoded.page_appends.scatter_indices()
+    assert list(zip(slots.tolist(), cols.tolist(), ids.tolist())) == [(4, 0, 5), (4, 1, 6), (4, 2, 7), (2, 3, 9)]
+    one_each = PageAppends.of_rows([(0, 10, [3]), (5, 2, [8])])
+    assert one_each.counts == b""  # the decode step at page size 1 sends no counts
+    slots, cols, ids = one_each.scatter_indices()
+    assert list(zip(slots.tolist(), cols.tolist(), ids.tolist())) == [(0, 10, 3), (5, 2, 8)]
+
+
+@pytest.mark.parametrize(
+    "columns",
+    [
+        [pack_int32([1, 2]), pack_int32([0]), pack_int32([5, 6])],  # two slots, one first index
+        [pack_int32([1]), pack_int32([0]), pack_int32([5, 6])],  # two pages, no counts: one row each
+        [pack_int32([1]), pack_int32([0]), pack_int32([5, 6]), pack_int32([3])],  # counts do not add up
+        [pack_int32([1]), pack_int32([0]), b"\x05"],  # page ids that are not int32
+    ],
+)
+def test_descriptor_whose_page_append_columns_disagree_is_dropped_and_counted(columns):
+    frame = msgpack.unpackb(FrameEncoder().encode(sample_descriptor()), raw=False)
+    frame[5] = columns
+    dec = FrameDecoder(WorkerInput, "test")
+    assert dec.decode(msgpack.packb(frame)) is None
+    assert dec.dropped == 1
