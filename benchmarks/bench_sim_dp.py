@@ -64,6 +64,21 @@ async def send_collect(base_url: str, requests: list[dict[str, Any]]) -> list[di
         return list(await asyncio.gather(*(one(b) for b in requests)))
 
 
+def family_replicas(http: httpx.Client, ns: argparse.Namespace) -> dict[int, list[int]]:
+    """After the load: `--probes-per-family` more requests of each prompt family, one at a
+    time, each attributed to the replica whose routed count it raised. longest_prefix
+    promises one replica per family."""
+    probes = bodies(ns.probes_per_family * ns.groups, (1, 1), ns.groups, ns.seed)
+    seen: dict[int, list[int]] = {}
+    for i, body in enumerate(probes):
+        before = [r["routed_requests"] for r in http.get("/server_info").json()["replicas"]]
+        body["rid"] = f"probe-{i}"
+        http.post("/generate", json=body).raise_for_status()
+        after = [r["routed_requests"] for r in http.get("/server_info").json()["replicas"]]
+        seen.setdefault(i % ns.groups, []).extend(d for d in range(len(after)) if after[d] > before[d])
+    return seen
+
+
 def run_method(method: str, ns: argparse.Namespace) -> dict[str, Any]:
     launch = [sys.executable, "launch.py", "--worker", "simulated", "--sim-profile", ns.profile]
     launch += ["--dp-size", str(ns.dp_size), "--load-balance-method", method, *shlex.split(ns.launch_args)]
@@ -86,6 +101,7 @@ def run_method(method: str, ns: argparse.Namespace) -> dict[str, Any]:
             sender.join(0.2)
         wall = time.monotonic() - t0
         replicas = http.get("/server_info").json()["replicas"]
+        affinity = family_replicas(http, ns)
     routed = [r["routed_requests"] for r in replicas]
     done = [m for m in metas if m is not None]
     result = {
@@ -99,6 +115,8 @@ def run_method(method: str, ns: argparse.Namespace) -> dict[str, Any]:
         "open_spread_max": max(spread) if spread else 0,
         "prompt_tokens_from_prefix_cache": sum(m["cached_tokens"] for m in done)
         / sum(m["prompt_tokens"] for m in done),
+        "replicas_per_family": affinity,
+        "families_on_one_replica": sum(len(set(r)) == 1 for r in affinity.values()),
     }
     print(json.dumps(result), flush=True)
     return result
@@ -113,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=lambda s: tuple(map(int, s.split("-"))), default=(8, 256))
     p.add_argument("--groups", type=int, default=8, help="prompt families sharing a prefix")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--probes-per-family", type=int, default=4, help="after the load, to see where families go")
     p.add_argument("--launch-args", default="", help="extra launch.py flags")
     p.add_argument("--output-json", default=None)
     ns = p.parse_args(argv)

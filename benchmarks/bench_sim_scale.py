@@ -78,6 +78,15 @@ def cpu_seconds(p: psutil.Process) -> float:
     return t.user + t.system
 
 
+def main_thread_cpu_seconds(p: psutil.Process) -> float:
+    """The Python thread's share of cpu_seconds (the rest is ZeroMQ's I/O thread and
+    the parent-death watcher)."""
+    for t in p.threads():
+        if t.id == p.pid:
+            return t.user_time + t.system_time
+    return 0.0
+
+
 def generate_body(rid: str, prompt_len: int, max_new: int) -> dict[str, Any]:
     ids = [1000 + (hash(rid) + k) % 30000 for k in range(prompt_len)]  # distinct prompts: no prefix sharing
     return {
@@ -101,6 +110,24 @@ async def send_all(base_url: str, bodies: list[dict[str, Any]], concurrency: int
                     return 599
 
         return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+
+async def abort_all(base_url: str, rids: list[str], concurrency: int = 64) -> int:
+    """POST /abort for every rid, `concurrency` at a time (one after another, 4,096 aborts
+    took minutes while the tokenizer was busy streaming: each waited its turn on the
+    tokenizer's event loop). Returns how many failed."""
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600), limits=limits) as client:
+
+        async def one(rid: str) -> bool:
+            async with sem:
+                try:
+                    return (await client.post("/abort", json={"rid": rid})).status_code < 500
+                except httpx.HTTPError:
+                    return False
+
+        return sum(not ok for ok in await asyncio.gather(*(one(r) for r in rids)))
 
 
 def py_spy_breakdown(pid: int, seconds: float) -> dict[str, float] | None:
@@ -147,7 +174,8 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
     loop = asyncio.new_event_loop()
     task = loop.run_in_executor(None, lambda: asyncio.run(send_all(server.base_url, bodies)))
     # Wait until the N requests run with none queued; on this machine the tokenizer may pass
-    # them on slower than the first ones finish, so settle for a count that stopped growing.
+    # them on slower than the first ones finish, so settle for a count that stopped growing
+    # (not before the first one runs: taking 4,096 connections in takes the tokenizer >5 s).
     deadline = time.monotonic() + 300
     best, best_at = 0, time.monotonic()
     while (st := stats(http)).get("running_requests", 0) < n or st.get("queued_requests", 1) > 0:
@@ -157,17 +185,17 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
         if (
             time.monotonic() > deadline
             or task.done()
-            or (st.get("queued_requests", 1) == 0 and time.monotonic() - best_at > 5)
+            or (best > 0 and st.get("queued_requests", 1) == 0 and time.monotonic() - best_at > 15)
         ):
             break
         time.sleep(0.2)
     time.sleep(1.0)  # past the prefill steps
     sched = scheduler_process(server)
-    s0, c0, t0 = fresh_stats(http), cpu_seconds(sched), time.monotonic()
+    s0, c0, m0, t0 = fresh_stats(http), cpu_seconds(sched), main_thread_cpu_seconds(sched), time.monotonic()
     breakdown = py_spy_breakdown(sched.pid, ns.window) if ns.py_spy else None
     if breakdown is None:
         time.sleep(ns.window)
-    s1, c1, t1 = fresh_stats(http), cpu_seconds(sched), time.monotonic()
+    s1, c1, m1, t1 = fresh_stats(http), cpu_seconds(sched), main_thread_cpu_seconds(sched), time.monotonic()
     steps = s1["steps"] - s0["steps"]
     if steps <= 0:
         raise RuntimeError(f"no scheduler step in {t1 - t0:.1f} s with {n} requests: {s1}")
@@ -176,6 +204,8 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
         "running_measured": (s0["running_requests"] + s1["running_requests"]) / 2,
         "steps": steps,
         "scheduler_cpu_ms_per_step": (c1 - c0) / steps * 1e3,
+        "scheduler_main_thread_cpu_ms_per_step": (m1 - m0) / steps * 1e3,
+        "loadavg_1min": os.getloadavg()[0],
         "step_ms": (t1 - t0) / steps * 1e3,
         "scheduler_cpu_share": (c1 - c0) / (t1 - t0),
         "tokens_per_s": (s1["generation_tokens"] - s0["generation_tokens"]) / (t1 - t0),
@@ -183,11 +213,9 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
         "py_spy_inclusive_share": breakdown,
     }
     print(json.dumps(point), flush=True)
-    for rid in rids:
-        try:
-            http.post("/abort", json={"rid": rid}, timeout=600)
-        except httpx.HTTPError as e:  # an overloaded tokenizer: the request runs to max_new instead
-            print(f"abort of {rid} failed: {e!r}", file=sys.stderr)
+    failed = asyncio.run(abort_all(server.base_url, rids))
+    if failed:  # an overloaded tokenizer: those requests run to max_new instead
+        print(f"{failed} of {len(rids)} aborts failed", file=sys.stderr)
     loop.run_until_complete(task)
     loop.close()
     return point

@@ -35,7 +35,7 @@ use_passive_omp_wait()  # before torch loads, as the worker process does
 import torch  # noqa: E402
 
 from model_source import default_model_path  # noqa: E402
-from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppend, StepResult  # noqa: E402
+from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends, StepResult  # noqa: E402
 from wire.child import ChildContext  # noqa: E402
 from wire.codec import pack_int32, unpack_int32  # noqa: E402
 from wire.frontend import SamplingParams  # noqa: E402
@@ -55,12 +55,12 @@ class SyntheticScheduler:
         self.prompts = [rng.integers(100, 20000, prompt_len) for _ in range(batch)]
         self.max_new = max_new
 
-    def _pages(self, slot: int, n: int) -> PageAppend:
-        ids = np.arange(self.next_page, self.next_page + n)
+    def _pages(self, slot: int, n: int) -> tuple[int, int, list[int]]:
+        ids = list(range(self.next_page, self.next_page + n))
         self.next_page += n
         first = self.lens[slot]
         self.lens[slot] += n
-        return PageAppend(slot, first, pack_int32(ids))
+        return slot, first, ids
 
     def _send(self, mode: ForwardMode, **fields) -> StepResult:
         desc = BatchDescriptor(self.step_id, int(mode), seq_lens_sum=sum(self.lens), **fields)
@@ -72,16 +72,18 @@ class SyntheticScheduler:
     def prefill(self) -> StepResult:
         params = SamplingParams(max_new_tokens=self.max_new, ignore_eos=True)
         added = [AddedRequest(s, 0, params) for s in range(self.batch)]
-        pages = [self._pages(s, len(p)) for s, p in enumerate(self.prompts)]
+        pages = PageAppends.of_rows(self._pages(s, len(p)) for s, p in enumerate(self.prompts))
         extends = [ExtendChunk(s, pack_int32(p), True) for s, p in enumerate(self.prompts)]
         return self._send(ForwardMode.EXTEND, removed_slots=[], added=added, page_appends=pages, extends=extends)
 
     def decode(self) -> StepResult:
-        pages = [self._pages(s, 1) for s in range(self.batch)]
+        pages = PageAppends.of_rows(self._pages(s, 1) for s in range(self.batch))
         return self._send(ForwardMode.DECODE, removed_slots=[], added=[], page_appends=pages, extends=[])
 
     def finish(self) -> None:
-        self._send(ForwardMode.IDLE, removed_slots=list(range(self.batch)), added=[], page_appends=[], extends=[])
+        self._send(
+            ForwardMode.IDLE, removed_slots=list(range(self.batch)), added=[], page_appends=PageAppends(), extends=[]
+        )
 
 
 def make_worker(model: str, dtype: str, pool_tokens: int, max_running: int, weight_dtype: str = "auto"):

@@ -144,9 +144,9 @@ class BatchState:
             self.seq_lens[add.slot] = add.prefix_len
             self.decoding[add.slot] = False
             self.sampling.add(add.slot, add.sampling, unpack_int32(add.generated_ids).tolist())
-        for pa in desc.page_appends:
-            ids = unpack_int32(pa.page_ids)
-            self.page_table[pa.slot, pa.first_index : pa.first_index + len(ids)] = ids
+        if desc.page_appends.slots:
+            slots, cols, ids = desc.page_appends.scatter_indices()
+            self.page_table[slots, cols] = ids
         return {c.slot: (unpack_int32(c.token_ids), c.is_last) for c in desc.extends}
 
     def build_forward(

@@ -78,6 +78,10 @@ class KVCacheManager:
         new = self.alloc(int(counts.sum()))
         if new is None:
             return False
+        if len(new) == len(rows):  # one page each: the decode step at page size 1
+            for row, page in zip(rows.tolist(), new):
+                reqs[row].pages.append(page)
+            return True
         for row, end, n in zip(rows.tolist(), np.cumsum(counts).tolist(), counts.tolist()):
             reqs[row].pages.extend(new[end - n : end])
         return True

@@ -1,34 +1,130 @@
-"""Turning a step's sampled tokens into request progress and TokenOut messages."""
+"""A step's sampled tokens: into each request's progress, and out as one TokenOutBatch.
+
+This is the per-row hot path of a decode step (every running request, every step), so the
+common case (one token per row, no logprobs) does the least Python per row: append the
+token, and look closer only if it may end the request or it is the request's first one.
+The tokenizer gets the step column-wise (wire/frontend.py `TokenOutBatch`): the worker's
+token bytes are passed through when no row was dropped, and only rows with something
+unusual (a finish, cached tokens, logprobs) carry a `RowExtras`.
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
+
 from scheduler_proc.request import FinishReason, Req
-from wire.backend import RowLogprobs
-from wire.frontend import TokenOut
+from wire.backend import RowLogprobs, StepResult
+from wire.codec import pack_int32, unpack_int32
+from wire.frontend import RowExtras, TokenOutBatch
 
 
-def append_token(req: Req, token: int, eos_ids: frozenset[int], context_length: int) -> None:
+def append_token(req: Req, token: int) -> None:
     """Adds one sampled token and decides whether the request is done."""
-    req.output_ids.append(token)
-    sp = req.sampling
-    n = len(req.output_ids)
-    if n >= sp.min_new_tokens and (token in sp.stop_token_ids or (not sp.ignore_eos and token in eos_ids)):
+    out = req.output_ids
+    out.append(token)
+    if token in req.stop_ids and len(out) >= req.sampling.min_new_tokens:
         req.finish(FinishReason.STOP)
-    elif n >= sp.max_new_tokens or len(req.prompt_ids) + n >= context_length:
+    elif len(out) >= req.max_output_len:
         req.finish(FinishReason.LENGTH)
 
 
-def token_out(req: Req, logprobs: list[RowLogprobs]) -> TokenOut:
-    """The tokens of req not yet sent, with its finish state; marks them sent."""
-    new = req.output_ids[req.sent_output_len :]
-    req.sent_output_len = len(req.output_ids)
-    return TokenOut(
-        rid=req.rid,
-        token_ids=new,
-        finish_reason=req.finish_reason.value if req.finish_reason else None,
-        prompt_tokens=len(req.prompt_ids),
-        cached_tokens=req.cached_tokens,
-        error=req.error,
-        token_logprobs=[lp.token_logprob for lp in logprobs] if logprobs else [],
-        top_logprobs=[lp.top for lp in logprobs] if logprobs else [],
+def row_extras(row: int, req: Req, logprobs: RowLogprobs | None = None) -> RowExtras | None:
+    """What row `row` (request `req`, its tokens just appended) needs beyond its tokens."""
+    first = req.cached_tokens if len(req.output_ids) <= 1 else 0
+    if req.finish_reason is None and not first and logprobs is None:
+        return None
+    return RowExtras(
+        row,
+        req.finish_reason.value if req.finish_reason is not None else None,
+        req.error,
+        first,
+        [logprobs.token_logprob] if logprobs is not None else [],
+        [logprobs.top] if logprobs is not None else [],
     )
+
+
+def finished_alone(req: Req) -> TokenOutBatch:
+    """The frame for a request that finished outside a step (rejected, aborted, no room)."""
+    return TokenOutBatch([req.rid], token_counts=pack_int32([0]), extras=[row_extras(0, req)])
+
+
+class StepOutputs(NamedTuple):
+    batch: TokenOutBatch | None
+    """For the tokenizer; None when every row was dropped."""
+    tokens: int
+    """Tokens added to requests."""
+    finished: list[Req]
+    """Requests this step finished."""
+
+
+def take_step_tokens(reqs: list[Req], result: StepResult) -> StepOutputs:
+    """Adds each sampling row's tokens of `result` to its request (rows in `reqs` order)
+    and returns what the step produced.
+
+    A row whose request finished before its token arrived (overlap ran one step past the
+    finish, or it was aborted) is dropped; accepted drafts past a stop are dropped too."""
+    if result.accept_lens or result.logprobs:
+        return _take_general(reqs, result)
+    tokens = unpack_int32(result.next_token_ids)
+    rids: list[str] = []
+    extras: list[RowExtras] = []
+    dropped: list[int] = []
+    finished: list[Req] = []
+    for i, (req, token) in enumerate(zip(reqs, tokens.tolist())):
+        req.pending_results -= 1
+        if req.finish_reason is not None:
+            dropped.append(i)
+            continue
+        out = req.output_ids
+        out.append(token)
+        if token in req.stop_ids or len(out) >= req.max_output_len or len(out) == 1:
+            out.pop()
+            append_token(req, token)
+            extra = row_extras(len(rids), req)
+            if extra is not None:
+                extras.append(extra)
+            if req.finish_reason is not None:
+                finished.append(req)
+        rids.append(req.rid)
+    if not rids:
+        return StepOutputs(None, 0, finished)
+    token_ids = pack_int32(np.delete(tokens, dropped)) if dropped else result.next_token_ids
+    return StepOutputs(TokenOutBatch(rids, token_ids, extras=extras), len(rids), finished)
+
+
+def _take_general(reqs: list[Req], result: StepResult) -> StepOutputs:
+    """Several tokens per row (speculative decoding) or logprobs: row by row."""
+    tokens = unpack_int32(result.next_token_ids).tolist()
+    counts = unpack_int32(result.accept_lens).tolist() if result.accept_lens else [1] * len(reqs)
+    rids: list[str] = []
+    taken: list[int] = []
+    taken_counts: list[int] = []
+    extras: list[RowExtras] = []
+    finished: list[Req] = []
+    start = 0
+    for i, (req, n) in enumerate(zip(reqs, counts)):
+        row_tokens = tokens[start : start + n]
+        start += n
+        req.pending_results -= 1
+        if req.finish_reason is not None:
+            continue
+        before = len(req.output_ids)
+        for token in row_tokens:
+            append_token(req, token)
+            if req.finish_reason is not None:
+                break
+        new = req.output_ids[before:]
+        lp = result.logprobs[i] if result.logprobs else None
+        extra = row_extras(len(rids), req, lp)
+        if extra is not None:
+            extras.append(extra)
+        if req.finish_reason is not None:
+            finished.append(req)
+        rids.append(req.rid)
+        taken.extend(new)
+        taken_counts.append(len(new))
+    if not rids:
+        return StepOutputs(None, 0, finished)
+    return StepOutputs(TokenOutBatch(rids, pack_int32(taken), pack_int32(taken_counts), extras), len(taken), finished)

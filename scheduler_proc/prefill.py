@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from scheduler_proc.kv_cache import KVCacheManager, pages_for
 from scheduler_proc.request import Req
 from scheduler_proc.schedule_batch import ScheduleBatch
@@ -55,12 +57,14 @@ class PrefillPlanner:
         self.max_running = max_running
         self.free_slots = list(range(max_running - 1, -1, -1))
 
-    def plan(self, batch: ScheduleBatch, waiting: WaitingQueue) -> None:
-        """Adds this step's prompt chunks to the batch (continuing ones, then new requests)."""
+    def plan(self, batch: ScheduleBatch, waiting: WaitingQueue, decoding: np.ndarray) -> None:
+        """Adds this step's prompt chunks to the batch (continuing ones, then new requests).
+        `decoding` marks the batch's decoding rows (the rest are still prefilling)."""
         budget = self.max_prefill_tokens
         chunks: list[tuple[int, int]] = []
-        for i, req in enumerate(batch.reqs):
-            if req.decoding or req.finished or budget <= 0:
+        for i in np.flatnonzero(~decoding).tolist():
+            req = batch.reqs[i]
+            if req.finished or budget <= 0:
                 continue
             start = batch.seq_len(i)
             n = min(len(req.fill_ids) - start, self.chunk_size, budget)
@@ -69,7 +73,7 @@ class PrefillPlanner:
             chunks.append((i, n))
             budget -= n
 
-        decode_reserve = sum(1 for r in batch.reqs if r.decoding)
+        decode_reserve = int(decoding.sum())
         admitted: list[Req] = []
         for req in waiting.ordered():
             if req.pending_results:

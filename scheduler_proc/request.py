@@ -18,27 +18,59 @@ class FinishReason(str, enum.Enum):
 
 
 class Req:
-    """Owned by the scheduler from GenerateReq until its final TokenOut.
+    """Owned by the scheduler from GenerateReq until its last TokenOutBatch row.
 
     KV of a running request (page_size 4, 10 tokens computed, 2 more in this step):
 
         fill_ids   [p p p p p p p p o o|o o]     p: prompt, o: outputs before a resume
         pages      [ page a | page b | page c ]  held: one reference each
-                   ^-prefix_len (from cache)^    ^ kv_len: KV written by past steps
+                   ^-prefix_len (from cache)^    ^ seq_len (ScheduleBatch's mirror): KV written
     """
 
-    def __init__(self, rid: str, prompt_ids: np.ndarray, sampling: SamplingParams) -> None:
+    # A decode step touches several of these per running request: slots make that cheaper.
+    __slots__ = (
+        "arrival_time",
+        "cached_tokens",
+        "decoding",
+        "error",
+        "fill_ids",
+        "finish_reason",
+        "max_output_len",
+        "num_retractions",
+        "output_ids",
+        "pages",
+        "pages_sent",
+        "pending_results",
+        "prefix_len",
+        "prompt_ids",
+        "rid",
+        "sampling",
+        "slot",
+        "stop_ids",
+    )
+
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: np.ndarray,
+        sampling: SamplingParams,
+        eos_ids: frozenset[int] = frozenset(),
+        context_length: int = 1 << 62,
+    ) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.output_ids: list[int] = []
+        self.stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else eos_ids)
+        """Tokens that end the request once it has min_new_tokens (the model's EOS ids
+        unless ignore_eos, plus its own stop ids)."""
+        self.max_output_len = min(sampling.max_new_tokens, context_length - len(prompt_ids))
+        """Outputs at which it ends with "length" (its budget, or the context is full)."""
         self.arrival_time = time.monotonic()
 
         # KV state, valid while the request is in the running batch
         self.slot: int | None = None
         self.pages: list[int] = []
-        self.kv_len = 0
-        """Tokens whose KV the worker has written (the mirror's notion of seq_len)."""
         self.prefix_len = 0
         """Tokens matched in the prefix cache at admission."""
         self.fill_ids: np.ndarray = prompt_ids
@@ -53,8 +85,6 @@ class Req:
         self.finish_reason: FinishReason | None = None
         self.error = ""
         self.num_retractions = 0
-        self.sent_output_len = 0
-        """Output tokens already sent to the tokenizer."""
         self.pending_results = 0
         """Steps in flight that will sample a token for this request (overlap: up to 2).
         A retracted request is not re-admitted until they are processed."""
@@ -72,10 +102,6 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def remaining_prefill(self) -> int:
-        return len(self.fill_ids) - self.kv_len
 
     def all_token_ids(self) -> np.ndarray:
         if not self.output_ids:

@@ -12,7 +12,7 @@ Rules kept here and nowhere else:
 - `build_descriptor` refreshes lazily, so no consumer ever reads None.
 
 The batch also collects the delta the next descriptor carries (rows removed, rows added,
-pages gained, prompt chunks to run), because every change to the batch is a change the
+pages gained since the last descriptor, prompt chunks to run), because every change to the batch is a change the
 worker must hear about, and recording both in one place keeps them from drifting apart.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler_proc.request import Req
-from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppend
+from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends
 from wire.codec import pack_int32
 
 
@@ -43,6 +43,9 @@ class ScheduleBatch:
         self._decode_rows = 0
         self.step_increments = np.zeros(0, dtype=np.int64)
         """Tokens the step being built adds to each row; reset by build_descriptor."""
+        self.sampling_mask = np.zeros(0, dtype=bool)
+        """Rows that sample a token in the step being built: decoding rows, and rows whose
+        last prompt chunk runs; reset by build_descriptor."""
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -54,6 +57,8 @@ class ScheduleBatch:
 
     def merge_batch(self, new_reqs: list[Req]) -> None:
         """Appends admitted requests (prefix already in the cache) as prefilling rows."""
+        if not new_reqs:
+            return
         for req in new_reqs:
             self._added.append(
                 AddedRequest(
@@ -68,6 +73,7 @@ class ScheduleBatch:
             [self.seq_lens_cpu, np.asarray([r.prefix_len for r in new_reqs], dtype=np.int64)]
         )
         self.step_increments = np.concatenate([self.step_increments, np.zeros(len(new_reqs), dtype=np.int64)])
+        self.sampling_mask = np.concatenate([self.sampling_mask, np.zeros(len(new_reqs), dtype=bool)])
         self.seq_lens_sum = None
 
     def filter_batch(self, remove: list[Req]) -> None:
@@ -80,6 +86,7 @@ class ScheduleBatch:
         self.reqs = [r for r, k in zip(self.reqs, keep) if k]
         self.seq_lens_cpu = self.seq_lens_cpu[keep]
         self.step_increments = self.step_increments[keep]
+        self.sampling_mask = self.sampling_mask[keep]
         self.seq_lens_sum = None
 
     def prepare_for_extend(self, chunks: list[tuple[int, int]]) -> None:
@@ -93,6 +100,7 @@ class ScheduleBatch:
             self.step_increments[index] += n
             # The worker starts decoding this row right after the step; so does the mirror.
             req.decoding = is_last
+            self.sampling_mask[index] = is_last
         self.seq_lens_sum = None
 
     def add_accepted_drafts(self, rows: np.ndarray, accepted_drafts: np.ndarray) -> None:
@@ -102,9 +110,10 @@ class ScheduleBatch:
         self.seq_lens_sum = None
 
     def prepare_for_decode(self, decode_mask: np.ndarray) -> None:
-        """Every decoding row writes one more token this step."""
+        """Every decoding row (a bool or 0/1 per row) writes one more token this step."""
         self.seq_lens_cpu += decode_mask
         self.step_increments += decode_mask
+        self.sampling_mask |= decode_mask.astype(bool)
         self._decode_rows = int(decode_mask.sum())
         self.seq_lens_sum = None
 
@@ -122,7 +131,26 @@ class ScheduleBatch:
 
     # --- the descriptor ----------------------------------------------------------------
 
-    def build_descriptor(self, step_id: int, page_appends: list[PageAppend]) -> BatchDescriptor:
+    def collect_page_appends(self) -> PageAppends:
+        """Pages the worker's page tables do not hold yet (`Req.pages_sent` onwards)."""
+        slots: list[int] = []
+        firsts: list[int] = []
+        counts: list[int] = []
+        ids: list[int] = []
+        for req in self.reqs:
+            held, sent = len(req.pages), req.pages_sent
+            if held > sent:
+                slots.append(req.slot)
+                firsts.append(sent)
+                counts.append(held - sent)
+                if held - sent == 1:
+                    ids.append(req.pages[sent])
+                else:
+                    ids += req.pages[sent:]
+                req.pages_sent = held
+        return PageAppends.of_columns(slots, firsts, ids, counts)
+
+    def build_descriptor(self, step_id: int) -> BatchDescriptor:
         if self.seq_lens_sum is None:
             self.refresh_seq_lens_cpu(sync=False)
         has_extend = bool(self._extends)
@@ -141,13 +169,14 @@ class ScheduleBatch:
             forward_mode=int(mode),
             removed_slots=self._removed_slots,
             added=self._added,
-            page_appends=page_appends,
+            page_appends=self.collect_page_appends(),
             extends=self._extends,
             seq_lens_sum=self.seq_lens_sum,
         )
         self._removed_slots, self._added, self._extends = [], [], []
         self._decode_rows = 0
         self.step_increments = np.zeros(len(self.reqs), dtype=np.int64)
+        self.sampling_mask = np.zeros(len(self.reqs), dtype=bool)
         return desc
 
 

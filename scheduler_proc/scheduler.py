@@ -11,29 +11,21 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from scheduler_proc.io import SchedulerIO
 from scheduler_proc.kv_cache import KVCacheManager
-from scheduler_proc.output import append_token, token_out
+from scheduler_proc.output import finished_alone, take_step_tokens
 from scheduler_proc.prefill import PrefillPlanner, WaitingQueue
 from scheduler_proc.request import FinishReason, Req
 from scheduler_proc.schedule_batch import ScheduleBatch, check_seq_lens
 from scheduler_proc.stats import SchedulerCounters
-from wire.backend import (
-    BatchDescriptor,
-    ForwardMode,
-    PageAppend,
-    SeqLensSync,
-    StepResult,
-    WorkerError,
-    WorkerReady,
-)
+from scheduler_proc.worker_link import Step, WorkerLink, WorkerLost
+from wire.backend import ForwardMode, StepResult, WorkerReady
 from wire.child import ChildContext
-from wire.codec import pack_int32, unpack_int32
-from wire.control import PROTOCOL_VERSION, RestartWorkers, check_protocol_version
+from wire.codec import unpack_int32
+from wire.control import PROTOCOL_VERSION, check_protocol_version
 from wire.frontend import (
     AbortReq,
     FlushCacheDone,
@@ -41,35 +33,12 @@ from wire.frontend import (
     GenerateReq,
     ServerInfo,
     TokenizerHello,
-    TokenOut,
-    TokenOutBatch,
     WorkerGroupLost,
 )
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
-
-
-class WorkerLost(RuntimeError):
-    """The worker group died, hung, or answered out of step: requeue and reconnect."""
-
-
-@dataclass
-class Step:
-    """A step in flight: what was sent and who samples in it."""
-
-    descriptor: BatchDescriptor
-    sampling_reqs: list[Req]
-    sampling_rows: np.ndarray
-    """Batch index of each sampling request at build time."""
-    expected_seq_lens: np.ndarray
-    """The mirror after this step (one token per decoding row), for --check-seq-lens."""
-    increments: np.ndarray
-    """What this step adds to each row as built (chunk length, or 1 per decoding row)."""
-    build_s: float = 0.0
-    """Scheduler CPU time spent building this step."""
-    sent_at: float = field(default_factory=time.perf_counter)
 
 
 class Scheduler:
@@ -98,9 +67,7 @@ class Scheduler:
         )
         self.batch = ScheduleBatch()
         self.next_step_id = 1
-        self.in_flight: list[Step] = []
-        self.pending_syncs: dict[int, SeqLensSync] = {}
-        """SeqLensSync frames that arrived while waiting for a result, by step id."""
+        self.link = WorkerLink(self.ctx, self.io, self.counters, self.handle_request)
 
     # ------------------------------------------------------------------ loops
 
@@ -119,16 +86,17 @@ class Scheduler:
             if step is None:
                 continue
             self.launch(step)
-            self.process_result(self.wait_result())
+            self.process_result(*self.link.wait_result())
 
     def event_loop_overlap(self) -> None:
         while True:
-            self.recv_requests(block=not self.has_work() and not self.in_flight)
+            self.recv_requests(block=not self.has_work() and not self.link.in_flight)
             step = self.schedule_step()
             if step is not None:
                 self.launch(step)
-            if len(self.in_flight) > (1 if step is not None else 0):
-                self.process_result(self.wait_result())
+            # Step N+1 is on the worker: now process step N.
+            if len(self.link.in_flight) > (1 if step is not None else 0):
+                self.process_result(*self.link.wait_result())
 
     # ------------------------------------------------------------------ receive
 
@@ -184,7 +152,7 @@ class Scheduler:
         )
 
     def handle_generate(self, msg: GenerateReq) -> None:
-        req = Req(msg.rid, unpack_int32(msg.input_ids).copy(), msg.sampling)
+        req = Req(msg.rid, unpack_int32(msg.input_ids).copy(), msg.sampling, self.eos_ids, self.worker.context_length)
         need = len(req.prompt_ids) + 1
         if msg.rid in self.reqs:
             req.finish(FinishReason.ERROR, f"request id {msg.rid!r} is already running")
@@ -195,7 +163,7 @@ class Scheduler:
                 f"context ({self.worker.context_length}) or the KV pool ({self.kv.total_tokens})",
             )
         if req.finished:
-            self.io.tokenizer.send(TokenOutBatch([token_out(req, [])]))
+            self.io.tokenizer.send(finished_alone(req))
             return
         self.reqs[req.rid] = req
         self.waiting.push(req)
@@ -206,13 +174,13 @@ class Scheduler:
         if req is None or req.finished:
             return
         req.finish(FinishReason.ABORT)
-        self.io.tokenizer.send(TokenOutBatch([token_out(req, [])]))
+        self.io.tokenizer.send(finished_alone(req))
         if self.waiting.remove(rid) is not None:
             self.reqs.pop(rid, None)
         # A running request leaves the batch when the next step is built.
 
     def handle_flush(self) -> None:
-        if self.batch.reqs or self.waiting or self.in_flight:
+        if self.batch.reqs or self.waiting or self.link.in_flight:
             self.io.tokenizer.send(
                 FlushCacheDone(False, "cannot flush the cache while requests are running", self.ctx.dp_rank)
             )
@@ -225,20 +193,20 @@ class Scheduler:
     def schedule_step(self) -> Step | None:
         """Builds the next descriptor: sync the mirror, drop finished rows, grow decodes, add prefill."""
         t0 = time.perf_counter()
-        if self.in_flight and self.is_overlapped(self.in_flight[-1]):
-            self.apply_seq_lens_sync(self.in_flight[-1])
-        self.remove_rows([r for r in self.batch.reqs if r.finished])
-        self.reserve_decode_pages()
-        self.batch.prepare_for_decode(self.decoding_rows().astype(np.int64))
-        self.prefill.plan(self.batch, self.waiting)
+        if self.link.in_flight and self.is_overlapped(self.link.in_flight[-1]):
+            self.apply_seq_lens_sync(self.link.in_flight[-1])
+        self.remove_rows([r for r in self.batch.reqs if r.finish_reason is not None])
+        decoding = self.reserve_decode_pages()
+        self.batch.prepare_for_decode(decoding)
+        self.prefill.plan(self.batch, self.waiting, decoding)
         if not self.batch.reqs:
             return None  # rows that left are told with the next descriptor
-        rows = np.flatnonzero(self.decoding_rows())  # now with the rows whose prefill ends this step
+        rows = np.flatnonzero(self.batch.sampling_mask)
         sampling = [self.batch.reqs[i] for i in rows.tolist()]
         for req in sampling:
             req.pending_results += 1
         increments = self.batch.step_increments.copy()
-        desc = self.batch.build_descriptor(self.next_step_id, self.collect_page_appends())
+        desc = self.batch.build_descriptor(self.next_step_id)
         self.next_step_id += 1
         return Step(desc, sampling, rows, self.batch.seq_lens_cpu.copy(), increments, build_s=time.perf_counter() - t0)
 
@@ -246,14 +214,16 @@ class Scheduler:
         reqs = self.batch.reqs
         return np.fromiter((r.decoding for r in reqs), dtype=bool, count=len(reqs))
 
-    def reserve_decode_pages(self) -> None:
+    def reserve_decode_pages(self) -> np.ndarray:
         """Every decoding row needs room for one more token: one allocation for all of them,
-        or, if the pool is short, row by row, retracting rows until the rest fit."""
-        rows = np.flatnonzero(self.decoding_rows())
+        or, if the pool is short, row by row, retracting rows until the rest fit. Returns
+        which rows decode (after any retraction)."""
+        decoding = self.decoding_rows()
+        rows = np.flatnonzero(decoding)
         reqs = [self.batch.reqs[i] for i in rows.tolist()]
         rooms = np.fromiter((self.draft_room(r) for r in reqs), np.int64, len(reqs)) if self.num_draft_tokens else 1
         if self.kv.grow_rows(reqs, self.batch.seq_lens_cpu[rows] + rooms):
-            return
+            return decoding
         i = 0
         while i < len(self.batch.reqs):
             req = self.batch.reqs[i]
@@ -262,11 +232,12 @@ class Scheduler:
                 continue
             if len(self.batch.reqs) == 1:
                 req.finish(FinishReason.ERROR, "the KV pool is too small for this request")
-                self.io.tokenizer.send(TokenOutBatch([token_out(req, [])]))
+                self.io.tokenizer.send(finished_alone(req))
                 self.remove_rows([req])
-                return
+                break
             self.retract(max(self.batch.reqs, key=lambda r: (r.remaining_new_tokens(), r.arrival_time)))
             i = 0  # rows moved; rows already grown pass straight through
+        return self.decoding_rows()
 
     def retract(self, req: Req) -> None:
         logger.warning(
@@ -290,65 +261,11 @@ class Scheduler:
             if req.finished:
                 self.reqs.pop(req.rid, None)
 
-    def collect_page_appends(self) -> list[PageAppend]:
-        reqs = self.batch.reqs
-        held = np.fromiter((len(r.pages) for r in reqs), dtype=np.int64, count=len(reqs))
-        sent = np.fromiter((r.pages_sent for r in reqs), dtype=np.int64, count=len(reqs))
-        appends = []
-        for i in np.flatnonzero(held > sent).tolist():
-            req = reqs[i]
-            appends.append(PageAppend(req.slot, req.pages_sent, pack_int32(req.pages[req.pages_sent :])))
-            req.pages_sent = len(req.pages)
-        return appends
-
     # ------------------------------------------------------------------ launch and results
 
     def launch(self, step: Step) -> None:
-        self.io.send_to_workers(step.descriptor)
+        self.link.send(step)
         self.counters.overlapped_steps += self.is_overlapped(step)
-        self.in_flight.append(step)
-
-    def wait_result(self) -> tuple[Step, StepResult]:
-        step = self.in_flight[0]
-        while True:
-            msg = self.next_reply()
-            if isinstance(msg, StepResult):
-                if msg.step_id != step.descriptor.step_id:
-                    raise WorkerLost(f"expected result of step {step.descriptor.step_id}, got {msg.step_id}")
-                self.in_flight.pop(0)
-                return step, msg
-            self.pending_syncs[msg.step_id] = msg
-
-    def next_reply(self) -> StepResult | SeqLensSync:
-        """The next reply about a step in flight. Requests that arrive meanwhile are taken in;
-        replies about no step in flight (stale or forged) are counted and dropped; no reply
-        within the watchdog time means a hung worker."""
-        deadline = time.monotonic() + self.args.watchdog_timeout_s
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                self.ctx.tell_launcher(
-                    RestartWorkers(f"no step progress for {self.args.watchdog_timeout_s:.0f} s", self.ctx.dp_rank)
-                )
-                raise WorkerLost(f"watchdog: no reply for {self.args.watchdog_timeout_s:.0f} s")
-            reply_ready, request_ready = self.io.wait_any(left_ms)
-            if request_ready:
-                for msg in self.io.requests.recv_nowait():
-                    self.handle_request(msg)
-            msg = self.io.replies.recv(timeout_ms=0) if reply_ready else None
-            if msg is None or isinstance(msg, WorkerReady):
-                continue  # a WorkerReady here answers the ResetBatch sent at (re)connection
-            in_flight = {s.descriptor.step_id for s in self.in_flight}
-            step_id = getattr(msg, "step_id", None)
-            if step_id not in in_flight:
-                self.counters.ignored_replies += 1
-                logger.warning("ignoring %s for step %s, which is not in flight", type(msg).__name__, step_id)
-                continue
-            if isinstance(msg, WorkerError):
-                reason = f"worker rejected step {msg.step_id}: {msg.error}"
-                self.ctx.tell_launcher(RestartWorkers(reason, self.ctx.dp_rank))
-                raise WorkerLost(f"worker rejected step {msg.step_id}: {msg.error}")
-            return msg
 
     def recover_from_worker_loss(self, reason: str) -> None:
         """Every running request goes back to the front of the queue as a prefill of its
@@ -371,12 +288,7 @@ class Scheduler:
         """The one sync point: the worker's seq_lens before `step` ran (published before its
         forward), plus what the step adds, become the mirror. The batch has not changed since
         `step` was built, so the rows line up."""
-        while step.descriptor.step_id not in self.pending_syncs:
-            msg = self.next_reply()
-            if isinstance(msg, StepResult):
-                raise WorkerLost(f"result of step {msg.step_id} arrived before its seq_lens sync")
-            self.pending_syncs[msg.step_id] = msg
-        sync = self.pending_syncs.pop(step.descriptor.step_id)
+        sync = self.link.wait_seq_lens_sync(step)
         self.counters.seq_lens_syncs += 1
         published = unpack_int32(sync.seq_lens).astype(np.int64) + step.increments
         if self.args.check_seq_lens and not self.num_draft_tokens:
@@ -401,42 +313,27 @@ class Scheduler:
             if req.decoding:
                 self.kv.trim(req, self.batch.seq_len(i) + self.draft_room(req))
 
-    def process_result(self, done: tuple[Step, StepResult]) -> None:
-        step, result = done
+    def process_result(self, step: Step, result: StepResult) -> None:
         self.io.record_result(result)
         self.counters.on_step(step, result)
-        tokens = unpack_int32(result.next_token_ids)
-        counts = unpack_int32(result.accept_lens) if result.accept_lens else np.ones(len(step.sampling_reqs), np.int32)
         if self.args.check_seq_lens and result.seq_lens is not None:
             expected = step.expected_seq_lens.copy()
-            expected[step.sampling_rows] += counts - 1
+            if result.accept_lens:
+                expected[step.sampling_rows] += unpack_int32(result.accept_lens) - 1
             check_seq_lens(expected, unpack_int32(result.seq_lens), result.step_id)
         if self.num_draft_tokens:
+            counts = (
+                unpack_int32(result.accept_lens) if result.accept_lens else np.ones(len(step.sampling_reqs), np.int32)
+            )
             self.counters.on_drafts(counts)
             if self.args.disable_overlap:  # the CPU mirror is authoritative: correct it here
                 self.batch.add_accepted_drafts(step.sampling_rows, counts.astype(np.int64) - 1)
                 self.trim_draft_pages()
-        outputs: list[TokenOut] = []
-        if result.accept_lens:
-            starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
-            per_row = [tokens[starts[i] : starts[i + 1]].tolist() for i in range(len(counts))]
-        else:  # one token per row: no per-row slicing
-            per_row = [[t] for t in tokens.tolist()]
-        generated = 0
-        for i, (req, row_tokens) in enumerate(zip(step.sampling_reqs, per_row)):
-            req.pending_results -= 1
-            if req.finished:
-                continue  # overlap ran one token past the finish (or an abort): discard it
-            for token in row_tokens:
-                append_token(req, token, self.eos_ids, self.worker.context_length)
-                generated += 1
-                if req.finished:
-                    break  # accepted drafts past a stop are dropped
-            lp = [result.logprobs[i]] if result.logprobs and result.logprobs[i] is not None else []
-            outputs.append(token_out(req, lp))
+        outputs = take_step_tokens(step.sampling_reqs, result)
+        for req in outputs.finished:
             # A retracted request (no slot) waits in the queue; only then is there one to search.
-            if req.finished and req.slot is None and self.waiting.remove(req.rid) is not None:
+            if req.slot is None and self.waiting.remove(req.rid) is not None:
                 self.reqs.pop(req.rid, None)
-        self.counters.generation_tokens += generated
-        if outputs:
-            self.io.tokenizer.send(TokenOutBatch(outputs))
+        self.counters.generation_tokens += outputs.tokens
+        if outputs.batch is not None:
+            self.io.tokenizer.send(outputs.batch)

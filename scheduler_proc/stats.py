@@ -10,7 +10,8 @@ from wire.backend import WorkerCounters
 from wire.frontend import SchedulerStats
 
 if TYPE_CHECKING:
-    from scheduler_proc.scheduler import Scheduler, Step
+    from scheduler_proc.scheduler import Scheduler
+    from scheduler_proc.worker_link import Step
     from wire.backend import StepResult
 
 logger = logging.getLogger("scheduler_proc")

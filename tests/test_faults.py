@@ -17,9 +17,9 @@ import zmq
 
 from tests.helpers import REPO_ROOT, Server, free_port, running_server, wait_until
 from tests.workload import BASE, MAX_NEW, child, generation_tokens, prompts, run_with_fault
-from wire.backend import BatchDescriptor, ResetBatch, StepResult, WorkerCounters
+from wire.backend import BatchDescriptor, PageAppends, ResetBatch, StepResult, WorkerCounters
 from wire.codec import FrameEncoder, pack_int32
-from wire.frontend import AbortReq, ServerInfo, TokenOut, TokenOutBatch
+from wire.frontend import AbortReq, RowExtras, ServerInfo, TokenOutBatch
 from wire.transport import (
     ENDPOINT_LAUNCHER,
     ENDPOINT_TOKENIZER_IN,
@@ -96,9 +96,9 @@ def test_random_bytes_and_wrong_messages_to_every_endpoint_kill_nothing(fault_mo
         pids = {p.pid for p in server.process_tree()}
         enc = FrameEncoder()
         wrong = [
-            enc.encode(BatchDescriptor(999, 2, [], [], [], [], 0)),  # a step out of sequence
+            enc.encode(BatchDescriptor(999, 2, [], [], PageAppends(), [], 0)),  # a step out of sequence
             enc.encode(StepResult(12345, pack_int32([1]), WorkerCounters(), 0.0)),  # a result for no step
-            enc.encode(TokenOutBatch([TokenOut("no-such-request", [1, 2], "stop")])),
+            enc.encode(TokenOutBatch(["no-such-request"], pack_int32([1, 2]), pack_int32([2]), [RowExtras(0, "stop")])),
             enc.encode(ServerInfo(999, 10, 10, 1, 10, [], "a-scheduler-from-another-version")),
             enc.encode(AbortReq("no-such-request")),
             msgpack.packb(["reset", "x"]),

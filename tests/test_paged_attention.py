@@ -16,7 +16,7 @@ from gpu_worker.batch_state import MAX_DECODE_GROUPS, BatchState, group_by_lengt
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.sampler import SamplingTable
-from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppend
+from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends
 from wire.codec import pack_int32
 from wire.frontend import SamplingParams
 
@@ -59,8 +59,10 @@ class Batch:
             new = [int(self.free_pages.pop()) for _ in range(need)]
             self.pages[slot] += new
             if new:
-                appends.append(PageAppend(slot, have, pack_int32(new)))
-        desc = BatchDescriptor(self.step, int(ForwardMode.MIXED), [], list(added), appends, list(extends), 0)
+                appends.append((slot, have, new))
+        desc = BatchDescriptor(
+            self.step, int(ForwardMode.MIXED), [], list(added), PageAppends.of_rows(appends), list(extends), 0
+        )
         self.step += 1
         return self.state.apply(desc)
 

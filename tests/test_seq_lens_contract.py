@@ -40,15 +40,7 @@ class Lockstep:
         self._dec = msgspec.msgpack.Decoder(WorkerInput)
 
     def run_step(self) -> None:
-        from wire.backend import PageAppend
-        from wire.codec import pack_int32
-
-        appends = []
-        for r in self.batch.reqs:
-            if r.pages_sent < len(r.pages):
-                appends.append(PageAppend(r.slot, r.pages_sent, pack_int32(r.pages[r.pages_sent :])))
-                r.pages_sent = len(r.pages)
-        desc = self._dec.decode(self._enc.encode(self.batch.build_descriptor(self.step_id, appends)))
+        desc = self._dec.decode(self._enc.encode(self.batch.build_descriptor(self.step_id)))
         self.step_id += 1
         chunks = self.worker.apply(desc)
         inputs = self.worker.build_forward(chunks)
@@ -111,7 +103,7 @@ def test_descriptor_build_refreshes_lazily_and_never_sends_none():
     b.merge_batch([make_req("a", 3, 0)])
     b.prepare_for_extend([(0, 3)])
     assert b.seq_lens_sum is None
-    desc = b.build_descriptor(1, [])
+    desc = b.build_descriptor(1)
     assert desc.seq_lens_sum == 3 and b.seq_lens_sum == 3
 
 

@@ -4,6 +4,7 @@ sockets are never used). They use the real SmolLM2 tokenizer, loaded once per mo
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 
@@ -18,6 +19,7 @@ from tokenizer_proc.errors import APIError, validation_error_message
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.openai_format import CompletionLogprobs, chat_logprobs
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from tokenizer_proc.request_handle import TokenOut, take_queued
 from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import ModelLimits, SamplingRequest, build_sampling_params, check_model, check_prompt_ids
 from tokenizer_proc.state import FrontendState
@@ -284,3 +286,31 @@ def test_http_auth_and_body_limit(client):
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == "smollm2-135m"
     _assert_error(client.post("/v1/completions", json={"prompt": "x" * 5000}), 413)
+
+
+def test_outputs_queued_behind_one_are_taken_together_up_to_the_finish():
+    queue: asyncio.Queue[TokenOut] = asyncio.Queue()
+    for out in [TokenOut("r", [2], cached_tokens=4), TokenOut("r", [3, 4], "stop"), TokenOut("r", [], "abort")]:
+        queue.put_nowait(out)
+    merged = take_queued(TokenOut("r", [1]), queue)
+    assert merged.token_ids == [1, 2, 3, 4] and merged.finish_reason == "stop" and merged.cached_tokens == 4
+    assert queue.qsize() == 1  # what follows a finish is left alone
+    alone = TokenOut("r", [5])
+    assert take_queued(alone, asyncio.Queue()) is alone
+
+
+def test_text_at_end_only_gives_the_same_text_once_at_the_finish(tok):
+    ids = tok.encode("Ünïcödé: 你好，世界！ 🎉 done.")
+    chunks = [ids[i : i + 2] for i in range(0, len(ids), 2)]
+    deferred = RequestDetokenizer(tok, text_at_end_only=True)
+    streamed = RequestDetokenizer(tok)
+    outs = [deferred.step(c, "length" if i == len(chunks) - 1 else None).text for i, c in enumerate(chunks)]
+    assert outs[:-1] == [""] * (len(chunks) - 1)
+    assert outs[-1] == "".join(streamed.step(c, "length" if c is chunks[-1] else None).text for c in chunks)
+    assert outs[-1] == tok.decode(ids)
+
+
+def test_text_at_end_only_still_looks_for_stop_strings(tok):
+    detok = RequestDetokenizer(tok, stop=["world"], text_at_end_only=True)
+    step = detok.step(tok.encode("hello world again"))
+    assert step.stop_string_hit and step.text == "hello "

@@ -27,7 +27,7 @@ from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.state import FrontendState
 from tokenizer_proc.tokenization import load_tokenizer
-from wire.child import ChildContext, start_child
+from wire.child import ChildContext, start_child, tune_gc
 from wire.control import ProtocolMismatch
 
 logger = logging.getLogger("tokenizer_proc")
@@ -140,6 +140,7 @@ async def _serve(ctx: ChildContext, sock: socket.socket, state: FrontendState) -
             task.result()
             raise StartupError("the HTTP server stopped before it started listening")
         await asyncio.sleep(0.02)
+    tune_gc()
     url = f"http://{args.host}:{args.port}"
     logger.info("serving %s at %s", args.served_model_name, url)
     ctx.report_ready(url)

@@ -68,7 +68,12 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     params = native_sampling_params(sp, len(ids), limits, param)
     rid = body.rid or st.manager.new_rid("gen")
     handles = await st.manager.submit(
-        ids, params, rids=[rid], stop=sp.stop_list(), skip_special_tokens=sp.skip_special_tokens
+        ids,
+        params,
+        rids=[rid],
+        stop=sp.stop_list(),
+        skip_special_tokens=sp.skip_special_tokens,
+        stream=bool(body.stream),
     )
     if body.stream:
         return EventStreamResponse(_stream_generate(handles, rid), handles)

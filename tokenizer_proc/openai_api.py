@@ -99,6 +99,7 @@ async def submit_choices(
         rids=[f"{cid}-{i}" for i in range(body.n)],
         stop=body.stop_list(),
         skip_special_tokens=body.skip_special_tokens,
+        stream=bool(body.stream),
     )
 
 

@@ -10,11 +10,62 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from tokenizer_proc.detokenizer import RequestDetokenizer
-from wire.frontend import SamplingParams, TokenOut
+from wire.frontend import RowExtras, SamplingParams
 
 if TYPE_CHECKING:
     from tokenizer_proc.request_manager import RequestManager
+
+
+class TokenOut(msgspec.Struct):
+    """One request's share of a step (a row of the scheduler's `TokenOutBatch`), or a finish
+    this process decides itself (abort, unhealthy server). Made by the receive task."""
+
+    rid: str
+    token_ids: list[int]
+    """New tokens since the previous TokenOut of this request."""
+    finish_reason: str | None = None
+    """stop | length | abort | error; None while the request runs."""
+    cached_tokens: int = 0
+    error: str = ""
+    token_logprobs: list[float] = []
+    top_logprobs: list[list[tuple[int, float]]] = []
+
+    @classmethod
+    def of_row(cls, rid: str, token_ids: list[int], extras: RowExtras | None) -> TokenOut:
+        if extras is None:
+            return cls(rid, token_ids)
+        return cls(
+            rid,
+            token_ids,
+            extras.finish_reason,
+            extras.cached_tokens,
+            extras.error,
+            extras.token_logprobs,
+            extras.top_logprobs,
+        )
+
+
+def take_queued(out: TokenOut, queue: asyncio.Queue[TokenOut]) -> TokenOut:
+    """`out` with the outputs already queued behind it folded in, up to a finish.
+
+    A tokenizer that falls behind the scheduler (thousands of rows a step) finds several
+    steps queued per request: detokenizing and yielding them as one costs one task wake-up
+    instead of one per step, so the further it falls behind, the faster it catches up,
+    and HTTP requests (an /abort, /server_info) still get turns on the event loop."""
+    if queue.empty() or out.finish_reason is not None:
+        return out
+    token_ids, token_logprobs, top_logprobs = list(out.token_ids), list(out.token_logprobs), list(out.top_logprobs)
+    cached, error, finish = out.cached_tokens, out.error, None
+    while finish is None and not queue.empty():
+        nxt = queue.get_nowait()
+        token_ids += nxt.token_ids
+        token_logprobs += nxt.token_logprobs
+        top_logprobs += nxt.top_logprobs
+        cached, error, finish = max(cached, nxt.cached_tokens), nxt.error or error, nxt.finish_reason
+    return TokenOut(out.rid, token_ids, finish, cached, error, token_logprobs, top_logprobs)
 
 
 @dataclass
@@ -72,7 +123,7 @@ class RequestHandle:
         last = req.created
         try:
             while True:
-                out = await req.queue.get()
+                out = take_queued(await req.queue.get(), req.queue)
                 now = time.monotonic()
                 if out.token_ids and metrics is not None:
                     if not req.generated:

@@ -29,7 +29,7 @@ from tokenizer_proc.detokenizer import RequestDetokenizer
 from tokenizer_proc.errors import SERVER_ERROR, SERVER_UNAVAILABLE, APIError
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.replicas import ReplicaSet
-from tokenizer_proc.request_handle import OpenRequest, RequestHandle
+from tokenizer_proc.request_handle import OpenRequest, RequestHandle, TokenOut
 from wire.codec import pack_int32
 from wire.control import PROTOCOL_VERSION, check_protocol_version
 from wire.frontend import (
@@ -43,7 +43,6 @@ from wire.frontend import (
     ServerInfo,
     TokenizerHello,
     TokenizerInput,
-    TokenOut,
     TokenOutBatch,
 )
 from wire.server_args import ServerArgs
@@ -168,6 +167,7 @@ class RequestManager:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         check_capacity: bool = True,
+        stream: bool = True,
     ) -> list[RequestHandle]:
         """Open one request per SamplingParams (n > 1) and send them; raises Overloaded (503)."""
         if self.draining:
@@ -189,7 +189,9 @@ class RequestManager:
         self.replicas.router.opened(replica, prompt, len(params))
         handles = []
         for index, (rid, sp) in enumerate(zip(rids, params, strict=True)):
-            detok = RequestDetokenizer(self.tokenizer, stop, skip_special_tokens, sp.stop_token_ids)
+            detok = RequestDetokenizer(
+                self.tokenizer, stop, skip_special_tokens, sp.stop_token_ids, text_at_end_only=not stream
+            )
             req = OpenRequest(rid, index, prompt, sp, detok, replica)
             self._open[rid] = req
             handles.append(RequestHandle(self, req))
@@ -273,10 +275,10 @@ class RequestManager:
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, TokenOutBatch):
-            for out in msg.outputs:
-                req = self._open.get(out.rid)
+            for rid, token_ids, extras in msg.rows():
+                req = self._open.get(rid)
                 if req is not None:  # else: aborted or finished here already; drop it
-                    req.queue.put_nowait(out)
+                    req.queue.put_nowait(TokenOut.of_row(rid, token_ids, extras))
         elif isinstance(msg, SchedulerStats):
             if self._valid_replica(msg.dp_rank):
                 self.replicas.stats[msg.dp_rank] = msg

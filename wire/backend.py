@@ -13,9 +13,12 @@ worker rank 0 -> scheduler: `SchedulerReply` (ready, seq_lens sync, step results
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Sequence
 
 import msgspec
+import numpy as np
 
+from wire.codec import pack_int32
 from wire.frontend import SamplingParams
 
 
@@ -52,14 +55,66 @@ class ExtendChunk(msgspec.Struct, array_like=True):
     """The prompt ends with this chunk: sample the first output token, start decoding."""
 
 
-class PageAppend(msgspec.Struct, array_like=True):
-    """Pages a row gained; sent only when a request's page count grows."""
+class PageAppends(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Pages rows gained since the previous step, column-wise (every field int32 bytes).
 
-    slot: int
-    first_index: int
-    """Index in the row's page table of the first page in page_ids."""
-    page_ids: bytes
-    """int32 page ids."""
+    Row i of these columns appends the next `counts[i]` ids of `page_ids` (one id if
+    `counts` is empty) to the page table of slot `slots[i]`, starting at index
+    `first_index[i]`. Written by the scheduler (one
+    numpy pass over the batch: with page size 1 every decoding row gains a page every
+    step, and a struct per row cost more than the rest of the step); applied by the
+    worker's BatchState in one scatter."""
+
+    slots: bytes = b""
+    first_index: bytes = b""
+    page_ids: bytes = b""
+    counts: bytes = b""
+    """Empty when every row gains one page (the decode step at page size 1)."""
+
+    def __post_init__(self) -> None:
+        """Runs on decode too: columns that disagree make the frame fail to decode."""
+        if any(len(b) % 4 for b in (self.slots, self.first_index, self.counts, self.page_ids)):
+            raise ValueError("page append columns must be int32")
+        if len(self.slots) != len(self.first_index):
+            raise ValueError("page append columns differ in length")
+        if not self.counts:
+            if len(self.page_ids) != len(self.slots):
+                raise ValueError("one page per row, but page ids and rows differ in number")
+            return
+        counts = np.frombuffer(self.counts, dtype="<i4")
+        if len(self.counts) != len(self.slots) or (counts < 0).any() or int(counts.sum()) * 4 != len(self.page_ids):
+            raise ValueError("page append counts do not add up to the page ids")
+
+    @classmethod
+    def of_rows(cls, rows: Iterable[tuple[int, int, Sequence[int]]]) -> PageAppends:
+        """From (slot, first index, page ids) per row: for tests and tools."""
+        rows = [r for r in rows if len(r[2])]
+        return cls.of_columns(
+            [r[0] for r in rows], [r[1] for r in rows], [int(p) for r in rows for p in r[2]], [len(r[2]) for r in rows]
+        )
+
+    @classmethod
+    def of_columns(
+        cls, slots: list[int], first_index: list[int], page_ids: list[int], counts: list[int]
+    ) -> PageAppends:
+        if not slots:
+            return cls()
+        one_each = len(page_ids) == len(slots)
+        return cls(
+            pack_int32(slots), pack_int32(first_index), pack_int32(page_ids), b"" if one_each else pack_int32(counts)
+        )
+
+    def scatter_indices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(slot, page-table column, page id) of every appended page."""
+        ids = np.frombuffer(self.page_ids, dtype="<i4")
+        if not self.counts:
+            return np.frombuffer(self.slots, dtype="<i4"), np.frombuffer(self.first_index, dtype="<i4"), ids
+        counts = np.frombuffer(self.counts, dtype="<i4").astype(np.int64)
+        slots = np.repeat(np.frombuffer(self.slots, dtype="<i4"), counts)
+        # Column of page j of row i: first_index[i] + j, with j counted from the row's start.
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        cols = np.repeat(np.frombuffer(self.first_index, dtype="<i4"), counts) + np.arange(len(ids)) - starts
+        return slots, cols, ids
 
 
 class BatchDescriptor(msgspec.Struct, array_like=True, tag="batch"):
@@ -70,7 +125,7 @@ class BatchDescriptor(msgspec.Struct, array_like=True, tag="batch"):
     forward_mode: int
     removed_slots: list[int]
     added: list[AddedRequest]
-    page_appends: list[PageAppend]
+    page_appends: PageAppends
     extends: list[ExtendChunk]
     seq_lens_sum: int
     """Sum of the batch's seq_lens before this step (the scheduler's mirror, refreshed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -24,6 +25,13 @@ from wire.transport import ENDPOINT_LAUNCHER, PushSocket, endpoint
 
 PR_SET_PDEATHSIG = 1
 PARENT_CHECK_INTERVAL_S = 0.5
+GC_GEN0_THRESHOLD = 50_000
+"""Allocations between young-generation collections in the scheduler and the tokenizer
+(Python's default is 700). Both allocate a few container objects per running request per
+step (a row's token list, its queue item); at the default the cyclic collector ran several
+times a step and took half of the scheduler's CPU at 256 running requests, and at 4,096
+the tokenizer spent most of its time in it (docs/benchmarks.md). Their own structures have
+few cycles, so collecting rarely costs little memory."""
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -71,6 +79,13 @@ class ChildContext:
         self._launcher.send(ProcessFailed(self.role, self.rank, os.getpid(), error, self.dp_rank))
         # Give the frame time to leave before the process exits (LINGER is 0).
         time.sleep(0.2)
+
+
+def tune_gc() -> None:
+    """Call once start-up is done: what it allocated (modules, tables, the tokenizer) is
+    never garbage, so the collector stops walking it; then collect every ~50k allocations."""
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, 50, 100)
 
 
 def start_child(role: str) -> ChildContext:

@@ -6,7 +6,10 @@ scheduler -> tokenizer: `TokenizerInput` (per-step batched token outputs, period
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import msgspec
+import numpy as np
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -79,28 +82,68 @@ class WorkerGroupLost(msgspec.Struct, array_like=True, tag="worker_group_lost"):
 SchedulerInput = TokenizerHello | GenerateReq | AbortReq | FlushCacheReq | WorkerGroupLost
 
 
-class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one request produced in one step. Written by the scheduler."""
+class RowExtras(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The rarely set fields of one `TokenOutBatch` row. Written by the scheduler only for a
+    row that has one of them (its first output, its last, logprobs); steady decode rows have
+    none, so a decode step costs no per-row struct on either side."""
 
-    rid: str
-    token_ids: list[int]
-    """New tokens since the previous TokenOut of this request."""
+    row: int
+    """Index of the row in the batch's `rids`."""
     finish_reason: str | None = None
     """stop | length | abort | error; None while the request runs."""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    """Prompt tokens whose KV came from the prefix cache."""
     error: str = ""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (sent with the first output)."""
     token_logprobs: list[float] = []
-    """Log-probability of each token in token_ids (when requested)."""
+    """Log-probability of each of the row's new tokens (when requested)."""
     top_logprobs: list[list[tuple[int, float]]] = []
-    """Per token, the top (token id, logprob) pairs (when requested)."""
+    """Per new token, the top (token id, logprob) pairs (when requested)."""
 
 
-class TokenOutBatch(msgspec.Struct, array_like=True, tag="tokens"):
-    """All request outputs of one scheduler step, sent as one frame."""
+class TokenOutBatch(msgspec.Struct, array_like=True, omit_defaults=True, tag="tokens"):
+    """What the requests of one scheduler step produced, column-wise, as one frame.
 
-    outputs: list[TokenOut]
+    Written by the scheduler (`scheduler_proc/output.py`), read by the tokenizer's receive
+    task through `rows()`. Row i is request `rids[i]`; its new tokens (since its previous
+    row) are the next `counts[i]` ids of `token_ids`. A decode step's token ids are the
+    worker's `StepResult.next_token_ids` bytes passed through when no row was dropped.
+    """
+
+    rids: list[str]
+    token_ids: bytes = b""
+    """int32 new tokens of every row, back to back, in row order."""
+    token_counts: bytes = b""
+    """int32 number of new tokens per row; empty means one per row."""
+    extras: list[RowExtras] = []
+    """Rows with a finish, an error, cached tokens or logprobs, in row order."""
+
+    def __post_init__(self) -> None:
+        """Runs on decode too: a frame whose columns disagree fails to decode, and is
+        dropped and counted like any malformed frame (wire/codec.py)."""
+        n_tokens, odd = divmod(len(self.token_ids), 4)
+        if self.token_counts:
+            counts = np.frombuffer(self.token_counts, dtype="<i4") if len(self.token_counts) % 4 == 0 else None
+            if counts is None or len(counts) != len(self.rids) or (counts < 0).any() or counts.sum() != n_tokens:
+                raise ValueError(f"token_counts do not split the tokens over {len(self.rids)} rows")
+        elif n_tokens != len(self.rids):
+            raise ValueError(f"{n_tokens} token ids for {len(self.rids)} rows of one token each")
+        if odd:
+            raise ValueError("token_ids is not int32")
+        if any(not 0 <= e.row < len(self.rids) for e in self.extras):
+            raise ValueError(f"extras name a row outside 0..{len(self.rids) - 1}")
+
+    def rows(self) -> Iterator[tuple[str, list[int], RowExtras | None]]:
+        """(rid, new token ids, extras or None) for each row, in order."""
+        tokens = np.frombuffer(self.token_ids, dtype="<i4").tolist()
+        if self.token_counts:
+            ends = np.cumsum(np.frombuffer(self.token_counts, dtype="<i4")).tolist()
+            per_row = [tokens[start:end] for start, end in zip([0, *ends], ends)]
+        else:
+            per_row = [[t] for t in tokens]
+        extras: list[RowExtras | None] = [None] * len(self.rids)
+        for e in self.extras:
+            extras[e.row] = e
+        return zip(self.rids, per_row, extras)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, tag="stats"):

@@ -1,0 +1,122 @@
+"""The scheduler's side of one worker group: the steps in flight and the replies about them.
+
+Owns `in_flight` (steps sent whose result is not processed yet, oldest first; with overlap
+up to two) and the `SeqLensSync` frames that arrived before they were asked for. Decides
+when the group is lost: a reply out of step, a `WorkerError`, or no reply within the
+watchdog time (then launch.py is told to restart the group). A new link is made for every
+worker group, so nothing of a lost group's steps survives into the next.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from scheduler_proc.io import SchedulerIO
+from scheduler_proc.request import Req
+from scheduler_proc.stats import SchedulerCounters
+from wire.backend import BatchDescriptor, SeqLensSync, StepResult, WorkerError, WorkerReady
+from wire.child import ChildContext
+from wire.control import RestartWorkers
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLost(RuntimeError):
+    """The worker group died, hung, or answered out of step: requeue and reconnect."""
+
+
+@dataclass
+class Step:
+    """A step in flight: what was sent and who samples in it."""
+
+    descriptor: BatchDescriptor
+    sampling_reqs: list[Req]
+    sampling_rows: np.ndarray
+    """Batch index of each sampling request at build time."""
+    expected_seq_lens: np.ndarray
+    """The mirror after this step (one token per decoding row), for --check-seq-lens."""
+    increments: np.ndarray
+    """What this step adds to each row as built (chunk length, or 1 per decoding row)."""
+    build_s: float = 0.0
+    """Scheduler CPU time spent building this step."""
+    sent_at: float = field(default_factory=time.perf_counter)
+
+
+class WorkerLink:
+    def __init__(
+        self,
+        ctx: ChildContext,
+        io: SchedulerIO,
+        counters: SchedulerCounters,
+        on_request: Callable[[Any], None],
+    ) -> None:
+        self.ctx = ctx
+        self.io = io
+        self.counters = counters
+        self.on_request = on_request
+        """Takes in a request that arrives while the scheduler waits for the worker."""
+        self.watchdog_s = ctx.args.watchdog_timeout_s
+        self.in_flight: list[Step] = []
+        self.pending_syncs: dict[int, SeqLensSync] = {}
+        """SeqLensSync frames that arrived while waiting for a result, by step id."""
+
+    def send(self, step: Step) -> None:
+        self.io.send_to_workers(step.descriptor)
+        self.in_flight.append(step)
+
+    def wait_result(self) -> tuple[Step, StepResult]:
+        """The result of the oldest step in flight, which leaves `in_flight`."""
+        step = self.in_flight[0]
+        while True:
+            msg = self.next_reply()
+            if isinstance(msg, StepResult):
+                if msg.step_id != step.descriptor.step_id:
+                    raise WorkerLost(f"expected result of step {step.descriptor.step_id}, got {msg.step_id}")
+                self.in_flight.pop(0)
+                return step, msg
+            self.pending_syncs[msg.step_id] = msg
+
+    def wait_seq_lens_sync(self, step: Step) -> SeqLensSync:
+        """The worker's seq_lens as `step` started (published before its forward)."""
+        while step.descriptor.step_id not in self.pending_syncs:
+            msg = self.next_reply()
+            if isinstance(msg, StepResult):
+                raise WorkerLost(f"result of step {msg.step_id} arrived before its seq_lens sync")
+            self.pending_syncs[msg.step_id] = msg
+        return self.pending_syncs.pop(step.descriptor.step_id)
+
+    def next_reply(self) -> StepResult | SeqLensSync:
+        """The next reply about a step in flight. Requests that arrive meanwhile are taken in;
+        replies about no step in flight (stale or forged) are counted and dropped; no reply
+        within the watchdog time means a hung worker."""
+        deadline = time.monotonic() + self.watchdog_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                self.ctx.tell_launcher(
+                    RestartWorkers(f"no step progress for {self.watchdog_s:.0f} s", self.ctx.dp_rank)
+                )
+                raise WorkerLost(f"watchdog: no reply for {self.watchdog_s:.0f} s")
+            reply_ready, request_ready = self.io.wait_any(left_ms)
+            if request_ready:
+                for msg in self.io.requests.recv_nowait():
+                    self.on_request(msg)
+            msg = self.io.replies.recv(timeout_ms=0) if reply_ready else None
+            if msg is None or isinstance(msg, WorkerReady):
+                continue  # a WorkerReady here answers the ResetBatch sent at (re)connection
+            step_id = getattr(msg, "step_id", None)
+            if all(s.descriptor.step_id != step_id for s in self.in_flight):
+                self.counters.ignored_replies += 1
+                logger.warning("ignoring %s for step %s, which is not in flight", type(msg).__name__, step_id)
+                continue
+            if isinstance(msg, WorkerError):
+                reason = f"worker rejected step {msg.step_id}: {msg.error}"
+                self.ctx.tell_launcher(RestartWorkers(reason, self.ctx.dp_rank))
+                raise WorkerLost(reason)
+            return msg
