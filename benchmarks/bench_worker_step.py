@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     pool = most * (ns.prompt_len + ns.decode_steps + ns.warmup_steps + 16) + 64
     t0 = time.perf_counter()
     compile_decode = "on" if ns.ab_compile else ns.compile
-    worker = make_worker(ns.model or default_model_path(), ns.dtype, pool, max(most, 1), ns.weight_dtype, compile_decode)
+    worker = make_worker(
+        ns.model or default_model_path(), ns.dtype, pool, max(most, 1), ns.weight_dtype, compile_decode
+    )
     print(
         json.dumps(
             {

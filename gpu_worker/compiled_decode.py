@@ -10,7 +10,7 @@ What is compiled: one decoder layer (regional compilation), not the whole model.
 layer runs the same code on its own weights and KV tensor, so one graph serves all of them:
 a graph takes ~6-9 s to build on 2 cores, where the whole 30-layer model took 60-95 s (and
 most of that in a pass that grows with the square of the graph). The price is a guard check
-and a call per layer (~0.1 ms each on this machine); `timings()` in docs/benchmarks.md.
+and a wrapper call per layer: ~0.25 ms per layer in a profile at load ~2-5, ~7 ms a step.
 
 When: only plain decode steps (every row one query, no prompt chunk). Prefill, mixed and
 draft-verify steps run eager: their structure (chunks, masks) varies from step to step,
@@ -22,9 +22,8 @@ lone row (torch specialises sizes of 1) and one for 2+ rows per number of length
 it is ready, so no request waits for a compile. Duck shaping is off: two sizes that happen
 to be equal while tracing must not become a guard that they stay equal.
 
-On CUDA the same path compiles to Triton kernels; it has not been measured there, so
-`auto` leaves it off on CUDA. At tp > 1 the layer's all-reduce would enter the graph,
-which is not tested either: the layers run eager there.
+On CUDA the same path compiles to Triton kernels; it has not been run there. At tp > 1
+the layer's all-reduce would enter the graph, which is not tested: the layers run eager.
 """
 
 from __future__ import annotations
@@ -48,14 +47,22 @@ def run_layer(layer: torch.nn.Module, x, rotary, kv_cache, meta) -> torch.Tensor
     return layer(x, rotary, kv_cache, meta)
 
 
-def is_plain_decode(meta: AttentionMetadata) -> bool:
-    return not meta.extend_rows and all(g.token_idx.shape[1] == 1 for g in meta.decode_groups)
+def runs_compiled(meta: AttentionMetadata) -> bool:
+    """A plain decode step of a shape class that warm_up built: a lone group, or groups of
+    2+ rows each. torch specialises sizes of 1, so a one-row group among others would need
+    a graph for each mix of such groups; those steps run eager."""
+    groups = meta.decode_groups
+    return (
+        not meta.extend_rows
+        and all(g.token_idx.shape[1] == 1 for g in groups)
+        and (len(groups) == 1 or all(g.token_idx.shape[0] > 1 for g in groups))
+    )
 
 
-def wants_compile(setting: str, device: torch.device, tp_size: int) -> bool:
-    """`on`/`off` as given; `auto` is on where it was measured to pay: CPU, one rank."""
-    if setting == "auto":
-        return device.type == "cpu" and tp_size == 1
+def wants_compile(setting: str, tp_size: int) -> bool:
+    """`on` compiles at tp 1. `auto` (the default) is off for now: the gain measured on 2
+    shared cores (docs/benchmarks.md) is smaller than the run-to-run noise of served
+    numbers, while every start and every restart of a worker pays the warm-up."""
     return setting == "on" and tp_size == 1
 
 
@@ -76,7 +83,8 @@ def _synthetic_meta(rows_per_group: list[int], kv_lens: list[int], device: torch
     for rows, kv_len in zip(rows_per_group, kv_lens):
         groups.append(
             DecodeGroup(
-                token_idx=torch.arange(start, start + rows, device=device)[:, None],
+                # Not a view: the graphs are specialised on whether an input is one.
+                token_idx=torch.arange(start, start + rows, device=device)[:, None].clone(),
                 q_valid=torch.ones(rows, 1, dtype=torch.bool, device=device),
                 kv_indices=torch.zeros(rows, kv_len, dtype=torch.int64, device=device),
                 bias=torch.zeros(rows, 1, 1, 1, kv_len, device=device),

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention import AttentionMetadata, paged_attention
-from gpu_worker.compiled_decode import LayerFn, compile_layer, is_plain_decode, run_layer
+from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
 from gpu_worker.int8_weights import Int8Linear, quantize_linear_layers
 from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
@@ -163,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.tp.embed(input_ids, self.embed_tokens.weight, self.plan.vocab)
         meta.prepare_gather(self.plan.num_kv_heads, self.gather_kv_heads)
         rotary = self.rope.tables(positions, x.dtype)
-        run = self.decode_layer if self.decode_layer is not None and is_plain_decode(meta) else run_layer
+        run = self.decode_layer if self.decode_layer is not None and runs_compiled(meta) else run_layer
         for layer, kv_cache in zip(self.layers, kv_pool.kv):
             x = run(layer, x, rotary, kv_cache, meta)
         x = self.norm(x[logits_indices])

@@ -109,7 +109,7 @@ class Worker(WorkerLoop):
         pool_tokens = self.tp.agree_min(kv_pool_tokens(args, self.cfg, self.dtype, self.device, self.plan.num_kv_heads))
         self.num_pages = pool_tokens // args.page_size + 1  # page 0 is the padding page
         self.kv_pool = KVPool(self.cfg, self.num_pages, args.page_size, self.dtype, self.device, self.plan.num_kv_heads)
-        self.compiled = wants_compile(args.compile_decode, self.device, args.tp_size)
+        self.compiled = wants_compile(args.compile_decode, args.tp_size)
         if self.compiled:
             self.model.compile_decode()
             warm_up(lambda ids, pos, meta: self.model(ids, pos, self.kv_pool, meta, pos), self.device)
