@@ -12,8 +12,9 @@ or without an extra competing process.
 Sleeping at once costs a futex wake-up per region, though, and a region's teammate is
 usually back within microseconds. So a thread first spins briefly (`GOMP_SPINCOUNT` =
 10,000 spins, ~0.1 ms), then sleeps: measured interleaved on the same 2 shared cores
-(docs/benchmarks.md, 2026-12-03), decode steps 6-35 % faster than sleeping at once, at
-batch 1 and 32. libgomp takes an explicit GOMP_SPINCOUNT over the policy's own count.
+(docs/benchmarks.md, 2026-12-03), decode steps at batch 1 were 25-35 % faster than when
+sleeping at once, at batch 32 from 4 % slower to 47 % faster. libgomp takes an explicit
+GOMP_SPINCOUNT over the policy's own count.
 
 A value the user set in the environment wins (either variable: a user's OMP_WAIT_POLICY
 keeps its own spin count). libgomp reads them once, when torch loads it, so they must be
