@@ -59,6 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="int8: linear layers as weight-only int8 with per-channel scales (CPU; faster at batch 1, "
         "slower from ~8 running requests)",
     )
+    compiled = m.add_mutually_exclusive_group()
+    compiled.add_argument(
+        "--compile",
+        dest="compile_decode",
+        action="store_const",
+        const="on",
+        default="auto",
+        help="torch.compile the decoder layer for decode steps (tp 1; ~25 s of compiling at start-up)",
+    )
+    compiled.add_argument(
+        "--disable-compile",
+        dest="compile_decode",
+        action="store_const",
+        const="off",
+        help="run every step eager (the default)",
+    )
     m.add_argument("--context-length", type=int, default=0, help="max prompt+output tokens; 0: the model's")
     m.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     h = p.add_argument_group("HTTP")
@@ -211,6 +227,7 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
         device=ns.device,
         dtype=ns.dtype,
         weight_dtype=ns.weight_dtype,
+        compile_decode=ns.compile_decode,
         context_length=ns.context_length,
         seed=ns.seed,
         host=ns.host,

@@ -86,13 +86,16 @@ class SyntheticScheduler:
         )
 
 
-def make_worker(model: str, dtype: str, pool_tokens: int, max_running: int, weight_dtype: str = "auto"):
+def make_worker(
+    model: str, dtype: str, pool_tokens: int, max_running: int, weight_dtype: str = "auto", compile_decode: str = "off"
+):
     from gpu_worker.worker import Worker
 
     args = ServerArgs(
         model_path=model,
         dtype=dtype,
         weight_dtype=weight_dtype,
+        compile_decode=compile_decode,
         max_total_tokens=pool_tokens,
         max_running_requests=max_running,
         run_dir=tempfile.mkdtemp(prefix="trident-bench-"),
@@ -146,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M GGUF")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--weight-dtype", default="auto", choices=["auto", "int8"])
+    p.add_argument("--compile", default="off", choices=["auto", "on", "off"], help="compiled decode steps")
+    p.add_argument(
+        "--ab-compile",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="compile, then measure each batch size ROUNDS times eager and compiled, alternating",
+    )
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=64)
@@ -158,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     most = max(batches + [ns.profile])
     pool = most * (ns.prompt_len + ns.decode_steps + ns.warmup_steps + 16) + 64
     t0 = time.perf_counter()
-    worker = make_worker(ns.model or default_model_path(), ns.dtype, pool, max(most, 1), ns.weight_dtype)
+    compile_decode = "on" if ns.ab_compile else ns.compile
+    worker = make_worker(
+        ns.model or default_model_path(), ns.dtype, pool, max(most, 1), ns.weight_dtype, compile_decode
+    )
     print(
         json.dumps(
             {
@@ -170,8 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         ),
         flush=True,
     )
+    compiled = worker.model.decode_layer
     for b in batches:
-        print(json.dumps(measure(worker, b, ns.prompt_len, ns.decode_steps, ns.warmup_steps)), flush=True)
+        for _ in range(ns.ab_compile or 1):
+            for layer_fn in [None, compiled] if ns.ab_compile else [compiled]:
+                worker.model.decode_layer = layer_fn
+                result = measure(worker, b, ns.prompt_len, ns.decode_steps, ns.warmup_steps)
+                result.update(compiled=layer_fn is not None, loadavg=os.getloadavg()[0])
+                print(json.dumps(result), flush=True)
     if ns.profile:
         print(profile(worker, ns.profile, ns.prompt_len, ns.profile_steps))
     print(json.dumps({"loadavg_after": os.getloadavg()}))

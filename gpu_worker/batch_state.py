@@ -259,7 +259,11 @@ class BatchState:
         kv_idx = np.where(kv[None, :] < kv_lens[:, None], self._pool_index(slots[:, None], kv[None, :]), 0)
         # Query i of a row sits at position prefix+i and sees keys 0..prefix+i.
         visible = kv[None, None, :] <= (prefix[:, None, None] + np.minimum(q, q_lens[:, None] - 1)[:, :, None])
-        bias = np.where(visible, np.float32(0), np.float32(-np.inf))[:, None, :, None, :]
+        # Allocated in its final shape, so that its strides are those of any other bias of that
+        # shape (a view would give its size-1 dims stride 0; the compiled decode graphs are
+        # specialised on strides, compiled_decode.py).
+        bias = np.zeros((len(rows), 1, max_q, 1, len(kv)), dtype=np.float32)
+        bias[:, 0, :, 0, :] = np.where(visible, np.float32(0), np.float32(-np.inf))
         # A plain decode step: one query per row, the rows in batch order.
         covers_batch = alone and max_q == 1 and bool((offsets == np.arange(len(rows))).all())
         return DecodeGroup(

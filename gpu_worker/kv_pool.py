@@ -38,4 +38,9 @@ class KVPool:
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv[layer].index_copy_(0, loc, torch.stack((k, v), dim=1))
+        write_kv(self.kv[layer], loc, k, v)
+
+
+def write_kv(kv_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Writes new tokens' K and V ([tokens, kv_heads, dim] each) into one layer's tensor."""
+    kv_cache.index_copy_(0, loc, torch.stack((k, v), dim=1))

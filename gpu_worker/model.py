@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention import AttentionMetadata, paged_attention
+from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
 from gpu_worker.int8_weights import Int8Linear, quantize_linear_layers
-from gpu_worker.kv_pool import KVPool
+from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.parallel import ShardPlan, TPGroup
 
@@ -80,9 +81,10 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        kv_pool: KVPool,
+        kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """kv_cache: this layer's tensor of the pool (kv_pool.py)."""
         qkv = self.qkv_proj(x)
         # q and k sit side by side in qkv: one rotary over both heads at once.
         qk = apply_rotary(
@@ -90,8 +92,8 @@ class Attention(nn.Module):
         )
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        kv_pool.write(self.layer_id, meta.out_cache_loc, k, v)
-        out = paged_attention(q, k, v, kv_pool.kv[self.layer_id], meta, self.kv_head_map)
+        write_kv(kv_cache, meta.out_cache_loc, k, v)
+        out = paged_attention(q, k, v, kv_cache, meta, self.kv_head_map)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
@@ -118,8 +120,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, plan, tp)
 
-    def forward(self, x, rotary, kv_pool, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_pool, meta)
+    def forward(self, x, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,6 +143,11 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer(
             "gather_kv_heads", torch.tensor(list(heads_of_gather), dtype=torch.int64), persistent=False
         )
+        self.decode_layer: LayerFn | None = None
+        """The compiled layer of plain decode steps (compiled_decode.py); None: eager."""
+
+    def compile_decode(self) -> None:
+        self.decode_layer = compile_layer()
 
     @torch.inference_mode()
     def forward(
@@ -156,8 +163,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.tp.embed(input_ids, self.embed_tokens.weight, self.plan.vocab)
         meta.prepare_gather(self.plan.num_kv_heads, self.gather_kv_heads)
         rotary = self.rope.tables(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rotary, kv_pool, meta)
+        run = self.decode_layer if self.decode_layer is not None and runs_compiled(meta) else run_layer
+        for layer, kv_cache in zip(self.layers, kv_pool.kv):
+            x = run(layer, x, rotary, kv_cache, meta)
         x = self.norm(x[logits_indices])
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         return self.tp.gather_vocab(logits, self.cfg.vocab_size)

@@ -20,6 +20,7 @@ import psutil
 import torch
 
 from gpu_worker.batch_state import BatchState, StepPlan
+from gpu_worker.compiled_decode import wants_compile, warm_up
 from gpu_worker.int8_weights import check_supported as check_int8_supported
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
@@ -108,6 +109,10 @@ class Worker(WorkerLoop):
         pool_tokens = self.tp.agree_min(kv_pool_tokens(args, self.cfg, self.dtype, self.device, self.plan.num_kv_heads))
         self.num_pages = pool_tokens // args.page_size + 1  # page 0 is the padding page
         self.kv_pool = KVPool(self.cfg, self.num_pages, args.page_size, self.dtype, self.device, self.plan.num_kv_heads)
+        self.compiled = wants_compile(args.compile_decode, args.tp_size)
+        if self.compiled:
+            self.model.compile_decode()
+            warm_up(lambda ids, pos, meta: self.model(ids, pos, self.kv_pool, meta, pos), self.device)
         self.num_draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
         self.drafter = NgramDrafter(args.max_running_requests, self.num_draft_tokens) if self.num_draft_tokens else None
         # Slack for drafts: the scheduler may allocate up to 2K+1 tokens past a row's length.
@@ -121,7 +126,7 @@ class Worker(WorkerLoop):
         self.open_sockets(ctx)
 
     def summary(self) -> str:
-        return str(self.dtype)
+        return f"{self.dtype}, decode {'compiled' if self.compiled else 'eager'}"
 
     def agree_on_step(self, step_id: int, failed: bool) -> str | None:
         return self.tp.check_step(step_id, failed=failed)

@@ -1,4 +1,4 @@
-"""The worker's OpenMP threads sleep when they wait, unless the user chose otherwise."""
+"""The worker's OpenMP threads spin briefly, then sleep, when they wait, unless the user chose otherwise."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ SET_THEN_IMPORT = (
 
 
 def run(code: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     return subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=120
     )
@@ -24,6 +24,13 @@ def run(code: str, **env: str) -> subprocess.CompletedProcess:
 def test_the_worker_waits_passively_by_default_and_a_users_choice_wins():
     assert run(SET_THEN_IMPORT).stdout.strip() == "PASSIVE"
     assert run(SET_THEN_IMPORT, OMP_WAIT_POLICY="ACTIVE").stdout.strip() == "ACTIVE"
+
+
+def test_threads_spin_briefly_before_sleeping_unless_the_user_set_a_policy():
+    code = SET_THEN_IMPORT.replace("['OMP_WAIT_POLICY']", ".get('GOMP_SPINCOUNT')")
+    assert run(code).stdout.strip() == "10000"
+    assert run(code, OMP_WAIT_POLICY="ACTIVE").stdout.strip() == "None"  # ACTIVE keeps its own count
+    assert run(code, GOMP_SPINCOUNT="0").stdout.strip() == "0"
 
 
 def test_after_torch_is_loaded_it_is_too_late_and_says_so():

@@ -25,6 +25,8 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     """auto | float32 | bfloat16 | float16; the worker resolves auto per device."""
     weight_dtype: str = "auto"
     """auto (the same as dtype) | int8 (weight-only int8 linear layers, CPU)."""
+    compile_decode: str = "auto"
+    """auto | on | off: torch.compile of decode steps (gpu_worker/compiled_decode.py)."""
     context_length: int = 0
     """Maximum prompt + output tokens per request; 0 means the model's own limit."""
     seed: int = 0

@@ -1,0 +1,119 @@
+"""Compiled decode steps (`--compile`) sample exactly what eager ones do, and the start-up
+warm-up leaves nothing to compile while serving.
+
+One in-process worker on a tiny random-weight LLaMA in float32: its decode steps run once
+through the compiled layer and once eager (the same worker, `model.decode_layer` swapped),
+on a lone row and on ragged rows that fall into several length groups. Compiling on 2 cores
+takes ~20-30 s (the warm-up builds every shape class); one test pays it once.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+import pytest
+
+from gpu_worker.batch_state import group_by_length
+from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppend, StepResult
+from wire.child import ChildContext
+from wire.codec import pack_int32, unpack_int32
+from wire.frontend import SamplingParams
+from wire.server_args import ServerArgs
+
+DECODE_STEPS = 6
+
+
+class Driver:
+    """Sends a worker the descriptors a scheduler would: rows join with their prompts in
+    one extend step, then decode, one new page (page size 1) per row per step."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.step_id = worker.state.next_step_id
+        self.next_page = 1
+        self.lens: dict[int, int] = {}
+
+    def _pages(self, slot: int, n: int) -> PageAppend:
+        first = self.lens.get(slot, 0)
+        self.lens[slot] = first + n
+        ids = np.arange(self.next_page, self.next_page + n)
+        self.next_page += n
+        return PageAppend(slot, first, pack_int32(ids))
+
+    def _send(self, mode: ForwardMode, **fields) -> np.ndarray:
+        desc = BatchDescriptor(self.step_id, int(mode), seq_lens_sum=sum(self.lens.values()), **fields)
+        self.step_id += 1
+        out = self.worker.step(desc)
+        assert isinstance(out, StepResult), out
+        return unpack_int32(out.next_token_ids)
+
+    def generate(self, prompts: list[np.ndarray]) -> np.ndarray:
+        """Greedy tokens [rows, 1 + DECODE_STEPS]; the rows leave the batch afterwards."""
+        slots = range(len(prompts))
+        params = SamplingParams(max_new_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
+        first = self._send(
+            ForwardMode.EXTEND,
+            removed_slots=[],
+            added=[AddedRequest(s, 0, params) for s in slots],
+            page_appends=[self._pages(s, len(p)) for s, p in zip(slots, prompts)],
+            extends=[ExtendChunk(s, pack_int32(p), True) for s, p in zip(slots, prompts)],
+        )
+        tokens = [first]
+        for _ in range(DECODE_STEPS):
+            pages = [self._pages(s, 1) for s in slots]
+            tokens.append(self._send(ForwardMode.DECODE, removed_slots=[], added=[], page_appends=pages, extends=[]))
+        self._send(ForwardMode.IDLE, removed_slots=list(slots), added=[], page_appends=[], extends=[])
+        self.lens.clear()
+        return np.stack(tokens, axis=1)
+
+
+@pytest.fixture(scope="module")
+def compiled_worker(tmp_path_factory):
+    from gpu_worker.worker import Worker
+    from tests.helpers import make_random_llama
+
+    model = make_random_llama(str(tmp_path_factory.mktemp("model")), seed=5, scale=0.5)
+    args = ServerArgs(
+        model_path=model,
+        dtype="float32",
+        compile_decode="on",
+        max_total_tokens=4096,
+        max_running_requests=8,
+        run_dir=tempfile.mkdtemp(prefix="trident-test-"),
+    )
+    ctx = ChildContext(args, "worker", 0)
+    yield Worker(ctx)
+    ctx.zmq_ctx.destroy(linger=0)  # before the garbage collector would, with sockets still open
+
+
+def test_compiled_decode_samples_what_eager_does_and_compiles_nothing_after_warm_up(compiled_worker):
+    from torch._dynamo.utils import counters
+
+    worker = compiled_worker
+    assert worker.compiled and worker.model.decode_layer is not None
+    rng = np.random.default_rng(0)
+    lone = [rng.integers(100, 5000, 9)]
+    ragged = [rng.integers(100, 5000, n) for n in (3, 4, 12, 13, 40, 41, 90, 91)]
+    assert len(group_by_length(np.array([len(p) for p in ragged]))) == 4  # every length group in play
+    # A one-row group among others runs eager (compiled_decode.runs_compiled): no compile either.
+    with_lone_group = [rng.integers(100, 5000, n) for n in (3, 4, 90)]
+    compiled_fn = worker.model.decode_layer
+    graphs_after_warm_up = counters["stats"]["unique_graphs"]
+    driver = Driver(worker)
+    for prompts in (lone, ragged, with_lone_group):
+        compiled = driver.generate(prompts)
+        worker.model.decode_layer = None
+        eager = driver.generate(prompts)
+        worker.model.decode_layer = compiled_fn
+        np.testing.assert_array_equal(compiled, eager)
+        assert len(set(eager[:, 1:].ravel().tolist())) > 1  # the model does not just repeat one token
+    assert counters["stats"]["unique_graphs"] == graphs_after_warm_up, "a decode step compiled after warm-up"
+
+
+def test_compile_is_asked_for_and_runs_at_tp_1_only():
+    from gpu_worker.compiled_decode import wants_compile
+
+    assert wants_compile("on", 1)
+    assert not wants_compile("auto", 1) and not wants_compile("off", 1)
+    assert not wants_compile("on", 2)
