@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.batch_state import group_by_length
-from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppend, StepResult
+from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends, StepResult
 from wire.child import ChildContext
 from wire.codec import pack_int32, unpack_int32
 from wire.frontend import SamplingParams
@@ -34,12 +34,12 @@ class Driver:
         self.next_page = 1
         self.lens: dict[int, int] = {}
 
-    def _pages(self, slot: int, n: int) -> PageAppend:
+    def _pages(self, slot: int, n: int) -> tuple[int, int, list[int]]:
         first = self.lens.get(slot, 0)
         self.lens[slot] = first + n
-        ids = np.arange(self.next_page, self.next_page + n)
+        ids = list(range(self.next_page, self.next_page + n))
         self.next_page += n
-        return PageAppend(slot, first, pack_int32(ids))
+        return slot, first, ids
 
     def _send(self, mode: ForwardMode, **fields) -> np.ndarray:
         desc = BatchDescriptor(self.step_id, int(mode), seq_lens_sum=sum(self.lens.values()), **fields)
@@ -56,14 +56,14 @@ class Driver:
             ForwardMode.EXTEND,
             removed_slots=[],
             added=[AddedRequest(s, 0, params) for s in slots],
-            page_appends=[self._pages(s, len(p)) for s, p in zip(slots, prompts)],
+            page_appends=PageAppends.of_rows([self._pages(s, len(p)) for s, p in zip(slots, prompts)]),
             extends=[ExtendChunk(s, pack_int32(p), True) for s, p in zip(slots, prompts)],
         )
         tokens = [first]
         for _ in range(DECODE_STEPS):
-            pages = [self._pages(s, 1) for s in slots]
+            pages = PageAppends.of_rows([self._pages(s, 1) for s in slots])
             tokens.append(self._send(ForwardMode.DECODE, removed_slots=[], added=[], page_appends=pages, extends=[]))
-        self._send(ForwardMode.IDLE, removed_slots=list(slots), added=[], page_appends=[], extends=[])
+        self._send(ForwardMode.IDLE, removed_slots=list(slots), added=[], page_appends=PageAppends(), extends=[])
         self.lens.clear()
         return np.stack(tokens, axis=1)
 
