@@ -14,8 +14,9 @@ descriptors through a worker's batch state; its time comes from one of:
   speculative decoding: there accepted lengths, which a replay without the model does not
   know, decide the shapes.
 
-The coefficients are fitted by non-negative least squares on relative error, and the
-fit's own errors are written into the profile.
+The coefficients are fitted by non-negative least squares (`--loss relative`, the default,
+or `absolute`: step_profile.fit_step_times says when each is right), and the fit's own
+errors are written into the profile.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 
 from gpu_worker.omp_policy import use_passive_omp_wait
 from gpu_worker.replay import load_recording, replay_steps, replay_worker
-from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, StepProfile, fit_step_times
+from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, LOSSES, StepProfile, fit_step_times
 from wire.backend import BatchDescriptor
 from wire.child import ChildContext
 
@@ -99,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--description", default="", help="model, dtype and hardware the profile describes")
     p.add_argument("--timing", choices=["replay", "recorded"], default="replay", help="where step times come from")
     p.add_argument("--passes", type=int, default=2, help="replays per recording; each step keeps its fastest")
+    p.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default="relative",
+        help="relative: fit the typical step (quiet machine); absolute: keep the total (heavy-tailed times)",
+    )
     p.add_argument("--kv-pool-tokens", type=int, default=1_000_000, help="KV pool a simulated worker advertises")
     p.add_argument("--model", default=None, help="override the recorded model path")
     p.add_argument("--dtype", default=None, help="override the recorded dtype")
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(seconds) < len(FEATURES):
         print(f"error: {len(seconds)} computing steps are too few to fit {len(FEATURES)} coefficients", file=sys.stderr)
         return 2
-    coef = fit_step_times(features, seconds)
+    coef = fit_step_times(features, seconds, ns.loss)
     profile = StepProfile(
         coefficients=dict(zip(COEFFICIENT_NAMES, coef.tolist())),
         description=ns.description,
