@@ -27,7 +27,7 @@ from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.ngram_drafter import NgramDrafter
 from gpu_worker.parallel import ShardPlan, TPGroup, dist_port
-from gpu_worker.sampler import SamplingTable, sample
+from gpu_worker.sampler import SamplingTable, greedy_tokens, sample
 from gpu_worker.weights import iter_weights, load_config
 from gpu_worker.worker_loop import WorkerLoop
 from wire.backend import BatchDescriptor
@@ -181,7 +181,7 @@ class Worker(WorkerLoop):
 
     def _verify(self, logits: torch.Tensor, draft: np.ndarray, slot: int) -> np.ndarray:
         """Greedy verification: keep drafts while they equal the model's argmax, plus one."""
-        targets = self.tp.broadcast(logits.argmax(dim=-1)).cpu().numpy()
+        targets = self.tp.broadcast(greedy_tokens(logits)).cpu().numpy()
         matches = targets[:-1] == draft
         accepted_drafts = len(draft) if matches.all() else int(np.argmin(matches))
         self.sampling.generated[slot] += accepted_drafts + 1

@@ -358,3 +358,14 @@ def test_stream_include_usage_sends_one_final_usage_chunk(client, france):
         assert "".join(c.choices[0].text for c in body if c.choices and c.choices[0].index == i) == want
     assert all(c.usage is None for c in without)
     assert "".join(c.choices[0].text for c in without if c.choices) == want
+
+
+def test_greedy_tokens_take_the_first_of_tied_maxima_as_argmax_does():
+    from gpu_worker.sampler import greedy_tokens
+
+    logits = torch.randn(64, 49152).to(torch.bfloat16)
+    logits[:, 7] = logits.max(dim=-1).values + 1
+    logits[:, 9000] = logits[:, 7]  # a tie later in the row
+    logits[3, 2] = logits[3, 7]  # and one earlier in row 3
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(logits)[0] == 7 and greedy_tokens(logits)[3] == 2
