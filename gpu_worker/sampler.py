@@ -76,6 +76,13 @@ def _uses_penalties(p: SamplingParams | None) -> bool:
     return p is not None and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row, first index on ties (as argmax). `max(dim).indices` rather
+    than `argmax`: on CPU in bfloat16, argmax's kernel is ~2x slower (2.99 vs 1.33 ms for
+    32 x 49,152 logits on this machine's Zen 4 cores)."""
+    return logits.max(dim=-1).indices
+
+
 def sample(
     logits: torch.Tensor,
     slots: list[int],
@@ -98,7 +105,7 @@ def sample(
     logits = _apply_penalties(logits, slots, params, table)
     logits = _mask_eos_before_min_tokens(logits, slots, params, table)
 
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_tokens(logits)
     if not all_greedy:
         greedy = torch.tensor([p.temperature <= 0.0 for p in params], device=logits.device)
         temps = torch.tensor([max(p.temperature, 1e-6) for p in params], device=logits.device)
