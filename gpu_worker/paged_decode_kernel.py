@@ -1,6 +1,6 @@
 """Builds and loads the CPU decode-attention kernel (csrc/paged_decode_attention.cpp).
 
-`load()` compiles the C++ file with torch's extension builder the first time (~30-60 s on
+`load()` compiles the C++ file with torch's extension builder the first time (~20 s on
 two cores; the result is cached under ~/.cache/torch_extensions, keyed by the source, so
 later starts take well under a second), loads it, and returns the op
 `torch.ops.trident.paged_decode_attention`, or None when there is no compiler (the
@@ -51,7 +51,7 @@ def load() -> DecodeKernel | None:
 
     isa = torch.backends.cpu.get_cpu_capability()
     t0 = time.monotonic()
-    logger.info("loading the paged decode attention kernel (%s; the first build takes ~1 min)", isa)
+    logger.info("loading the paged decode attention kernel (%s; the first build takes ~20 s)", isa)
     try:
         cpp_extension.load(
             name=f"trident_paged_decode_{isa.lower()}",
