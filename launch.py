@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         const="off",
         help="run every step eager (the default)",
     )
+    m.add_argument(
+        "--decode-attention",
+        choices=["auto", "kernel", "torch"],
+        default="auto",
+        help="decode attention on CPU: a C++ kernel reading the paged KV pool in place (built on first "
+        "use, ~20 s, then cached; auto falls back to torch ops if it cannot be built) or torch ops",
+    )
     m.add_argument("--context-length", type=int, default=0, help="max prompt+output tokens; 0: the model's")
     m.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     h = p.add_argument_group("HTTP")
@@ -228,6 +235,7 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
         dtype=ns.dtype,
         weight_dtype=ns.weight_dtype,
         compile_decode=ns.compile_decode,
+        decode_attention=ns.decode_attention,
         context_length=ns.context_length,
         seed=ns.seed,
         host=ns.host,

@@ -87,7 +87,13 @@ class SyntheticScheduler:
 
 
 def make_worker(
-    model: str, dtype: str, pool_tokens: int, max_running: int, weight_dtype: str = "auto", compile_decode: str = "off"
+    model: str,
+    dtype: str,
+    pool_tokens: int,
+    max_running: int,
+    weight_dtype: str = "auto",
+    compile_decode: str = "off",
+    decode_attention: str = "auto",
 ):
     from gpu_worker.worker import Worker
 
@@ -96,6 +102,7 @@ def make_worker(
         dtype=dtype,
         weight_dtype=weight_dtype,
         compile_decode=compile_decode,
+        decode_attention=decode_attention,
         max_total_tokens=pool_tokens,
         max_running_requests=max_running,
         run_dir=tempfile.mkdtemp(prefix="trident-bench-"),
@@ -157,6 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ROUNDS",
         help="compile, then measure each batch size ROUNDS times eager and compiled, alternating",
     )
+    p.add_argument("--decode-attention", default="auto", choices=["auto", "kernel", "torch"])
+    p.add_argument(
+        "--ab-attention",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="build the decode kernel, then measure each batch size ROUNDS times with torch attention and "
+        "with the kernel, alternating",
+    )
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=64)
@@ -170,8 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     pool = most * (ns.prompt_len + ns.decode_steps + ns.warmup_steps + 16) + 64
     t0 = time.perf_counter()
     compile_decode = "on" if ns.ab_compile else ns.compile
+    decode_attention = "kernel" if ns.ab_attention else ns.decode_attention
     worker = make_worker(
-        ns.model or default_model_path(), ns.dtype, pool, max(most, 1), ns.weight_dtype, compile_decode
+        ns.model or default_model_path(),
+        ns.dtype,
+        pool,
+        max(most, 1),
+        ns.weight_dtype,
+        compile_decode,
+        decode_attention,
     )
     print(
         json.dumps(
@@ -184,13 +207,24 @@ def main(argv: list[str] | None = None) -> int:
         ),
         flush=True,
     )
-    compiled = worker.model.decode_layer
+    model = worker.model
+    compiled, kernel = model.decode_layer, model.decode_kernel
+    # Each variant: (compiled layer or None, decode kernel or None), measured in turn.
+    if ns.ab_compile:
+        variants, rounds = [(None, kernel), (compiled, kernel)], ns.ab_compile
+    elif ns.ab_attention:
+        variants, rounds = [(compiled, None), (compiled, kernel)], ns.ab_attention
+    else:
+        variants, rounds = [(compiled, kernel)], 1
     for b in batches:
-        for _ in range(ns.ab_compile or 1):
-            for layer_fn in [None, compiled] if ns.ab_compile else [compiled]:
-                worker.model.decode_layer = layer_fn
+        for _ in range(rounds):
+            for layer_fn, decode_kernel in variants:
+                model.decode_layer = layer_fn
+                model.use_decode_kernel(decode_kernel)
                 result = measure(worker, b, ns.prompt_len, ns.decode_steps, ns.warmup_steps)
-                result.update(compiled=layer_fn is not None, loadavg=os.getloadavg()[0])
+                result.update(
+                    compiled=layer_fn is not None, decode_kernel=decode_kernel is not None, loadavg=os.getloadavg()[0]
+                )
                 print(json.dumps(result), flush=True)
     if ns.profile:
         print(profile(worker, ns.profile, ns.prompt_len, ns.profile_steps))

@@ -270,6 +270,7 @@ class BatchState:
             token_idx=torch.from_numpy(token_idx).to(dev),
             q_valid=torch.from_numpy(q_valid).to(dev),
             kv_indices=torch.from_numpy(kv_idx).to(dev),
+            kv_lens=torch.from_numpy(kv_lens.astype(np.int64)).to(dev),
             bias=torch.from_numpy(bias).to(dev),
             covers_batch=covers_batch,
         )

@@ -87,6 +87,7 @@ def _synthetic_meta(rows_per_group: list[int], kv_lens: list[int], device: torch
                 token_idx=torch.arange(start, start + rows, device=device)[:, None].clone(),
                 q_valid=torch.ones(rows, 1, dtype=torch.bool, device=device),
                 kv_indices=torch.zeros(rows, kv_len, dtype=torch.int64, device=device),
+                kv_lens=torch.full((rows,), kv_len, dtype=torch.int64, device=device),
                 bias=torch.zeros(rows, 1, 1, 1, kv_len, device=device),
                 covers_batch=len(rows_per_group) == 1,
             )

@@ -21,6 +21,7 @@ from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_c
 from gpu_worker.int8_weights import Int8Linear, quantize_linear_layers
 from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.paged_decode_kernel import DecodeKernel
 from gpu_worker.parallel import ShardPlan, TPGroup
 
 
@@ -76,6 +77,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         kv_map = None if plan.uniform_gqa else torch.tensor(plan.kv_of_head, dtype=torch.int64)
         self.register_buffer("kv_head_map", kv_map, persistent=False)
+        self.decode_kernel: DecodeKernel | None = None
+        """The C++ decode attention op (paged_decode_kernel.py), set by the model; None: torch."""
 
     def forward(
         self,
@@ -93,7 +96,7 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, meta.out_cache_loc, k, v)
-        out = paged_attention(q, k, v, kv_cache, meta, self.kv_head_map)
+        out = paged_attention(q, k, v, kv_cache, meta, self.kv_head_map, self.decode_kernel)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
@@ -145,9 +148,21 @@ class LlamaForCausalLM(nn.Module):
         )
         self.decode_layer: LayerFn | None = None
         """The compiled layer of plain decode steps (compiled_decode.py); None: eager."""
+        self.decode_kernel: DecodeKernel | None = None
+        """The C++ decode attention op every layer uses (paged_decode_kernel.py); None: torch."""
 
     def compile_decode(self) -> None:
         self.decode_layer = compile_layer()
+
+    def use_decode_kernel(self, kernel: DecodeKernel | None) -> None:
+        """Decode attention through the C++ kernel (None: through torch). The kernel reads KV
+        head h // group for query head h, so a tensor-parallel rank whose heads straddle KV
+        groups keeps the torch path."""
+        if not self.plan.uniform_gqa:
+            kernel = None
+        self.decode_kernel = kernel
+        for layer in self.layers:
+            layer.self_attn.decode_kernel = kernel
 
     @torch.inference_mode()
     def forward(
@@ -161,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         """Runs the flat token batch; returns the logits (in the model's dtype: the sampler
         converts them when it needs float32) of the rows in logits_indices."""
         x = self.tp.embed(input_ids, self.embed_tokens.weight, self.plan.vocab)
-        meta.prepare_gather(self.plan.num_kv_heads, self.gather_kv_heads)
+        meta.prepare_gather(self.plan.num_kv_heads, self.gather_kv_heads, self.decode_kernel)
         rotary = self.rope.tables(positions, x.dtype)
         run = self.decode_layer if self.decode_layer is not None and runs_compiled(meta) else run_layer
         for layer, kv_cache in zip(self.layers, kv_pool.kv):

@@ -26,6 +26,8 @@ from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.ngram_drafter import NgramDrafter
+from gpu_worker.paged_decode_kernel import load as load_decode_kernel
+from gpu_worker.paged_decode_kernel import wants_decode_kernel
 from gpu_worker.parallel import ShardPlan, TPGroup, dist_port
 from gpu_worker.sampler import SamplingTable, greedy_tokens, sample
 from gpu_worker.weights import iter_weights, load_config
@@ -109,6 +111,12 @@ class Worker(WorkerLoop):
         pool_tokens = self.tp.agree_min(kv_pool_tokens(args, self.cfg, self.dtype, self.device, self.plan.num_kv_heads))
         self.num_pages = pool_tokens // args.page_size + 1  # page 0 is the padding page
         self.kv_pool = KVPool(self.cfg, self.num_pages, args.page_size, self.dtype, self.device, self.plan.num_kv_heads)
+        if wants_decode_kernel(args.decode_attention, self.device):
+            kernel = load_decode_kernel()
+            if kernel is None and args.decode_attention == "kernel":
+                raise RuntimeError("--decode-attention kernel: the kernel could not be built (see the log above)")
+            if kernel is not None:
+                self.model.use_decode_kernel(kernel)
         self.compiled = wants_compile(args.compile_decode, args.tp_size)
         if self.compiled:
             self.model.compile_decode()
@@ -126,7 +134,8 @@ class Worker(WorkerLoop):
         self.open_sockets(ctx)
 
     def summary(self) -> str:
-        return f"{self.dtype}, decode {'compiled' if self.compiled else 'eager'}"
+        attention = "kernel" if self.model.decode_kernel is not None else "torch"
+        return f"{self.dtype}, decode {'compiled' if self.compiled else 'eager'}, decode attention {attention}"
 
     def agree_on_step(self, step_id: int, failed: bool) -> str | None:
         return self.tp.check_step(step_id, failed=failed)

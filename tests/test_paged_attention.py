@@ -15,6 +15,7 @@ from gpu_worker.attention import paged_attention
 from gpu_worker.batch_state import MAX_DECODE_GROUPS, BatchState, group_by_length
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.paged_decode_kernel import load as load_decode_kernel
 from gpu_worker.sampler import SamplingTable
 from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends
 from wire.codec import pack_int32
@@ -92,25 +93,40 @@ class Batch:
             offset += n
         return out
 
-    def attend(self, inputs, kv_heads_of: list[int], head_map: torch.Tensor | None):
-        """Writes this step's new K/V like the model does, then runs paged attention."""
+    def attend(self, inputs, kv_heads_of: list[int], head_map: torch.Tensor | None, kernel=None):
+        """Writes this step's new K/V like the model does, then runs paged attention (with
+        the C++ decode kernel serving the one-query groups if `kernel`)."""
         gen = torch.Generator().manual_seed(self.step)
         tokens = len(inputs.input_ids)
         kv_heads = self.cfg.num_kv_heads
         q = torch.randn(tokens, len(kv_heads_of), HEAD_DIM, generator=gen)
         k, v = torch.randn(2, tokens, kv_heads, HEAD_DIM, generator=gen)
         self.pool.write(0, inputs.meta.out_cache_loc, k, v)
-        inputs.meta.prepare_gather(kv_heads, torch.tensor(kv_heads_of if head_map is not None else range(kv_heads)))
-        return q, paged_attention(q, k, v, self.pool.kv[0], inputs.meta, head_map)
+        inputs.meta.prepare_gather(
+            kv_heads, torch.tensor(kv_heads_of if head_map is not None else range(kv_heads)), kernel
+        )
+        return q, paged_attention(q, k, v, self.pool.kv[0], inputs.meta, head_map, kernel)
+
+
+@pytest.fixture(params=["torch", "kernel"])
+def decode_kernel(request):
+    """Decode attention through torch ops, then through the C++ kernel."""
+    if request.param == "torch":
+        return None
+    op = load_decode_kernel()
+    assert op is not None, "the paged decode attention kernel did not build"
+    return op
 
 
 @pytest.mark.parametrize("kv_heads, kv_heads_of", [(2, [0, 0, 1, 1]), (1, [0, 0, 0, 0]), (3, [0, 1, 1, 2])])
-def test_ragged_decode_verify_and_prefill_rows_equal_dense_attention(kv_heads, kv_heads_of):
+def test_ragged_decode_verify_and_prefill_rows_equal_dense_attention(kv_heads, kv_heads_of, decode_kernel):
     """Decoding rows of lengths 3..90 (several length groups), rows verifying drafts, a fresh
     prompt and a chunk on top of a cached prefix, in one batch. [0, 1, 1, 2]: heads that
-    straddle KV groups, as on a tensor-parallel rank, read through a head map."""
+    straddle KV groups, as on a tensor-parallel rank, read through a head map (the kernel
+    is never given one: the model keeps the torch path there)."""
     uniform = kv_heads_of == [h // (4 // kv_heads) for h in range(4)]
     head_map = None if uniform else torch.tensor(kv_heads_of)
+    kernel = decode_kernel if uniform else None
     batch = Batch(kv_heads, seed=kv_heads)
     decode_lengths = {0: 90, 1: 3, 2: 41, 3: 17, 4: 60}
     batch.decoding_rows(decode_lengths)
@@ -123,11 +139,11 @@ def test_ragged_decode_verify_and_prefill_rows_equal_dense_attention(kv_heads, k
     drafts = {2: np.array([7, 8]), 4: np.array([9, 9, 9])}
     inputs = batch.state.build_forward(chunks, drafts)
     assert len(inputs.meta.decode_groups) > 1 and len(inputs.meta.extend_rows) == 2
-    q, got = batch.attend(inputs, kv_heads_of, head_map)
+    q, got = batch.attend(inputs, kv_heads_of, head_map, kernel)
     torch.testing.assert_close(got.double(), batch.reference(q, inputs, kv_heads_of), atol=1e-5, rtol=1e-5)
 
 
-def test_a_plain_decode_step_uses_the_batch_as_is_and_equals_dense_attention():
+def test_a_plain_decode_step_uses_the_batch_as_is_and_equals_dense_attention(decode_kernel):
     batch = Batch(2, seed=3)
     lengths = {0: 12, 1: 9, 2: 14}
     batch.decoding_rows(lengths)
@@ -135,7 +151,7 @@ def test_a_plain_decode_step_uses_the_batch_as_is_and_equals_dense_attention():
     inputs = batch.state.build_forward(chunks)
     (group,) = inputs.meta.decode_groups
     assert group.covers_batch
-    q, got = batch.attend(inputs, [0, 0, 1, 1], None)
+    q, got = batch.attend(inputs, [0, 0, 1, 1], None, decode_kernel)
     torch.testing.assert_close(got.double(), batch.reference(q, inputs, [0, 0, 1, 1]), atol=1e-5, rtol=1e-5)
 
 

@@ -27,6 +27,9 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     """auto (the same as dtype) | int8 (weight-only int8 linear layers, CPU)."""
     compile_decode: str = "auto"
     """auto | on | off: torch.compile of decode steps (gpu_worker/compiled_decode.py)."""
+    decode_attention: str = "auto"
+    """auto | kernel | torch: decode attention through the C++ kernel on CPU (auto: when it
+    builds; kernel: fail at start-up if it does not) or through torch ops (attention.py)."""
     context_length: int = 0
     """Maximum prompt + output tokens per request; 0 means the model's own limit."""
     seed: int = 0

@@ -1,0 +1,286 @@
+// Decode attention straight from the paged KV pool: one query per row, each row's keys
+// read once, where the pool has them.
+//
+// The torch path (attention.py) gathers every row's K and V into a padded copy and then
+// runs two batched matmuls and a softmax over it: the KV bytes cross memory three times
+// (read, write the copy, read it again), and rows are padded to their group's longest.
+// Here a row's K rows are read once to score the query heads (all heads of a GQA group
+// share each K row), the scores become probabilities in place, and its V rows are read
+// once to sum them: no copy, no padding. Scores, probabilities and sums are float32
+// whatever the dtype, so the output is closer to float32 attention than the torch path's
+// (which rounds the scores to the model dtype before its softmax).
+//
+// Two implementations: an AVX-512 one for bfloat16 with head dim 64 (SmolLM2, most small
+// LLaMAs), which keeps a GQA group's queries and outputs in registers; and a portable one
+// (any dtype, any head dim) that the compiler vectorises. Measured on 2 Zen 4 cores, per
+// layer at 32 rows x 256-512 keys in bfloat16: 0.22-0.73 ms against the torch path's
+// 0.82-2.52 ms (docs/benchmarks.md).
+//
+// Registered as torch.ops.trident.paged_decode_attention (a fake kernel for tracing is in
+// paged_decode_kernel.py), so torch.compile treats it as one opaque op.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// Widening loads, written so that the compiler vectorises them: bfloat16 is the top half
+// of a float32, so widening is a 16-bit shift of the raw bits.
+inline void widen(const float* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+inline void widen(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// exp(x) for x <= 0 (scores less their maximum), vectorisable: 2^(x log2 e) split into an
+// integer power, set in the exponent bits, and a degree-6 polynomial of the fraction
+// (relative error ~2e-7); below -87 the result is 0, as float32 underflow would make it.
+#pragma omp declare simd
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.f ? -87.f : x;
+  const float t = clamped * 1.44269504088896341f;
+  const float whole = __builtin_floorf(t);
+  const float f = t - whole;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.f ? 0.f : p * scale;
+}
+
+constexpr int64_t kPrefetchAhead = 4;  // tokens: the pool rows a row reads are scattered
+
+// Scores to probabilities, in place, over one query head's `len` keys.
+inline void softmax_in_place(float* p, int64_t len) {
+  float peak = p[0];
+  for (int64_t t = 1; t < len; ++t) peak = std::max(peak, p[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    p[t] = exp_nonpositive(p[t] - peak);
+    sum += p[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t t = 0; t < len; ++t) p[t] *= inv;
+}
+
+#ifdef __AVX512F__
+// The fast path: bfloat16, head dim 64, AVX-512. One work item is a (row, KV head) and its
+// `kGroup` query heads; their queries (kGroup x 4 vectors) and, in the second pass, their
+// outputs stay in registers for the whole row, so a token costs two 128-byte loads, a
+// widening, 4 * kGroup FMAs per pass and one horizontal sum per query head.
+inline __m512 widen16(const uint16_t* src) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <int kGroup>
+void decode_item_bf16_d64(const uint16_t* q, float scale, const uint16_t* kv, const int64_t* tokens, int64_t len,
+                          int64_t token_stride, int64_t k_offset, int64_t v_offset, float* probs, float* out) {
+  __m512 qv[kGroup][4];
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_mul_ps(widen16(q + g * 64 + c * 16), scale_v);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchAhead < len) __builtin_prefetch(kv + tokens[t + kPrefetchAhead] * token_stride + k_offset);
+    const uint16_t* k = kv + tokens[t] * token_stride + k_offset;
+    const __m512 k0 = widen16(k), k1 = widen16(k + 16), k2 = widen16(k + 32), k3 = widen16(k + 48);
+    for (int g = 0; g < kGroup; ++g) {
+      __m512 s = _mm512_mul_ps(qv[g][0], k0);
+      s = _mm512_fmadd_ps(qv[g][1], k1, s);
+      s = _mm512_fmadd_ps(qv[g][2], k2, s);
+      s = _mm512_fmadd_ps(qv[g][3], k3, s);
+      probs[g * len + t] = _mm512_reduce_add_ps(s);
+    }
+  }
+  for (int g = 0; g < kGroup; ++g) softmax_in_place(probs + g * len, len);
+  __m512 acc[kGroup][4];
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchAhead < len) __builtin_prefetch(kv + tokens[t + kPrefetchAhead] * token_stride + v_offset);
+    const uint16_t* v = kv + tokens[t] * token_stride + v_offset;
+    const __m512 v0 = widen16(v), v1 = widen16(v + 16), v2 = widen16(v + 32), v3 = widen16(v + 48);
+    for (int g = 0; g < kGroup; ++g) {
+      const __m512 w = _mm512_set1_ps(probs[g * len + t]);
+      acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
+      acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
+      acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
+      acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
+    }
+  }
+  for (int g = 0; g < kGroup; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * 64 + c * 16, acc[g][c]);
+}
+
+template <int kGroup>
+void decode_rows_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* kv_indices,
+                          const int64_t* kv_lens, c10::BFloat16* out, int64_t rows, int64_t kv_heads, int64_t max_kv,
+                          double scale) {
+  constexpr int64_t dim = 64;
+  const int64_t heads = kv_heads * kGroup, token_stride = 2 * kv_heads * dim;
+  const auto* q_bits = reinterpret_cast<const uint16_t*>(q);
+  const auto* kv_bits = reinterpret_cast<const uint16_t*>(kv);
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(kGroup * max_kv), result(kGroup * dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / kv_heads, kv_head = item % kv_heads;
+      const int64_t first_head = kv_head * kGroup;
+      decode_item_bf16_d64<kGroup>(q_bits + (row * heads + first_head) * dim, static_cast<float>(scale), kv_bits,
+                                   kv_indices + row * max_kv, kv_lens[row], token_stride, kv_head * dim,
+                                   (kv_heads + kv_head) * dim, probs.data(), result.data());
+      c10::BFloat16* dst = out + (row * heads + first_head) * dim;
+      for (int64_t i = 0; i < kGroup * dim; ++i) dst[i] = static_cast<c10::BFloat16>(result[i]);
+    }
+  });
+}
+
+// The query heads per KV head that have a fast path; others take decode_rows.
+bool decode_bf16_d64(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const at::Tensor& lens,
+                     at::Tensor& out, double scale) {
+  const int64_t rows = q.size(0), kv_heads = kv.size(2), group = q.size(1) / kv_heads;
+  const auto run = [&](auto kernel) {
+    kernel(q.data_ptr<c10::BFloat16>(), kv.data_ptr<c10::BFloat16>(), idx.data_ptr<int64_t>(),
+           lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), rows, kv_heads, idx.size(1), scale);
+    return true;
+  };
+  switch (group) {
+    case 1: return run(decode_rows_bf16_d64<1>);
+    case 2: return run(decode_rows_bf16_d64<2>);
+    case 3: return run(decode_rows_bf16_d64<3>);
+    case 4: return run(decode_rows_bf16_d64<4>);
+    case 8: return run(decode_rows_bf16_d64<8>);
+    default: return false;
+  }
+}
+#endif
+
+
+// kDim: the head dim as a compile-time constant (the common 64 and 128, so that the
+// compiler unrolls the per-head loops into registers), or 0 for any other, read from `dim`.
+template <typename scalar_t, int64_t kDim>
+void decode_rows(const scalar_t* q, const scalar_t* kv, const int64_t* kv_indices, const int64_t* kv_lens,
+                 scalar_t* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t runtime_dim, int64_t max_kv,
+                 double scale) {
+  const int64_t dim = kDim ? kDim : runtime_dim;
+  const int64_t group = heads / kv_heads;
+  const int64_t token_stride = 2 * kv_heads * dim;  // pool layout [pool tokens, 2 (K, V), kv_heads, dim]
+  const int64_t half = kv_heads * dim;              // K of every head, then V of every head
+  // One work item is a row: each token's K (then V) of all heads is one contiguous read.
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads * dim), acc(heads * dim), kvf(half), probs(heads * max_kv);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t len = kv_lens[row];
+      const int64_t* tokens = kv_indices + row * max_kv;
+      const scalar_t* q_row = q + row * heads * dim;
+      for (int64_t i = 0; i < heads * dim; ++i) qf[i] = static_cast<float>(q_row[i]) * static_cast<float>(scale);
+      for (int64_t t = 0; t < len; ++t) {
+        if (t + kPrefetchAhead < len) __builtin_prefetch(kv + tokens[t + kPrefetchAhead] * token_stride);
+        widen(kv + tokens[t] * token_stride, kvf.data(), half);
+        for (int64_t j = 0; j < kv_heads; ++j) {
+          const float* kj = kvf.data() + j * dim;
+          for (int64_t h = j * group; h < (j + 1) * group; ++h) {
+            const float* qh = qf.data() + h * dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kj[d];
+            probs[h * max_kv + t] = dot;
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) softmax_in_place(probs.data() + h * max_kv, len);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        if (t + kPrefetchAhead < len) __builtin_prefetch(kv + tokens[t + kPrefetchAhead] * token_stride + half);
+        widen(kv + tokens[t] * token_stride + half, kvf.data(), half);
+        for (int64_t j = 0; j < kv_heads; ++j) {
+          const float* vj = kvf.data() + j * dim;
+          for (int64_t h = j * group; h < (j + 1) * group; ++h) {
+            const float w = probs[h * max_kv + t];
+            float* ah = acc.data() + h * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) ah[d] += w * vj[d];
+          }
+        }
+      }
+      scalar_t* out_row = out + row * heads * dim;
+      for (int64_t i = 0; i < heads * dim; ++i) out_row[i] = static_cast<scalar_t>(acc[i]);
+    }
+  });
+}
+
+// q [rows, heads, dim]; kv_cache [pool tokens, 2, kv_heads, dim]; kv_indices [rows, max_kv]
+// (pool index of each row's keys, past kv_lens[row] unused); kv_lens [rows] -> [rows, heads, dim].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_indices,
+                                  const at::Tensor& kv_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_indices.dim() == 2 && kv_lens.dim() == 1,
+              "paged_decode_attention: q [rows, heads, dim], kv_cache [tokens, 2, kv_heads, dim], "
+              "kv_indices [rows, max_kv], kv_lens [rows]");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
+  TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_lens.scalar_type() == at::kLong, "indices must be int64");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = kv_cache.size(2);
+  TORCH_CHECK(kv_cache.size(1) == 2 && kv_cache.size(3) == dim && heads % kv_heads == 0, "shape mismatch");
+  TORCH_CHECK(kv_indices.size(0) == rows && kv_lens.size(0) == rows, "one index row and one length per query row");
+  const at::Tensor qc = q.contiguous(), kvc = kv_cache.contiguous();
+  const at::Tensor idx = kv_indices.contiguous(), lens = kv_lens.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  const auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const auto rows_of = [&](auto kernel) {
+      kernel(qc.data_ptr<scalar_t>(), kvc.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+             out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, idx.size(1), scale);
+    };
+    if (dim == 64) {
+      rows_of(decode_rows<scalar_t, 64>);
+    } else if (dim == 128) {
+      rows_of(decode_rows<scalar_t, 128>);
+    } else {
+      rows_of(decode_rows<scalar_t, 0>);
+    }
+  };
+#ifdef __AVX512F__
+  if (q.scalar_type() == at::kBFloat16 && dim == 64 && decode_bf16_d64(qc, kvc, idx, lens, out, scale)) return out;
+#endif
+  switch (q.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16, not ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(trident, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor kv_indices, Tensor kv_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(trident, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,80 @@
+"""The C++ decode attention kernel (gpu_worker/csrc/paged_decode_attention.cpp) computes
+what a float64 softmax over each row's own keys does, reading them where the pool has them.
+
+It must build here: `--decode-attention auto` would fall back to torch ops silently, so a
+kernel that stopped compiling must fail a test instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.paged_decode_kernel import load
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    op = load()
+    assert op is not None, "the paged decode attention kernel did not build (see the log)"
+    return op
+
+
+def _reference(q, pool, kv_indices, kv_lens):
+    """float64 attention of each row's one query over its first kv_lens[row] keys."""
+    rows, heads, dim = q.shape
+    kv_heads = pool.shape[2]
+    out = torch.empty(rows, heads, dim, dtype=torch.float64)
+    for r in range(rows):
+        kv = pool[kv_indices[r, : kv_lens[r]]].double()  # [len, 2, kv_heads, dim]
+        keys = kv[:, 0].repeat_interleave(heads // kv_heads, dim=1)  # [len, heads, dim]
+        values = kv[:, 1].repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[r].double(), keys) / dim**0.5
+        out[r] = torch.einsum("hk,khd->hd", scores.softmax(-1), values)
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype, dim, heads, kv_heads",
+    [
+        (torch.bfloat16, 64, 9, 3),  # SmolLM2's shape: the AVX-512 fast path
+        (torch.bfloat16, 64, 8, 8),  # one query head per KV head
+        (torch.bfloat16, 64, 16, 4),
+        (torch.bfloat16, 64, 10, 2),  # 5 heads per KV head: no fast path, the generic loop
+        (torch.bfloat16, 32, 4, 2),  # another head dim: the generic loop
+        (torch.float32, 64, 9, 3),
+        (torch.float32, 128, 8, 2),
+        (torch.float16, 64, 4, 1),
+    ],
+)
+def test_kernel_equals_float64_attention_over_scattered_ragged_rows(kernel, dtype, dim, heads, kv_heads):
+    gen = torch.Generator().manual_seed(dim * heads + kv_heads)
+    pool_tokens, rows, max_kv = 5000, 7, 300
+    pool = torch.randn(pool_tokens, 2, kv_heads, dim, generator=gen).to(dtype)
+    q = (3 * torch.randn(rows, heads, dim, generator=gen)).to(dtype)  # peaked softmaxes too
+    kv_lens = torch.tensor([1, 2, 17, 300, 64, 150, 299])
+    kv_indices = torch.randperm(pool_tokens, generator=gen)[: rows * max_kv].view(rows, max_kv)
+    got = kernel(q, pool, kv_indices, kv_lens, dim**-0.5)
+    want = _reference(q, pool, kv_indices, kv_lens)
+    assert got.dtype == dtype and got.shape == q.shape
+    # float32 accumulates in float32; the others round their output to 8 or 11 mantissa bits.
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_kernel_takes_non_contiguous_queries(kernel):
+    """The model hands it q sliced out of the fused q/k rotary output."""
+    gen = torch.Generator().manual_seed(1)
+    pool = torch.randn(100, 2, 3, 64, generator=gen).to(torch.bfloat16)
+    qk = torch.randn(4, 12, 64, generator=gen).to(torch.bfloat16)
+    q = qk[:, :9]
+    kv_indices = torch.arange(4 * 20).view(4, 20)
+    kv_lens = torch.tensor([20, 5, 1, 11])
+    got = kernel(q, pool, kv_indices, kv_lens, 64**-0.5)
+    torch.testing.assert_close(got.double(), _reference(q, pool, kv_indices, kv_lens), atol=1e-2, rtol=1e-2)
+
+
+def test_kernel_rejects_mismatched_shapes(kernel):
+    pool = torch.zeros(10, 2, 3, 64)
+    with pytest.raises(RuntimeError, match="one index row and one length per query row"):
+        kernel(torch.zeros(2, 9, 64), pool, torch.zeros(3, 4, dtype=torch.int64), torch.ones(2, dtype=torch.int64), 1.0)
