@@ -34,6 +34,7 @@ from gpu_worker.omp_policy import use_passive_omp_wait  # noqa: E402
 use_passive_omp_wait()  # before torch loads, as the worker process does
 import torch  # noqa: E402
 
+from gpu_worker.packed_linear import PackedLinear  # noqa: E402
 from model_source import default_model_path  # noqa: E402
 from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends, StepResult  # noqa: E402
 from wire.child import ChildContext  # noqa: E402
@@ -94,6 +95,7 @@ def make_worker(
     weight_dtype: str = "auto",
     compile_decode: str = "off",
     decode_attention: str = "auto",
+    linear_weights: str = "auto",
 ):
     from gpu_worker.worker import Worker
 
@@ -103,6 +105,7 @@ def make_worker(
         weight_dtype=weight_dtype,
         compile_decode=compile_decode,
         decode_attention=decode_attention,
+        linear_weights=linear_weights,
         max_total_tokens=pool_tokens,
         max_running_requests=max_running,
         run_dir=tempfile.mkdtemp(prefix="trident-bench-"),
@@ -151,6 +154,20 @@ def profile(worker, batch: int, prompt_len: int, steps: int) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
 
 
+def linear_swaps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module | None, PackedLinear]]:
+    """(parent, attribute, plain layer, packed copy) for every linear layer and the LM head
+    (plain: None when the head is tied to the embedding)."""
+    swaps = []
+    for parent in model.layers.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, torch.nn.Linear):
+                bias = None if child.bias is None else child.bias.data
+                swaps.append((parent, name, child, PackedLinear(child.weight.data, bias)))
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    swaps.append((model, "lm_head", model.lm_head, PackedLinear(head.data, None)))
+    return swaps
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M GGUF")
@@ -172,6 +189,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ROUNDS",
         help="build the decode kernel, then measure each batch size ROUNDS times with torch attention and "
         "with the kernel, alternating",
+    )
+    p.add_argument("--linear-weights", default="auto", choices=["auto", "packed", "plain"])
+    p.add_argument(
+        "--ab-linear",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="pack a second copy of the linear weights, then measure each batch size ROUNDS times with "
+        "plain and with packed weights, alternating",
     )
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -195,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.weight_dtype,
         compile_decode,
         decode_attention,
+        "plain" if ns.ab_linear else ns.linear_weights,
     )
     print(
         json.dumps(
@@ -209,21 +236,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = worker.model
     compiled, kernel = model.decode_layer, model.decode_kernel
-    # Each variant: (compiled layer or None, decode kernel or None), measured in turn.
+    packed = isinstance(model.lm_head, PackedLinear)
+    swaps = linear_swaps(model) if ns.ab_linear else []
+    # Each variant: (compiled layer or None, decode kernel or None, packed linear weights), measured in turn.
     if ns.ab_compile:
-        variants, rounds = [(None, kernel), (compiled, kernel)], ns.ab_compile
+        variants, rounds = [(None, kernel, packed), (compiled, kernel, packed)], ns.ab_compile
     elif ns.ab_attention:
-        variants, rounds = [(compiled, None), (compiled, kernel)], ns.ab_attention
+        variants, rounds = [(compiled, None, packed), (compiled, kernel, packed)], ns.ab_attention
+    elif ns.ab_linear:
+        variants, rounds = [(compiled, kernel, False), (compiled, kernel, True)], ns.ab_linear
     else:
-        variants, rounds = [(compiled, kernel)], 1
+        variants, rounds = [(compiled, kernel, packed)], 1
     for b in batches:
         for _ in range(rounds):
-            for layer_fn, decode_kernel in variants:
+            for layer_fn, decode_kernel, packed_weights in variants:
                 model.decode_layer = layer_fn
                 model.use_decode_kernel(decode_kernel)
+                for parent, name, plain_layer, packed_layer in swaps:
+                    setattr(parent, name, packed_layer if packed_weights else plain_layer)
                 result = measure(worker, b, ns.prompt_len, ns.decode_steps, ns.warmup_steps)
                 result.update(
-                    compiled=layer_fn is not None, decode_kernel=decode_kernel is not None, loadavg=os.getloadavg()[0]
+                    compiled=layer_fn is not None,
+                    decode_kernel=decode_kernel is not None,
+                    packed_linear=packed_weights,
+                    loadavg=os.getloadavg()[0],
                 )
                 print(json.dumps(result), flush=True)
     if ns.profile:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpu_worker.packed_linear import replace_linear_layers
+
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8, one scale per output row: weight ~ q * scale[:, None]."""
@@ -45,14 +47,7 @@ class Int8Linear(nn.Module):
 def quantize_linear_layers(module: nn.Module) -> int:
     """Replaces every nn.Linear under `module` (weights already loaded and cast) by an
     Int8Linear; returns how many."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear(child.weight.data, None if child.bias is None else child.bias.data))
-            count += 1
-        else:
-            count += quantize_linear_layers(child)
-    return count
+    return replace_linear_layers(module, Int8Linear)
 
 
 def check_supported(device: torch.device, dtype: torch.dtype) -> None:

@@ -21,6 +21,7 @@ from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_c
 from gpu_worker.int8_weights import Int8Linear, quantize_linear_layers
 from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.packed_linear import PackedLinear, replace_linear_layers
 from gpu_worker.paged_decode_kernel import DecodeKernel
 from gpu_worker.parallel import ShardPlan, TPGroup
 
@@ -191,6 +192,14 @@ class LlamaForCausalLM(nn.Module):
         quantize_linear_layers(self.layers)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.lm_head = Int8Linear(head.data, None)
+
+    def pack_linear_weights(self) -> None:
+        """Every linear layer and the LM head to oneDNN-packed weights (packed_linear.py);
+        call after load_weights and the cast. The tied LM head gets its own packed copy (the
+        embedding lookup reads the plain rows)."""
+        replace_linear_layers(self.layers, PackedLinear)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head = PackedLinear(head.data, None)
 
     def load_weights(self, weights) -> None:
         """Takes (name, tensor) pairs in Hugging Face LLaMA names (full, unsharded tensors);

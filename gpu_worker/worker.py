@@ -26,6 +26,7 @@ from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.ngram_drafter import NgramDrafter
+from gpu_worker.packed_linear import wants_packed_linear
 from gpu_worker.paged_decode_kernel import load as load_decode_kernel
 from gpu_worker.paged_decode_kernel import wants_decode_kernel
 from gpu_worker.parallel import ShardPlan, TPGroup, dist_port
@@ -105,6 +106,8 @@ class Worker(WorkerLoop):
         if args.weight_dtype == "int8":
             check_int8_supported(self.device, self.dtype)
             self.model.quantize_weights_int8()
+        elif wants_packed_linear(args.linear_weights, self.device, self.dtype):
+            self.model.pack_linear_weights()
         logger.info("loaded %s in %.1f s (%s, %s)", args.model_path, time.monotonic() - t0, self.dtype, self.device)
 
         # Every rank must hold the same pages: the scheduler allocates from one pool.

@@ -25,6 +25,9 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     """auto | float32 | bfloat16 | float16; the worker resolves auto per device."""
     weight_dtype: str = "auto"
     """auto (the same as dtype) | int8 (weight-only int8 linear layers, CPU)."""
+    linear_weights: str = "auto"
+    """auto | packed | plain: CPU linear weights pre-packed for oneDNN (auto: in bf16 and
+    float32 on CPU) or kept plain for torch's F.linear (gpu_worker/packed_linear.py)."""
     compile_decode: str = "auto"
     """auto | on | off: torch.compile of decode steps (gpu_worker/compiled_decode.py)."""
     decode_attention: str = "auto"

@@ -1,0 +1,85 @@
+"""Linear layers with their weights pre-packed for oneDNN (`--linear-weights`, CPU).
+
+On CPU, `F.linear` in bf16 is a oneDNN matmul, and oneDNN wants the weight in its own
+blocked layout: torch keeps the weight plain, so every call reorders it first. For a
+decode step that copy is as large as the work itself: measured on 2 Zen 4 cores
+(docs/benchmarks.md), SmolLM2's MLP up-projection (576 -> 3,072) takes 304 us at one row
+and 564 us at 32 rows through `F.linear`, 129 and 329 us with the weight packed once at
+load; the LM head (576 -> 49,152) 5.0 -> 2.9 ms at one row. In bf16 the results are the
+same bits as `F.linear` (the same oneDNN kernel, without the reorder); in float32 torch
+calls MKL instead, so packed results differ from it by float32 rounding.
+
+The packed weight is an opaque MKLDNN tensor. The matmul goes through a custom op so
+that the `--compile` graphs call it as one opaque node: inductor's own lowering of the
+oneDNN linear only accepts weights it packed itself while freezing a graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+@torch.library.custom_op("trident::packed_linear", mutates_args=())
+def packed_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_fake(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+class PackedLinear(nn.Module):
+    """`y = x @ weight.T + bias` with the weight held in oneDNN's layout."""
+
+    # The batch size oneDNN is told to pack for; any batch size works with the result.
+    PACK_FOR_ROWS = 32
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: module.to() and state_dict() cannot handle MKLDNN tensors.
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_FOR_ROWS)
+        self.register_buffer("bias", bias)
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.packed_weight, self.bias, self.out_features)
+        # Eager, the custom op's Python dispatch would add ~10 us to each of ~120 calls a step.
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def replace_linear_layers(module: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> int:
+    """Replaces every nn.Linear under `module` (weights already loaded and cast) by
+    `make(weight, bias)`; returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, make(child.weight.data, None if child.bias is None else child.bias.data))
+            count += 1
+        else:
+            count += replace_linear_layers(child, make)
+    return count
+
+
+def wants_packed_linear(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """`packed` always (an error where oneDNN cannot), `plain` never; `auto` on CPU in bf16
+    (when the CPU has bf16 instructions) and float32."""
+    if setting == "plain" or device.type != "cpu":
+        if setting == "packed" and device.type != "cpu":
+            raise ValueError("--linear-weights packed is for --device cpu (oneDNN)")
+        return False
+    supported = torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+    if setting == "packed" and not supported:
+        raise ValueError(f"--linear-weights packed: oneDNN on this CPU has no fast {dtype} matmul")
+    return supported

@@ -1,0 +1,89 @@
+"""Linear layers with oneDNN-packed weights (`--linear-weights`): in bf16 the same bits as
+`F.linear`, in float32 within float32 rounding, the same inside a compiled graph, and a
+whole model with packed weights predicts what it does with plain ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.attention import AttentionMetadata, ExtendRow
+from gpu_worker.kv_pool import KVPool
+from gpu_worker.model import LlamaForCausalLM
+from gpu_worker.packed_linear import PackedLinear, replace_linear_layers, wants_packed_linear
+from gpu_worker.weights import iter_weights, load_config
+from tests.helpers import make_random_llama
+
+needs_onednn_bf16 = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bf16 instructions for oneDNN"
+)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+def test_packed_bf16_linear_gives_the_same_bits_as_f_linear(rows):
+    w, b = torch.randn(160, 96, dtype=torch.bfloat16), torch.randn(160, dtype=torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    assert torch.equal(PackedLinear(w, b)(x), F.linear(x, w, b))
+    assert torch.equal(PackedLinear(w, None)(x.view(1, rows, 96)), F.linear(x, w).view(1, rows, 160))
+
+
+def test_packed_float32_linear_is_within_float32_rounding_of_f_linear():
+    w, b, x = torch.randn(160, 96), torch.randn(160), torch.randn(2, 9, 96)
+    torch.testing.assert_close(PackedLinear(w, b)(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_a_compiled_graph_calls_the_packed_linear_for_every_batch_size():
+    layers = [PackedLinear(torch.randn(48, 32), torch.randn(48)) for _ in range(2)]
+    compiled = torch.compile(lambda layer, x: torch.relu(layer(x)), dynamic=True)
+    with torch.inference_mode():
+        for rows in (3, 8, 21):
+            for layer in layers:
+                x = torch.randn(rows, 32)
+                torch.testing.assert_close(compiled(layer, x), torch.relu(layer(x)))
+
+
+def test_replace_linear_layers_swaps_every_nested_linear_and_keeps_the_rest():
+    block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(16, 4)))
+    x = torch.randn(5, 8)
+    want = block(x)
+    assert replace_linear_layers(block, PackedLinear) == 2
+    assert isinstance(block[0], PackedLinear) and isinstance(block[2][0], PackedLinear)
+    assert isinstance(block[1], torch.nn.ReLU)
+    torch.testing.assert_close(block(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_packs_on_cpu_only_and_packed_on_cuda_is_a_clear_error():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert wants_packed_linear("auto", cpu, torch.float32)
+    assert not wants_packed_linear("plain", cpu, torch.float32)
+    assert not wants_packed_linear("auto", cpu, torch.float16)
+    assert not wants_packed_linear("auto", cuda, torch.bfloat16)
+    with pytest.raises(ValueError, match="--device cpu"):
+        wants_packed_linear("packed", cuda, torch.bfloat16)
+    with pytest.raises(ValueError, match="float16"):
+        wants_packed_linear("packed", cpu, torch.float16)
+
+
+def _prompt_logits(path: str, dtype: torch.dtype, packed: bool) -> torch.Tensor:
+    cfg = load_config(path)
+    model = LlamaForCausalLM(cfg)
+    model.load_weights(iter_weights(path, cfg))
+    model = model.to(dtype=dtype).eval()
+    model.rope.to(dtype=torch.float32)
+    if packed:
+        model.pack_linear_weights()
+    ids = torch.arange(3, 40)
+    n = len(ids)
+    pool = KVPool(cfg, n + 1, 1, dtype, torch.device("cpu"), cfg.num_kv_heads)
+    loc = torch.arange(1, n + 1)
+    meta = AttentionMetadata(loc, [], [ExtendRow(0, n, 0, loc, None)])
+    return model(ids, torch.arange(n), pool, meta, torch.arange(n))
+
+
+@needs_onednn_bf16
+def test_a_model_with_packed_weights_predicts_the_same_bf16_logits_as_with_plain_ones(tmp_path):
+    path = make_random_llama(str(tmp_path / "model"), seed=5)
+    plain = _prompt_logits(path, torch.bfloat16, packed=False)
+    assert torch.equal(_prompt_logits(path, torch.bfloat16, packed=True), plain)
