@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from gpu_worker.attention import AttentionMetadata, DecodeGroup, paged_attention  # noqa: E402
-from gpu_worker.paged_decode_kernel import load  # noqa: E402
+from gpu_worker.cpu_kernels import load_decode_attention as load  # noqa: E402
 
 POOL_TOKENS, HEADS, KV_HEADS, DIM = 60_000, 9, 3, 64
 

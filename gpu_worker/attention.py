@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.paged_decode_kernel import DecodeKernel
+from gpu_worker.cpu_kernels import DecodeKernel
 
 
 @dataclass

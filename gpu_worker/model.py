@@ -18,11 +18,11 @@ from torch import nn
 
 from gpu_worker.attention import AttentionMetadata, paged_attention
 from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
+from gpu_worker.cpu_kernels import DecodeKernel, SmallBatchLinear
 from gpu_worker.int8_weights import Int8Linear, quantize_linear_layers
 from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.packed_linear import PackedLinear, replace_linear_layers
-from gpu_worker.paged_decode_kernel import DecodeKernel
 from gpu_worker.parallel import ShardPlan, TPGroup
 
 
@@ -79,7 +79,7 @@ class Attention(nn.Module):
         kv_map = None if plan.uniform_gqa else torch.tensor(plan.kv_of_head, dtype=torch.int64)
         self.register_buffer("kv_head_map", kv_map, persistent=False)
         self.decode_kernel: DecodeKernel | None = None
-        """The C++ decode attention op (paged_decode_kernel.py), set by the model; None: torch."""
+        """The C++ decode attention op (cpu_kernels.py), set by the model; None: torch."""
 
     def forward(
         self,
@@ -150,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         self.decode_layer: LayerFn | None = None
         """The compiled layer of plain decode steps (compiled_decode.py); None: eager."""
         self.decode_kernel: DecodeKernel | None = None
-        """The C++ decode attention op every layer uses (paged_decode_kernel.py); None: torch."""
+        """The C++ decode attention op every layer uses (cpu_kernels.py); None: torch."""
 
     def compile_decode(self) -> None:
         self.decode_layer = compile_layer()
@@ -193,13 +193,14 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.lm_head = Int8Linear(head.data, None)
 
-    def pack_linear_weights(self) -> None:
-        """Every linear layer and the LM head to oneDNN-packed weights (packed_linear.py);
-        call after load_weights and the cast. The tied LM head gets its own packed copy (the
-        embedding lookup reads the plain rows)."""
-        replace_linear_layers(self.layers, PackedLinear)
+    def pack_linear_weights(self, small_batch: SmallBatchLinear | None = None) -> None:
+        """Every linear layer and the LM head to oneDNN-packed weights (packed_linear.py),
+        and batches of one or two rows through `small_batch` when given; call after load_weights and
+        the cast. The tied LM head gets its own packed copy (the embedding lookup reads the
+        plain rows)."""
+        replace_linear_layers(self.layers, lambda weight, bias: PackedLinear(weight, bias, small_batch))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head = PackedLinear(head.data, None)
+        self.lm_head = PackedLinear(head.data, None, small_batch)
 
     def load_weights(self, weights) -> None:
         """Takes (name, tensor) pairs in Hugging Face LLaMA names (full, unsharded tensors);

@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from gpu_worker.cpu_kernels import SMALL_BATCH_MAX_ROWS, SmallBatchLinear
+
 
 @torch.library.custom_op("trident::packed_linear", mutates_args=())
 def packed_linear(
@@ -37,20 +39,32 @@ def _packed_linear_fake(
 
 
 class PackedLinear(nn.Module):
-    """`y = x @ weight.T + bias` with the weight held in oneDNN's layout."""
+    """`y = x @ weight.T + bias` with the weight held in oneDNN's layout.
+
+    With `small_batch` (the C++ op of csrc/small_batch_linear.cpp, bf16 on AVX-512), a
+    batch of one or two rows goes to that op instead, which reads the plain weight at memory
+    speed: the layer then keeps both copies of its weight."""
 
     # The batch size oneDNN is told to pack for; any batch size works with the result.
     PACK_FOR_ROWS = 32
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, small_batch: SmallBatchLinear | None = None
+    ) -> None:
         super().__init__()
-        # A plain attribute, not a buffer: module.to() and state_dict() cannot handle MKLDNN tensors.
+        # Plain attributes, not buffers: module.to() and state_dict() cannot handle MKLDNN tensors.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_FOR_ROWS)
+        self.small_batch = small_batch
+        self.plain_weight = weight.contiguous() if small_batch is not None else None
         self.register_buffer("bias", bias)
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A compiled graph over a symbolic batch size keeps oneDNN: a size test would become a guard.
+        rows = x.shape[0]
+        if self.small_batch is not None and x.dim() == 2 and type(rows) is int and rows <= SMALL_BATCH_MAX_ROWS:
+            return self.small_batch(x, self.plain_weight, self.bias)
         if torch.compiler.is_compiling():
             return packed_linear(x, self.packed_weight, self.bias, self.out_features)
         # Eager, the custom op's Python dispatch would add ~10 us to each of ~120 calls a step.

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.attention import AttentionMetadata, ExtendRow
+from gpu_worker.cpu_kernels import load_small_batch_linear
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.packed_linear import PackedLinear, replace_linear_layers, wants_packed_linear
@@ -27,6 +28,57 @@ def test_packed_bf16_linear_gives_the_same_bits_as_f_linear(rows):
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     assert torch.equal(PackedLinear(w, b)(x), F.linear(x, w, b))
     assert torch.equal(PackedLinear(w, None)(x.view(1, rows, 96)), F.linear(x, w).view(1, rows, 160))
+
+
+needs_small_batch_linear = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="small_batch_linear is built for AVX-512 only"
+)
+
+
+def _bf16_linear_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@needs_small_batch_linear
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("n, k, with_bias", [(576, 576, False), (37, 100, True), (3, 1536, False)])
+def test_small_batch_linear_is_the_float32_sum_rounded_once(rows, n, k, with_bias):
+    op = load_small_batch_linear()
+    w, x = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(rows, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16) if with_bias else None
+    out = op(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    want = _bf16_linear_reference(x, w, b)
+    # One rounding to bf16 (relative 2^-9) on top of a float32 sum.
+    torch.testing.assert_close(out.double(), want, rtol=2**-8, atol=1e-4 * k**0.5)
+
+
+@needs_small_batch_linear
+def test_packed_linear_sends_up_to_two_rows_to_the_small_batch_op_and_more_to_onednn():
+    op = load_small_batch_linear()
+    w, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    layer = PackedLinear(w, b, op)
+    for rows in (1, 2, 3, 33):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(layer(x).double(), _bf16_linear_reference(x, w, b), rtol=2**-8, atol=1e-3)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), op(x, w, b))
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, w, b))
+
+
+@needs_small_batch_linear
+def test_compiled_graphs_use_the_small_batch_op_for_a_lone_row_and_onednn_for_a_symbolic_batch():
+    op = load_small_batch_linear()
+    w = torch.randn(48, 32, dtype=torch.bfloat16)
+    layer = PackedLinear(w, None, op)
+    compiled = torch.compile(lambda layer, x: torch.relu(layer(x)), dynamic=True)
+    with torch.inference_mode():
+        lone = torch.randn(1, 32, dtype=torch.bfloat16)
+        assert torch.equal(compiled(layer, lone), torch.relu(op(lone, w, None)))
+        for rows in (3, 9, 40):
+            x = torch.randn(rows, 32, dtype=torch.bfloat16)
+            assert torch.equal(compiled(layer, x), torch.relu(F.linear(x, w)))
 
 
 def test_packed_float32_linear_is_within_float32_rounding_of_f_linear():

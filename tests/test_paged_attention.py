@@ -13,9 +13,9 @@ import torch
 
 from gpu_worker.attention import paged_attention
 from gpu_worker.batch_state import MAX_DECODE_GROUPS, BatchState, group_by_length
+from gpu_worker.cpu_kernels import load_decode_attention as load_decode_kernel
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.paged_decode_kernel import load as load_decode_kernel
 from gpu_worker.sampler import SamplingTable
 from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends
 from wire.codec import pack_int32

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.paged_decode_kernel import load
+from gpu_worker.cpu_kernels import load_decode_attention as load
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@
 // 0.82-2.52 ms (docs/benchmarks.md).
 //
 // Registered as torch.ops.trident.paged_decode_attention (a fake kernel for tracing is in
-// paged_decode_kernel.py), so torch.compile treats it as one opaque op.
+// cpu_kernels.py), so torch.compile treats it as one opaque op.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
