@@ -3,9 +3,10 @@
 - `torch.ops.trident.paged_decode_attention` (csrc/paged_decode_attention.cpp): decode
   attention reading the paged KV pool in place (`--decode-attention`);
 - `torch.ops.trident.small_batch_linear` (csrc/small_batch_linear.cpp): a bf16 linear
-  layer for one or two rows at the memory's speed (packed_linear.py uses it).
+  layer for one or two rows at the memory's speed (packed_linear.py uses it);
+- `torch.ops.trident.rms_norm` (csrc/rms_norm.cpp): RMSNorm in one pass (model.py).
 
-The first use compiles both files with torch's extension builder (~30 s on two cores; the
+The first use compiles the files with torch's extension builder (~30 s on two cores; the
 result is cached under ~/.cache/torch_extensions, keyed by the sources, so later starts
 take well under a second). Without a compiler the loaders return None and the worker
 keeps its torch paths, and says so.
@@ -28,7 +29,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = [os.path.join(CSRC, name) for name in ("paged_decode_attention.cpp", "small_batch_linear.cpp")]
+SOURCES = [
+    os.path.join(CSRC, name) for name in ("paged_decode_attention.cpp", "small_batch_linear.cpp", "rms_norm.cpp")
+]
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -38,6 +41,7 @@ SMALL_BATCH_MAX_ROWS = 2
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 SmallBatchLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+RmsNormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 _built: bool | None = None
 """None: not tried in this process; False: the build failed."""
 
@@ -48,6 +52,10 @@ def _decode_attention_fake(q, kv_cache, kv_indices, kv_lens, scale):
 
 def _small_batch_linear_fake(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x)
 
 
 def wants_decode_kernel(setting: str, device: torch.device) -> bool:
@@ -80,6 +88,7 @@ def _build() -> bool:
         return False
     torch.library.register_fake("trident::paged_decode_attention")(_decode_attention_fake)
     torch.library.register_fake("trident::small_batch_linear")(_small_batch_linear_fake)
+    torch.library.register_fake("trident::rms_norm")(_rms_norm_fake)
     _built = True
     logger.info("C++ CPU kernels ready in %.1f s", time.monotonic() - t0)
     return True
@@ -95,3 +104,8 @@ def load_small_batch_linear() -> SmallBatchLinear | None:
     if torch.backends.cpu.get_cpu_capability() != "AVX512" or not _build():
         return None
     return torch.ops.trident.small_batch_linear
+
+
+def load_rms_norm() -> RmsNormKernel | None:
+    """The one-pass RMSNorm op; None if the kernels cannot be built."""
+    return torch.ops.trident.rms_norm if _build() else None

@@ -18,7 +18,7 @@ from torch import nn
 
 from gpu_worker.attention import AttentionMetadata, paged_attention
 from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
-from gpu_worker.cpu_kernels import DecodeKernel, SmallBatchLinear
+from gpu_worker.cpu_kernels import DecodeKernel, RmsNormKernel, SmallBatchLinear
 from gpu_worker.int8_weights import Int8Linear, quantize_linear_layers
 from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
@@ -28,14 +28,20 @@ from gpu_worker.parallel import ShardPlan, TPGroup
 
 class RMSNorm(nn.Module):
     """Normalised in float32, then cast, then scaled by the weight (the reference's order);
-    F.rms_norm is one fused kernel where the reference spells out six ops."""
+    F.rms_norm is one fused kernel where the reference spells out six ops, and the C++ op
+    (csrc/rms_norm.cpp) does all of it in one pass."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel: RmsNormKernel | None = None
+        """The C++ op (cpu_kernels.py), set by the model on CPU; None: torch ops."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Compiled graphs fuse the torch ops with their neighbours themselves.
+        if self.kernel is not None and not torch.compiler.is_compiling():
+            return self.kernel(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
@@ -57,9 +63,11 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, over [tokens, heads, dim]; the same products and sum
-    as the reference, so the same bits, in four ops instead of ten."""
+    as the reference, so the same bits, in four ops instead of ten. The halves are swapped
+    by a cat, not `roll`: the same result, ~10x cheaper on CPU at decode sizes."""
     cos, signed_sin = rotary
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -154,6 +162,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compile_decode(self) -> None:
         self.decode_layer = compile_layer()
+
+    def use_rms_norm_kernel(self, kernel: RmsNormKernel | None) -> None:
+        """Every RMSNorm through the C++ op (None: through torch ops)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = kernel
 
     def use_decode_kernel(self, kernel: DecodeKernel | None) -> None:
         """Decode attention through the C++ kernel (None: through torch). The kernel reads KV
