@@ -89,7 +89,12 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
   TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "small_batch_linear: 1 to ", kMaxRows, " rows, not ", rows);
   at::Tensor out = at::empty({rows, n}, x.options());
 #ifdef __AVX512F__
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  // Widened here rather than by x.to(float): a torch op per call costs as much as a small layer's read.
+  const at::Tensor xc = x.contiguous();
+  const auto* x_bits = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  std::vector<float> xf(rows * k);
+  auto* xf_bits = reinterpret_cast<uint32_t*>(xf.data());
+  for (int64_t i = 0; i < rows * k; ++i) xf_bits[i] = static_cast<uint32_t>(x_bits[i]) << 16;
   const at::Tensor wc = weight.contiguous();
   const c10::BFloat16* bias_ptr = nullptr;
   at::Tensor bias_c;
@@ -99,7 +104,7 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
     bias_ptr = bias_c.data_ptr<c10::BFloat16>();
   }
   const auto* w_bits = reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>());
-  const float* x_ptr = xf.data_ptr<float>();
+  const float* x_ptr = xf.data();
   c10::BFloat16* out_ptr = out.data_ptr<c10::BFloat16>();
   switch (rows) {
     case 1: linear_rows<1>(x_ptr, w_bits, bias_ptr, out_ptr, n, k); break;
