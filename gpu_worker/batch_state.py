@@ -98,9 +98,19 @@ class ForwardInputs(StepPlan):
 
 class BatchState:
     def __init__(
-        self, max_slots: int, max_pages_per_row: int, page_size: int, sampling: SamplingTable, device: torch.device
+        self,
+        max_slots: int,
+        max_pages_per_row: int,
+        page_size: int,
+        sampling: SamplingTable,
+        device: torch.device,
+        ragged_decode: bool = False,
     ) -> None:
         self.device = device
+        self.ragged_decode = ragged_decode
+        """The model's decode attention reads each row at its own length (the C++ kernel):
+        a step whose rows each have one query needs no grouping by length, so they go in one
+        group (one kernel call per layer, no scatter of outputs)."""
         self.page_size = page_size
         self.page_table = np.zeros((max_slots, max_pages_per_row), dtype=np.int64)
         self.row_lens_host = np.zeros(max_slots, dtype=np.int64)
@@ -227,7 +237,10 @@ class BatchState:
             mask = shifted_causal_mask(n, prefix, dev) if prefix else None
             rows.append(ExtendRow(q_start, n, prefix, torch.from_numpy(kv).to(dev), mask))
         short_rows = plan.short_rows
-        grouped = group_by_length(self.row_lens_host[[s for _, _, s in short_rows]])
+        if self.ragged_decode and short_rows and all(n == 1 for _, n, _ in short_rows):
+            grouped = [list(range(len(short_rows)))]
+        else:
+            grouped = group_by_length(self.row_lens_host[[s for _, _, s in short_rows]])
         alone = len(grouped) == 1 and not plan.extend_rows
         groups = [self._decode_group([short_rows[i] for i in members], alone) for members in grouped]
         meta = AttentionMetadata(torch.from_numpy(out_loc).to(dev), groups, rows)

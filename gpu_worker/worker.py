@@ -134,7 +134,12 @@ class Worker(WorkerLoop):
             args.max_running_requests, self.cfg.vocab_size, list(self.cfg.eos_token_ids), self.device
         )
         self.state = BatchState(
-            args.max_running_requests, max_pages_per_row, args.page_size, self.sampling, self.device
+            args.max_running_requests,
+            max_pages_per_row,
+            args.page_size,
+            self.sampling,
+            self.device,
+            ragged_decode=self.model.decode_kernel is not None,
         )
         self.open_sockets(ctx)
 

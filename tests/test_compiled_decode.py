@@ -101,7 +101,11 @@ def test_compiled_decode_samples_what_eager_does_and_compiles_nothing_after_warm
     compiled_fn = worker.model.decode_layer
     graphs_after_warm_up = counters["stats"]["unique_graphs"]
     driver = Driver(worker)
-    for prompts in (lone, ragged, with_lone_group):
+    # With the decode kernel, ragged rows decode as one group; without ragged decoding they
+    # fall into length groups (the path of the torch attention), each served by the kernel.
+    assert worker.state.ragged_decode
+    for prompts, ragged_decode in ((lone, True), (ragged, True), (ragged, False), (with_lone_group, False)):
+        worker.state.ragged_decode = ragged_decode
         compiled = driver.generate(prompts)
         worker.model.decode_layer = None
         eager = driver.generate(prompts)

@@ -155,6 +155,21 @@ def test_a_plain_decode_step_uses_the_batch_as_is_and_equals_dense_attention(dec
     torch.testing.assert_close(got.double(), batch.reference(q, inputs, [0, 0, 1, 1]), atol=1e-5, rtol=1e-5)
 
 
+def test_with_ragged_decoding_rows_of_any_lengths_decode_as_one_group_through_the_kernel():
+    kernel = load_decode_kernel()
+    batch = Batch(2, seed=4)
+    batch.state.ragged_decode = True
+    lengths = {0: 3, 1: 90, 2: 17, 3: 40}  # four length groups without ragged decoding
+    assert len(group_by_length(np.array(list(lengths.values())))) == 4
+    batch.decoding_rows(lengths)
+    chunks = batch.send(grow={s: n + 1 for s, n in lengths.items()})
+    inputs = batch.state.build_forward(chunks)
+    (group,) = inputs.meta.decode_groups
+    assert group.covers_batch and group.kv_lens.tolist() == [n + 1 for n in lengths.values()]
+    q, got = batch.attend(inputs, [0, 0, 1, 1], None, kernel)
+    torch.testing.assert_close(got.double(), batch.reference(q, inputs, [0, 0, 1, 1]), atol=1e-5, rtol=1e-5)
+
+
 def test_length_groups_cover_every_row_once_and_at_most_double_the_keys():
     rng = np.random.default_rng(0)
     for _ in range(200):
