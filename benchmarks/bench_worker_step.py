@@ -29,9 +29,11 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gpu_worker.malloc_policy import keep_freed_memory  # noqa: E402
 from gpu_worker.omp_policy import use_passive_omp_wait  # noqa: E402
 
 use_passive_omp_wait()  # before torch loads, as the worker process does
+keep_freed_memory()
 import torch  # noqa: E402
 
 from gpu_worker.packed_linear import PackedLinear  # noqa: E402

@@ -6,12 +6,14 @@ import logging
 import os
 import sys
 
+from gpu_worker.malloc_policy import keep_freed_memory
 from gpu_worker.omp_policy import use_passive_omp_wait
 from wire.child import start_child
 
 
 def main() -> None:
     use_passive_omp_wait()
+    keep_freed_memory()
     ctx = start_child("worker")
     try:
         if ctx.args.worker == "simulated":

@@ -31,6 +31,7 @@ import time
 import msgspec
 import numpy as np
 
+from gpu_worker.malloc_policy import keep_freed_memory
 from gpu_worker.omp_policy import use_passive_omp_wait
 from gpu_worker.replay import load_recording, replay_steps, replay_worker
 from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, LOSSES, StepProfile, fit_step_times
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="override the recorded dtype")
     ns = p.parse_args(argv)
     use_passive_omp_wait()  # replayed step times must be the served worker's: same OpenMP policy
+    keep_freed_memory()
     logging.basicConfig(level="WARNING")
     overrides = {k: v for k, v in (("model_path", ns.model), ("dtype", ns.dtype)) if v}
     try:

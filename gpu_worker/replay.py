@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 from tqdm import tqdm
 
+from gpu_worker.malloc_policy import keep_freed_memory
 from gpu_worker.omp_policy import use_passive_omp_wait
 from wire.backend import BatchDescriptor, ResetBatch, StepResult, WorkerError, WorkerInput
 from wire.child import ChildContext
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the report here")
     ns = p.parse_args(argv)
     use_passive_omp_wait()  # as the served worker does, so that served / replayed compares like with like
+    keep_freed_memory()
     logging.basicConfig(level="WARNING")
 
     try:
