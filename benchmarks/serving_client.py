@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 from serving_workload import BenchRequest
 from tqdm import tqdm
@@ -72,19 +73,19 @@ def parse_sse_lines(line: str) -> dict[str, Any] | None:
 
 
 async def send_request(
-    client: httpx.AsyncClient, url: str, req: BenchRequest, opts: RequestOptions, max_tokens: int | None = None
+    session: aiohttp.ClientSession, url: str, req: BenchRequest, opts: RequestOptions, max_tokens: int | None = None
 ) -> RequestResult:
     """Stream one completion; record chunk arrival times and the server's usage."""
     res = RequestResult(ok=False, prompt_len=req.prompt_len, output_len=max_tokens or req.output_len)
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     res.start = last = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=request_payload(req, opts, max_tokens), headers=headers) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+        async with session.post(url, json=request_payload(req, opts, max_tokens), headers=headers) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:300]}"
                 return res
-            async for line in resp.aiter_lines():
-                obj = parse_sse_lines(line)
+            async for raw_line in resp.content:  # one line at a time
+                obj = parse_sse_lines(raw_line.decode())
                 if obj is None:
                     continue
                 if "error" in obj:
@@ -104,7 +105,7 @@ async def send_request(
                         res.itl.append(now - last)
                     last = now
                     res.chunks += 1
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.latency = time.perf_counter() - res.start
@@ -139,25 +140,28 @@ async def run_requests(
     """Send every request (Poisson arrivals at `rate`, at most `max_concurrency` in flight); (results, wall s)."""
     url = base_url.rstrip("/") + "/v1/completions"
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1, max_keepalive_connections=None)
     bar = tqdm(total=len(requests), disable=not progress, desc="requests", unit="req", leave=False)
 
-    async def one(client: httpx.AsyncClient, req: BenchRequest) -> RequestResult:
+    async def one(session: aiohttp.ClientSession, req: BenchRequest) -> RequestResult:
         if sem is None:
-            res = await send_request(client, url, req, opts, max_tokens)
+            res = await send_request(session, url, req, opts, max_tokens)
         else:
             async with sem:
-                res = await send_request(client, url, req, opts, max_tokens)
+                res = await send_request(session, url, req, opts, max_tokens)
         bar.update(1)
         return res
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    # aiohttp, not httpx: with 32 streams in flight httpx's client took ~40 % of a core
+    # (1.3 ms a chunk), CPU the server under test then lacks (docs/benchmarks.md).
+    connector = aiohttp.TCPConnector(limit=max_concurrency or len(requests) or 1)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter()
         tasks = []
         for req, delay in zip(requests, poisson_delays(rate, len(requests), seed), strict=True):
             if delay:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(client, req)))
+            tasks.append(asyncio.create_task(one(session, req)))
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t0
     bar.close()
