@@ -33,7 +33,6 @@ from gpu_worker.malloc_policy import keep_freed_memory  # noqa: E402
 from gpu_worker.omp_policy import use_passive_omp_wait  # noqa: E402
 
 use_passive_omp_wait()  # before torch loads, as the worker process does
-keep_freed_memory()
 import torch  # noqa: E402
 
 from gpu_worker.packed_linear import PackedLinear  # noqa: E402
@@ -201,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         help="pack a second copy of the linear weights, then measure each batch size ROUNDS times with "
         "plain and with packed weights, alternating",
     )
+    p.add_argument(
+        "--glibc-malloc",
+        action="store_true",
+        help="leave glibc's allocator as it is instead of the worker's policy (malloc_policy.py), for A/B",
+    )
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=64)
@@ -209,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, default=0, help="batch size to profile (0: none)")
     p.add_argument("--profile-steps", type=int, default=10)
     ns = p.parse_args(argv)
+    if not ns.glibc_malloc:
+        keep_freed_memory()  # as the worker process does (before the model's allocations)
     batches = [int(b) for b in ns.batch_sizes.split(",")]
     most = max(batches + [ns.profile])
     pool = most * (ns.prompt_len + ns.decode_steps + ns.warmup_steps + 16) + 64
