@@ -1,4 +1,5 @@
-"""Starting real servers (python launch.py) and making tiny random-weight models for tests."""
+"""Starting real servers (python launch.py), making tiny random-weight models, and running
+the worker's model on one prompt, for tests."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
+
+if TYPE_CHECKING:
+    import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -220,3 +225,27 @@ def record_workload(tmp_path, seed: int, num_prompts: int, max_new_tokens: int, 
         with ThreadPoolExecutor(num_prompts) as pool:
             assert list(pool.map(one, range(1, num_prompts + 1))) == [200] * num_prompts
     return recording
+
+
+def prompt_logits(path: str, ids: torch.Tensor, dtype: torch.dtype, prepare=None) -> torch.Tensor:
+    """Next-token logits at every position of one prompt through the worker's own model
+    (weights loaded and cast to `dtype`; `prepare(model)` then, e.g. to quantize or pack)."""
+    import torch
+
+    from gpu_worker.attention import AttentionMetadata, ExtendRow
+    from gpu_worker.kv_pool import KVPool
+    from gpu_worker.model import LlamaForCausalLM
+    from gpu_worker.weights import iter_weights, load_config
+
+    cfg = load_config(path)
+    model = LlamaForCausalLM(cfg)
+    model.load_weights(iter_weights(path, cfg))
+    model = model.to(dtype=dtype).eval()
+    model.rope.to(dtype=torch.float32)
+    if prepare is not None:
+        prepare(model)
+    n = len(ids)
+    pool = KVPool(cfg, n + 1, 1, dtype, torch.device("cpu"), cfg.num_kv_heads)
+    loc = torch.arange(1, n + 1)
+    meta = AttentionMetadata(loc, [], [ExtendRow(0, n, 0, loc, None)])
+    return model(ids, torch.arange(n), pool, meta, torch.arange(n))

@@ -9,12 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import AttentionMetadata, ExtendRow
 from gpu_worker.int8_weights import Int8Linear, quantize_per_channel
-from gpu_worker.kv_pool import KVPool
 from gpu_worker.model import LlamaForCausalLM
-from gpu_worker.weights import iter_weights, load_config
-from tests.helpers import make_random_llama, running_server
+from tests.helpers import make_random_llama, prompt_logits, running_server
 
 TEXT = (
     "The capital of France is Paris. It is known for the Eiffel Tower, museums such as the Louvre, and its cafes. "
@@ -40,29 +37,13 @@ def test_int8_linear_equals_a_linear_layer_with_the_dequantized_weights(dtype):
     torch.testing.assert_close(layer(x).float(), want, atol=tol, rtol=tol)
 
 
-def _prompt_logits(path: str, ids: torch.Tensor, dtype: torch.dtype, int8: bool) -> torch.Tensor:
-    """Next-token logits at every position of one prompt, through the worker's own model."""
-    cfg = load_config(path)
-    model = LlamaForCausalLM(cfg)
-    model.load_weights(iter_weights(path, cfg))
-    model = model.to(dtype=dtype).eval()
-    model.rope.to(dtype=torch.float32)
-    if int8:
-        model.quantize_weights_int8()
-    n = len(ids)
-    pool = KVPool(cfg, n + 1, 1, dtype, torch.device("cpu"), cfg.num_kv_heads)
-    loc = torch.arange(1, n + 1)
-    meta = AttentionMetadata(loc, [], [ExtendRow(0, n, 0, loc, None)])
-    return model(ids, torch.arange(n), pool, meta, torch.arange(n)).float()
-
-
 def test_smollm2_with_int8_weights_predicts_nearly_what_float32_does(smollm2_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
     ids = torch.tensor(tok(TEXT).input_ids)
-    reference = _prompt_logits(smollm2_path, ids, torch.float32, int8=False)
-    int8 = _prompt_logits(smollm2_path, ids, torch.bfloat16, int8=True)
+    reference = prompt_logits(smollm2_path, ids, torch.float32).float()
+    int8 = prompt_logits(smollm2_path, ids, torch.bfloat16, LlamaForCausalLM.quantize_weights_int8).float()
     # bf16 weights agree on 98.8 % of these 85 positions, int8 on 96.5 % (measured).
     assert (int8.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
     assert F.cosine_similarity(int8, reference, dim=-1).min() >= 0.98

@@ -8,13 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import AttentionMetadata, ExtendRow
 from gpu_worker.cpu_kernels import load_small_batch_linear
-from gpu_worker.kv_pool import KVPool
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.packed_linear import PackedLinear, replace_linear_layers, wants_packed_linear
-from gpu_worker.weights import iter_weights, load_config
-from tests.helpers import make_random_llama
+from tests.helpers import make_random_llama, prompt_logits
 
 needs_onednn_bf16 = pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bf16 instructions for oneDNN"
@@ -118,24 +115,9 @@ def test_auto_packs_on_cpu_only_and_packed_on_cuda_is_a_clear_error():
         wants_packed_linear("packed", cpu, torch.float16)
 
 
-def _prompt_logits(path: str, dtype: torch.dtype, packed: bool) -> torch.Tensor:
-    cfg = load_config(path)
-    model = LlamaForCausalLM(cfg)
-    model.load_weights(iter_weights(path, cfg))
-    model = model.to(dtype=dtype).eval()
-    model.rope.to(dtype=torch.float32)
-    if packed:
-        model.pack_linear_weights()
-    ids = torch.arange(3, 40)
-    n = len(ids)
-    pool = KVPool(cfg, n + 1, 1, dtype, torch.device("cpu"), cfg.num_kv_heads)
-    loc = torch.arange(1, n + 1)
-    meta = AttentionMetadata(loc, [], [ExtendRow(0, n, 0, loc, None)])
-    return model(ids, torch.arange(n), pool, meta, torch.arange(n))
-
-
 @needs_onednn_bf16
 def test_a_model_with_packed_weights_predicts_the_same_bf16_logits_as_with_plain_ones(tmp_path):
     path = make_random_llama(str(tmp_path / "model"), seed=5)
-    plain = _prompt_logits(path, torch.bfloat16, packed=False)
-    assert torch.equal(_prompt_logits(path, torch.bfloat16, packed=True), plain)
+    ids = torch.arange(3, 40)
+    plain = prompt_logits(path, ids, torch.bfloat16)
+    assert torch.equal(prompt_logits(path, ids, torch.bfloat16, LlamaForCausalLM.pack_linear_weights), plain)
