@@ -88,10 +88,13 @@ async def benchmark(
             flush=True,
         )
         load_before = os.getloadavg()[0]
+        cpu_before = time.process_time()
         results, duration = await run_requests(
             base_url, requests, opts, args.request_rate, conc, args.seed, progress=not args.disable_tqdm
         )
         summary = summarize(results, duration)
+        # The load generator shares the machine with the server under test: its own CPU says how much it took.
+        summary["client_cpu_share"] = (time.process_time() - cpu_before) / duration if duration else 0.0
         summary["cache_flushed_via"] = flushed
         summary["loadavg_1min_before_after"] = [load_before, os.getloadavg()[0]]
         summary["max_concurrency"] = conc

@@ -68,6 +68,7 @@ def print_summary(title: str, s: dict[str, Any]) -> None:
         ("Input token throughput (tok/s)", f"{s['input_throughput']:.1f}"),
         ("Output token throughput (tok/s)", f"{s['output_throughput']:.1f}"),
         ("Mean concurrency", f"{s['mean_concurrency']:.1f}"),
+        ("Client CPU (cores, this process)", f"{s.get('client_cpu_share', 0.0):.2f}"),
     ]
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
         st = s[name]
