@@ -16,8 +16,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker.packed_linear import replace_linear_layers
-
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8, one scale per output row: weight ~ q * scale[:, None]."""
@@ -42,12 +40,6 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
-
-
-def quantize_linear_layers(module: nn.Module) -> int:
-    """Replaces every nn.Linear under `module` (weights already loaded and cast) by an
-    Int8Linear; returns how many."""
-    return replace_linear_layers(module, Int8Linear)
 
 
 def check_supported(device: torch.device, dtype: torch.dtype) -> None:

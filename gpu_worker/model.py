@@ -19,7 +19,7 @@ from torch import nn
 from gpu_worker.attention import AttentionMetadata, paged_attention
 from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
 from gpu_worker.cpu_kernels import DecodeKernel, RmsNormKernel, SmallBatchLinear
-from gpu_worker.int8_weights import Int8Linear, quantize_linear_layers
+from gpu_worker.int8_weights import Int8Linear
 from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.packed_linear import PackedLinear, replace_linear_layers
@@ -203,18 +203,20 @@ class LlamaForCausalLM(nn.Module):
     def quantize_weights_int8(self) -> None:
         """Every linear layer and the LM head to weight-only int8 (int8_weights.py); call
         after load_weights and the cast to the activation dtype."""
-        quantize_linear_layers(self.layers)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head = Int8Linear(head.data, None)
+        self._replace_linear_layers(Int8Linear)
 
     def pack_linear_weights(self, small_batch: SmallBatchLinear | None = None) -> None:
         """Every linear layer and the LM head to oneDNN-packed weights (packed_linear.py),
-        and batches of one or two rows through `small_batch` when given; call after load_weights and
-        the cast. The tied LM head gets its own packed copy (the embedding lookup reads the
-        plain rows)."""
-        replace_linear_layers(self.layers, lambda weight, bias: PackedLinear(weight, bias, small_batch))
+        and batches of one or two rows through `small_batch` when given; call after
+        load_weights and the cast."""
+        self._replace_linear_layers(lambda weight, bias: PackedLinear(weight, bias, small_batch))
+
+    def _replace_linear_layers(self, make) -> None:
+        """`make(weight, bias)` for every linear layer and for the LM head; a tied head gets
+        its own copy (the embedding lookup keeps reading the plain rows)."""
+        replace_linear_layers(self.layers, make)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head = PackedLinear(head.data, None, small_batch)
+        self.lm_head = make(head.data, None)
 
     def load_weights(self, weights) -> None:
         """Takes (name, tensor) pairs in Hugging Face LLaMA names (full, unsharded tensors);
