@@ -185,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="step-time profile of simulated workers (profiles/*.json; python -m gpu_worker.fit_profile)",
     )
+    sim.add_argument(
+        "--sim-exact-steps",
+        action="store_true",
+        help="simulated steps take exactly the predicted time, without the spread a fitted profile measured",
+    )
     o = p.add_argument_group("processes")
     o.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     o.add_argument("--startup-timeout", type=float, default=300.0, help="seconds each process may take to be ready")
@@ -272,6 +277,7 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
         cluster_secret=cluster_secret,
         worker=ns.worker,
         sim_profile=os.path.abspath(ns.sim_profile) if ns.sim_profile else None,
+        sim_step_spread=not ns.sim_exact_steps,
         run_dir=run_dir,
         log_level=ns.log_level,
         startup_timeout_s=ns.startup_timeout,

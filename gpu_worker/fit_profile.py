@@ -15,8 +15,9 @@ descriptors through a worker's batch state; its time comes from one of:
   know, decide the shapes.
 
 The coefficients are fitted by non-negative least squares (`--loss relative`, the default,
-or `absolute`: step_profile.fit_step_times says when each is right), and the fit's own
-errors are written into the profile.
+or `absolute`: step_profile.fit_step_times says when each is right); the fit's own errors,
+and the spread of measured around predicted step times that a simulated worker replays,
+are written into the profile.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ import numpy as np
 from gpu_worker.malloc_policy import keep_freed_memory
 from gpu_worker.omp_policy import use_passive_omp_wait
 from gpu_worker.replay import load_recording, replay_steps, replay_worker
-from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, LOSSES, StepProfile, fit_step_times
+from gpu_worker.step_profile import (
+    COEFFICIENT_NAMES,
+    FEATURES,
+    LOSSES,
+    StepProfile,
+    fit_step_times,
+    ratio_quantiles,
+)
 from wire.backend import BatchDescriptor
 from wire.child import ChildContext
 
@@ -135,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         source="python -m gpu_worker.fit_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
         kv_pool_tokens=ns.kv_pool_tokens,
         fit=fit_report(features, seconds, coef),
+        step_time_ratios=ratio_quantiles(features, seconds, coef),
     )
     profile.save(ns.output)
     print(f"wrote {ns.output}: {profile.coefficients}\nfit: {profile.fit}")

@@ -55,6 +55,9 @@ class SimulatedWorker(WorkerLoop):
         super().__init__(ctx)
         args = ctx.args
         self.profile = StepProfile.load(args.sim_profile)
+        # Draws from the profile's measured spread: a fixed sequence per rank, so that a rerun
+        # of the same workload sleeps the same times.
+        self._spread_draws = np.random.default_rng([args.seed, ctx.dp_rank, ctx.rank]) if args.sim_step_spread else None
         cfg = load_config(args.model_path)  # the header only: vocabulary, EOS, context length
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(cfg.eos_token_ids)
@@ -84,6 +87,8 @@ class SimulatedWorker(WorkerLoop):
             self.state.advance(plan, accepted)
         # Sleep out what the profile says this step costs, less what it already took.
         predicted = float(self.profile.predict(self.last_step_features))
+        if self._spread_draws is not None:
+            predicted *= self.profile.spread(self._spread_draws.random())
         remaining = self.step_started + predicted - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)

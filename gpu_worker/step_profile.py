@@ -12,6 +12,13 @@ A query at position p attends to p + 1 keys, so a row running q tokens after `pr
 tokens has q * prefix + q * (q + 1) / 2 pairs. On a GPU `const` is reading the weights
 once per step; on a CPU it is the per-step overhead of the loop and the thread pool.
 
+A deterministic step takes the prediction; a measured one scatters around it (on a CPU
+shared with the front end, the same shape takes 0.8-1.5x its typical time, with a tail
+past 3x). A fitted profile keeps that spread, as quantiles of measured / predicted time
+over its fitted steps (`step_time_ratios`), and a simulated worker scales each step by a
+draw from them: without it, a simulation matches either the real run's median step (its
+ITL) or its mean step (its throughput), never both.
+
 Profiles are JSON files (profiles/*.json): measured ones come from
 `python -m gpu_worker.fit_profile RECORDING`, hand-written ones say in `source` where
 their numbers come from.
@@ -73,6 +80,9 @@ class StepProfile:
     """The KV pool a simulated worker advertises when --max-total-tokens is 0."""
     fit: dict = field(default_factory=dict)
     """Fit diagnostics (steps used, relative errors); empty for hand-written profiles."""
+    step_time_ratios: list[float] = field(default_factory=list)
+    """Measured / predicted step time at the 0th, 1st, ..., 100th percentile of the fitted
+    steps (ratio_quantiles); empty for hand-written profiles, whose steps take the prediction."""
 
     def vector(self) -> np.ndarray:
         return np.asarray([self.coefficients[name] for name in COEFFICIENT_NAMES])
@@ -80,6 +90,14 @@ class StepProfile:
     def predict(self, features: np.ndarray) -> np.ndarray | float:
         """Step seconds for one feature vector, or for a matrix of them (one step per row)."""
         return features @ self.vector()
+
+    def spread(self, uniform: float) -> float:
+        """The factor of a step drawn at `uniform` (in [0, 1]) from the measured spread; 1.0
+        without one."""
+        ratios = self.step_time_ratios
+        if not ratios:
+            return 1.0
+        return float(np.interp(uniform, np.linspace(0.0, 1.0, len(ratios)), ratios))
 
     @classmethod
     def load(cls, path: str) -> StepProfile:
@@ -97,6 +115,16 @@ class StepProfile:
 
 
 LOSSES = ("relative", "absolute")
+RATIO_QUANTILES = 101
+
+
+def ratio_quantiles(features: np.ndarray, seconds: np.ndarray, coef: np.ndarray) -> list[float]:
+    """Percentiles of measured / predicted time over the steps (StepProfile.step_time_ratios)."""
+    predicted = features @ coef
+    ratios = seconds[predicted > 0] / predicted[predicted > 0]
+    if not len(ratios):
+        return []
+    return np.quantile(ratios, np.linspace(0.0, 1.0, RATIO_QUANTILES)).tolist()
 
 
 def fit_step_times(features: np.ndarray, seconds: np.ndarray, loss: str = "relative") -> np.ndarray:

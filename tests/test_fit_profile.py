@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, StepProfile, fit_step_times
+from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, StepProfile, fit_step_times, ratio_quantiles
 from tests.helpers import REPO_ROOT, record_workload
 
 
@@ -39,6 +39,26 @@ def test_fit_never_gives_a_negative_coefficient():
     assert np.median(np.abs(features @ coef - seconds) / seconds) < 0.05
 
 
+def test_measured_spread_makes_simulated_steps_match_both_median_and_mean():
+    """Step times with a heavy tail (a shared CPU): the prediction alone matches the typical
+    step but not the mean; drawing each step's factor from the fitted spread matches both."""
+    rng = np.random.default_rng(2)
+    true = np.asarray([5e-3, 4e-5, 1e-5, 2e-8, 1e-9])
+    features = synthetic_steps(rng, 2000)
+    slowdown = np.where(rng.random(2000) < 0.1, rng.uniform(1.5, 4.0, 2000), rng.normal(1.0, 0.05, 2000))
+    seconds = features @ true * slowdown
+    coef = fit_step_times(features, seconds)
+    profile = StepProfile(dict(zip(COEFFICIENT_NAMES, coef)), step_time_ratios=ratio_quantiles(features, seconds, coef))
+    exact = profile.predict(features)
+    draws = np.random.default_rng(3).random(len(features))
+    spread = exact * np.asarray([profile.spread(u) for u in draws])
+    assert abs(np.median(exact) / np.median(seconds) - 1) < 0.05
+    assert exact.sum() / seconds.sum() < 0.9  # the tail is missing without the spread
+    assert abs(np.median(spread) / np.median(seconds) - 1) < 0.05
+    assert abs(spread.sum() / seconds.sum() - 1) < 0.05
+    assert StepProfile(dict(zip(COEFFICIENT_NAMES, coef))).spread(0.99) == 1.0  # hand-written: exact
+
+
 def test_fit_profile_command_on_a_recording(tmp_path):
     recording = record_workload(tmp_path, seed=3, num_prompts=12, max_new_tokens=40, chunk=32)
     out = str(tmp_path / "profile.json")
@@ -58,6 +78,8 @@ def test_fit_profile_command_on_a_recording(tmp_path):
     # throughput right); per-step errors are left unchecked: this machine is shared and noisy.
     assert abs(profile.fit["total_time_relative_error"]) < 0.05
     assert "fit_profile" in profile.source and os.path.basename(recording) in profile.source
+    ratios = np.asarray(profile.step_time_ratios)
+    assert len(ratios) == 101 and (np.diff(ratios) >= 0).all() and ratios[0] > 0
     decode_step = np.zeros(len(FEATURES))
     decode_step[:4] = [1, 8, 8, 8 * 100]
     assert 0 < profile.predict(decode_step) < 1.0

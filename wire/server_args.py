@@ -84,6 +84,9 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     predicts and produce pseudo-tokens (gpu_worker/simulated.py)."""
     sim_profile: str | None = None
     """Step-time profile JSON of the simulated workers (profiles/, gpu_worker.fit_profile)."""
+    sim_step_spread: bool = True
+    """Scale each simulated step by a draw from the profile's measured spread of step times
+    (StepProfile.step_time_ratios); False: every step takes the prediction exactly."""
 
     # Processes
     run_dir: str = ""
