@@ -201,6 +201,14 @@ def main(argv: list[str] | None = None) -> int:
         "plain and with packed weights, alternating",
     )
     p.add_argument(
+        "--ab-elementwise",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="measure each batch size ROUNDS times with the torch ops and with the C++ ops for norms, "
+        "rotary and SwiGLU (cpu_kernels.ElementwiseKernels), alternating",
+    )
+    p.add_argument(
         "--glibc-malloc",
         action="store_true",
         help="leave glibc's allocator as it is instead of the worker's policy (malloc_policy.py), for A/B",
@@ -243,23 +251,33 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     model = worker.model
-    compiled, kernel = model.decode_layer, model.decode_kernel
+    compiled, kernel, elementwise = model.decode_layer, model.decode_kernel, model.norm.kernels
     packed = isinstance(model.lm_head, PackedLinear)
     swaps = linear_swaps(model) if ns.ab_linear else []
-    # Each variant: (compiled layer or None, decode kernel or None, packed linear weights), measured in turn.
+    # Each variant: (compiled layer or None, decode kernel or None, packed linear weights,
+    # elementwise ops or None), measured in turn.
     if ns.ab_compile:
-        variants, rounds = [(None, kernel, packed), (compiled, kernel, packed)], ns.ab_compile
+        variants, rounds = [(None, kernel, packed, elementwise), (compiled, kernel, packed, elementwise)], ns.ab_compile
     elif ns.ab_attention:
-        variants, rounds = [(compiled, None, packed), (compiled, kernel, packed)], ns.ab_attention
+        variants, rounds = (
+            [(compiled, None, packed, elementwise), (compiled, kernel, packed, elementwise)],
+            ns.ab_attention,
+        )
     elif ns.ab_linear:
-        variants, rounds = [(compiled, kernel, False), (compiled, kernel, True)], ns.ab_linear
+        variants, rounds = [(compiled, kernel, False, elementwise), (compiled, kernel, True, elementwise)], ns.ab_linear
+    elif ns.ab_elementwise:
+        variants, rounds = (
+            [(compiled, kernel, packed, None), (compiled, kernel, packed, elementwise)],
+            ns.ab_elementwise,
+        )
     else:
-        variants, rounds = [(compiled, kernel, packed)], 1
+        variants, rounds = [(compiled, kernel, packed, elementwise)], 1
     for b in batches:
         for _ in range(rounds):
-            for layer_fn, decode_kernel, packed_weights in variants:
+            for layer_fn, decode_kernel, packed_weights, elementwise_ops in variants:
                 model.decode_layer = layer_fn
                 model.use_decode_kernel(decode_kernel)
+                model.use_elementwise_kernels(elementwise_ops)
                 for parent, name, plain_layer, packed_layer in swaps:
                     setattr(parent, name, packed_layer if packed_weights else plain_layer)
                 result = measure(worker, b, ns.prompt_len, ns.decode_steps, ns.warmup_steps)
@@ -267,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                     compiled=layer_fn is not None,
                     decode_kernel=decode_kernel is not None,
                     packed_linear=packed_weights,
+                    elementwise_kernels=elementwise_ops is not None,
                     loadavg=os.getloadavg()[0],
                 )
                 print(json.dumps(result), flush=True)

@@ -4,7 +4,9 @@
   attention reading the paged KV pool in place (`--decode-attention`);
 - `torch.ops.trident.small_batch_linear` (csrc/small_batch_linear.cpp): a bf16 linear
   layer for one or two rows at the memory's speed (packed_linear.py uses it);
-- `torch.ops.trident.rms_norm` (csrc/rms_norm.cpp): RMSNorm in one pass (model.py).
+- the elementwise steps of a layer, one op each (model.py, `ElementwiseKernels`):
+  `torch.ops.trident.rms_norm` and `.add_rms_norm` (csrc/rms_norm.cpp: RMSNorm in one
+  pass, after the residual add), `.silu_and_mul` and `.rotary` (csrc/layer_elementwise.cpp).
 
 The first use compiles the files with torch's extension builder (~30 s on two cores; the
 result is cached under ~/.cache/torch_extensions, keyed by the sources, so later starts
@@ -23,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -30,8 +33,14 @@ logger = logging.getLogger(__name__)
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = [
-    os.path.join(CSRC, name) for name in ("paged_decode_attention.cpp", "small_batch_linear.cpp", "rms_norm.cpp")
+    os.path.join(CSRC, name)
+    for name in ("paged_decode_attention.cpp", "small_batch_linear.cpp", "rms_norm.cpp", "layer_elementwise.cpp")
 ]
+# csrc/float_math.h is included by the sources: ninja's dependency files rebuild on its edits.
+COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+"""-fno-trapping-math lets loops calling floorf vectorise (exp_nonpositive in csrc/float_math.h;
+without it GCC keeps them scalar); -ffp-contract=off rounds a product before a sum, as
+torch's separate ops do (the rotary's float32 bits)."""
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -41,7 +50,23 @@ SMALL_BATCH_MAX_ROWS = 2
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 SmallBatchLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-RmsNormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ElementwiseKernels:
+    """The C++ ops for the elementwise steps of a decoder layer; model.py runs them in eager
+    steps (compiled graphs fuse the torch ops themselves)."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    """(x, weight, eps) -> RMSNorm(x), in the reference's rounding order."""
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    """(x, delta, weight, eps) -> (x + delta, RMSNorm(x + delta))."""
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    """gate_up [rows, 2 * inter] -> silu(gate) * up [rows, inter]."""
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    """(x [tokens, heads, dim], cos, signed_sin [tokens, 1, dim]) -> the rotated x, contiguous."""
+
+
 _built: bool | None = None
 """None: not tried in this process; False: the build failed."""
 
@@ -56,6 +81,18 @@ def _small_batch_linear_fake(x, weight, bias):
 
 def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x)
+
+
+def _add_rms_norm_fake(x, delta, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _silu_and_mul_fake(gate_up):
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
+def _rotary_fake(x, cos, signed_sin):
+    return x.new_empty(x.shape)
 
 
 def wants_decode_kernel(setting: str, device: torch.device) -> bool:
@@ -77,7 +114,8 @@ def _build() -> bool:
         cpp_extension.load(
             name=f"trident_cpu_kernels_{isa.lower()}",
             sources=SOURCES,
-            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *ISA_FLAGS.get(isa, [])],
+            extra_include_paths=[CSRC],
+            extra_cflags=[*COMMON_FLAGS, *ISA_FLAGS.get(isa, [])],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -89,6 +127,9 @@ def _build() -> bool:
     torch.library.register_fake("trident::paged_decode_attention")(_decode_attention_fake)
     torch.library.register_fake("trident::small_batch_linear")(_small_batch_linear_fake)
     torch.library.register_fake("trident::rms_norm")(_rms_norm_fake)
+    torch.library.register_fake("trident::add_rms_norm")(_add_rms_norm_fake)
+    torch.library.register_fake("trident::silu_and_mul")(_silu_and_mul_fake)
+    torch.library.register_fake("trident::rotary")(_rotary_fake)
     _built = True
     logger.info("C++ CPU kernels ready in %.1f s", time.monotonic() - t0)
     return True
@@ -106,6 +147,9 @@ def load_small_batch_linear() -> SmallBatchLinear | None:
     return torch.ops.trident.small_batch_linear
 
 
-def load_rms_norm() -> RmsNormKernel | None:
-    """The one-pass RMSNorm op; None if the kernels cannot be built."""
-    return torch.ops.trident.rms_norm if _build() else None
+def load_elementwise_kernels() -> ElementwiseKernels | None:
+    """The layer's elementwise ops; None if the kernels cannot be built."""
+    if not _build():
+        return None
+    ops = torch.ops.trident
+    return ElementwiseKernels(ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.rotary)

@@ -18,12 +18,18 @@ from torch import nn
 
 from gpu_worker.attention import AttentionMetadata, paged_attention
 from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
-from gpu_worker.cpu_kernels import DecodeKernel, RmsNormKernel, SmallBatchLinear
+from gpu_worker.cpu_kernels import DecodeKernel, ElementwiseKernels, SmallBatchLinear
 from gpu_worker.int8_weights import Int8Linear
 from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.packed_linear import PackedLinear, replace_linear_layers
 from gpu_worker.parallel import ShardPlan, TPGroup
+
+
+def eager_kernels(kernels: ElementwiseKernels | None) -> ElementwiseKernels | None:
+    """The C++ elementwise ops, unless a graph is being compiled: inductor fuses the torch
+    ops with their neighbours itself."""
+    return None if kernels is None or torch.compiler.is_compiling() else kernels
 
 
 class RMSNorm(nn.Module):
@@ -35,14 +41,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel: RmsNormKernel | None = None
-        """The C++ op (cpu_kernels.py), set by the model on CPU; None: torch ops."""
+        self.kernels: ElementwiseKernels | None = None
+        """The C++ ops (cpu_kernels.py), set by the model on CPU; None: torch ops."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Compiled graphs fuse the torch ops with their neighbours themselves.
-        if self.kernel is not None and not torch.compiler.is_compiling():
-            return self.kernel(x, self.weight, self.eps)
+        if kernels := eager_kernels(self.kernels):
+            return kernels.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): a residual add and the next sublayer's input."""
+        if kernels := eager_kernels(self.kernels):
+            return kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -88,6 +100,8 @@ class Attention(nn.Module):
         self.register_buffer("kv_head_map", kv_map, persistent=False)
         self.decode_kernel: DecodeKernel | None = None
         """The C++ decode attention op (cpu_kernels.py), set by the model; None: torch."""
+        self.kernels: ElementwiseKernels | None = None
+        """The C++ rotary (cpu_kernels.py), set by the model on CPU; None: torch ops."""
 
     def forward(
         self,
@@ -99,9 +113,8 @@ class Attention(nn.Module):
         """kv_cache: this layer's tensor of the pool (kv_pool.py)."""
         qkv = self.qkv_proj(x)
         # q and k sit side by side in qkv: one rotary over both heads at once.
-        qk = apply_rotary(
-            qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rotary
-        )
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = kernels.rotary(qk, *rotary) if (kernels := eager_kernels(self.kernels)) else apply_rotary(qk, rotary)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, meta.out_cache_loc, k, v)
@@ -118,10 +131,17 @@ class MLP(nn.Module):
         self.intermediate_size = plan.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
+        self.kernels: ElementwiseKernels | None = None
+        """The C++ silu_and_mul (cpu_kernels.py), set by the model on CPU; None: torch ops."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        gate_up = self.gate_up_proj(x)
+        if kernels := eager_kernels(self.kernels):
+            activated = kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            activated = F.silu(gate) * up
+        return self.tp.all_reduce(self.down_proj(activated))
 
 
 class DecoderLayer(nn.Module):
@@ -133,8 +153,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, plan, tp)
 
     def forward(self, x, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_and_norm(
+            x, self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
+        )
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -163,11 +185,11 @@ class LlamaForCausalLM(nn.Module):
     def compile_decode(self) -> None:
         self.decode_layer = compile_layer()
 
-    def use_rms_norm_kernel(self, kernel: RmsNormKernel | None) -> None:
-        """Every RMSNorm through the C++ op (None: through torch ops)."""
+    def use_elementwise_kernels(self, kernels: ElementwiseKernels | None) -> None:
+        """Norms, rotary and SwiGLU through the C++ ops in eager steps (None: torch ops)."""
         for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.kernel = kernel
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.kernels = kernels
 
     def use_decode_kernel(self, kernel: DecodeKernel | None) -> None:
         """Decode attention through the C++ kernel (None: through torch). The kernel reads KV

@@ -22,7 +22,7 @@ import torch
 from gpu_worker.batch_state import BatchState, StepPlan
 from gpu_worker.compiled_decode import wants_compile, warm_up
 from gpu_worker.cpu_kernels import load_decode_attention as load_decode_kernel
-from gpu_worker.cpu_kernels import load_rms_norm, load_small_batch_linear, wants_decode_kernel
+from gpu_worker.cpu_kernels import load_elementwise_kernels, load_small_batch_linear, wants_decode_kernel
 from gpu_worker.int8_weights import check_supported as check_int8_supported
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
@@ -121,7 +121,7 @@ class Worker(WorkerLoop):
             if kernel is not None:
                 self.model.use_decode_kernel(kernel)
         if self.device.type == "cpu":
-            self.model.use_rms_norm_kernel(load_rms_norm())
+            self.model.use_elementwise_kernels(load_elementwise_kernels())
         self.compiled = wants_compile(args.compile_decode, args.tp_size)
         if self.compiled:
             self.model.compile_decode()

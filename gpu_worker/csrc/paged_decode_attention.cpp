@@ -23,6 +23,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "float_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -33,6 +35,8 @@
 #endif
 
 namespace {
+
+using trident_kernels::exp_nonpositive;
 
 // Widening loads, written so that the compiler vectorises them: bfloat16 is the top half
 // of a float32, so widening is a 16-bit shift of the raw bits.
@@ -52,28 +56,6 @@ inline void widen(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// exp(x) for x <= 0 (scores less their maximum), vectorisable: 2^(x log2 e) split into an
-// integer power, set in the exponent bits, and a degree-6 polynomial of the fraction
-// (relative error ~2e-7); below -87 the result is 0, as float32 underflow would make it.
-#pragma omp declare simd
-inline float exp_nonpositive(float x) {
-  const float clamped = x < -87.f ? -87.f : x;
-  const float t = clamped * 1.44269504088896341f;
-  const float whole = __builtin_floorf(t);
-  const float f = t - whole;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.f ? 0.f : p * scale;
-}
-
 // Tokens ahead to prefetch: a row's pool entries are scattered (page size 1, rows decoding
 // side by side), so each is a fresh trip to memory (~100 ns) against ~20 ns of work a token.
 constexpr int64_t kPrefetchAhead = 16;
@@ -81,6 +63,7 @@ constexpr int64_t kPrefetchAhead = 16;
 // Scores to probabilities, in place, over one query head's `len` keys.
 inline void softmax_in_place(float* p, int64_t len) {
   float peak = p[0];
+#pragma omp simd reduction(max : peak)
   for (int64_t t = 1; t < len; ++t) peak = std::max(peak, p[t]);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)

@@ -6,101 +6,127 @@
 // decode step of SmolLM2. Here: one pass to sum the squares, one to scale, ~3 us at one
 // row of 576, 0.35 ms at 2,048 (bfloat16 converted as raw bits, vectorised).
 //
-// Registered as torch.ops.trident.rms_norm (fake kernel in cpu_kernels.py).
+// add_rms_norm also adds the sublayer's output to the residual stream first (the add is
+// otherwise its own op and region, 30 a step).
+//
+// Registered as torch.ops.trident.rms_norm and .add_rms_norm (fake kernels in cpu_kernels.py).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "float_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <tuple>
 
 namespace {
 
-// How each storage type widens to float32 and rounds back. bfloat16 is handled as raw
-// bits so that the loops vectorise: c10::BFloat16's conversions are scalar, and at 2,048
-// prefill rows they were most of the op's time (1.9 ms a call against 0.35).
-struct Bf16Bits {
-  uint16_t bits;
-};
-static_assert(sizeof(Bf16Bits) == sizeof(c10::BFloat16), "read in place of c10::BFloat16");
+using trident_kernels::Bf16Bits;
+using trident_kernels::round_to;
+using trident_kernels::widen;
 
-inline float widen(float v) { return v; }
-inline float widen(c10::Half v) { return static_cast<float>(v); }
-inline float widen(Bf16Bits v) {
-  const uint32_t wide = static_cast<uint32_t>(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
-
+// normalise(x) into `out`; with `delta`, first sum = x + delta (rounded to the dtype, as
+// torch's add does) into `sum`, and normalise that: the residual add before a layer's norm.
 template <typename storage_t>
-inline storage_t round_to(float f) {
-  return static_cast<storage_t>(f);
-}
-
-// Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
-template <>
-inline Bf16Bits round_to<Bf16Bits>(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return {(u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded)};
-}
-
-template <typename storage_t>
-void rms_norm_rows(const storage_t* x, const storage_t* weight, storage_t* out, int64_t rows, int64_t dim, float eps) {
+void rms_norm_rows(const storage_t* x, const storage_t* delta, storage_t* sum, const storage_t* weight,
+                   storage_t* out, int64_t rows, int64_t dim, float eps) {
   // Rows are independent; below ~16K elements a second thread costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 16384 / dim);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const storage_t* xr = x + row * dim;
+      const storage_t* src = x + row * dim;
+      if (delta != nullptr) {
+        const storage_t* dr = delta + row * dim;
+        storage_t* sr = sum + row * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) sr[i] = round_to<storage_t>(widen(src[i]) + widen(dr[i]));
+        src = sr;
+      }
       storage_t* dst = out + row * dim;
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < dim; ++i) {
-        const float v = widen(xr[i]);
+        const float v = widen(src[i]);
         squares += v * v;
       }
       const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
 #pragma omp simd
       for (int64_t i = 0; i < dim; ++i) {
-        const float normed = widen(round_to<storage_t>(widen(xr[i]) * inv));
+        const float normed = widen(round_to<storage_t>(widen(src[i]) * inv));
         dst[i] = round_to<storage_t>(widen(weight[i]) * normed);
       }
     }
   });
 }
 
-// x [..., dim]; weight [dim] in x's dtype -> x's shape and dtype.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// Calls `body(storage_t{}, element_t{})` for x's dtype; storage_t is how the elements are
+// read (bfloat16 as raw bits, see Bf16Bits).
+template <typename Body>
+void dispatch_norm_dtype(const at::Tensor& x, const Body& body) {
+  switch (x.scalar_type()) {
+    case at::kFloat: body(float{}, float{}); break;
+    case at::kBFloat16: body(Bf16Bits{}, c10::BFloat16{}); break;
+    case at::kHalf: body(c10::Half{}, c10::Half{}); break;
+    default: TORCH_CHECK(false, "rms_norm: float32, bfloat16 or float16, not ", x.scalar_type());
+  }
+}
+
+template <typename storage_t, typename element_t>
+storage_t* bits_of(const at::Tensor& t) {
+  return reinterpret_cast<storage_t*>(t.data_ptr<element_t>());
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: weight [dim] for x [..., dim]");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must share a dtype");
+}
+
+// x [..., dim]; weight [dim] in x's dtype -> x's shape and dtype.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor out = at::empty_like(xc);
   const int64_t dim = x.size(-1), rows = dim ? xc.numel() / dim : 0;
-  // storage_t: how the tensor's elements are read (bfloat16 as raw bits, see Bf16Bits).
-  const auto run = [&](auto zero, auto element) {
+  dispatch_norm_dtype(xc, [&](auto zero, auto element) {
     using storage_t = decltype(zero);
     using element_t = decltype(element);
-    rms_norm_rows<storage_t>(reinterpret_cast<const storage_t*>(xc.data_ptr<element_t>()),
-                             reinterpret_cast<const storage_t*>(wc.data_ptr<element_t>()),
-                             reinterpret_cast<storage_t*>(out.data_ptr<element_t>()), rows, dim,
-                             static_cast<float>(eps));
-  };
-  switch (x.scalar_type()) {
-    case at::kFloat: run(float{}, float{}); break;
-    case at::kBFloat16: run(Bf16Bits{}, c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}, c10::Half{}); break;
-    default: TORCH_CHECK(false, "rms_norm: float32, bfloat16 or float16, not ", x.scalar_type());
-  }
+    rms_norm_rows<storage_t>(bits_of<storage_t, element_t>(xc), nullptr, nullptr, bits_of<storage_t, element_t>(wc),
+                             bits_of<storage_t, element_t>(out), rows, dim, static_cast<float>(eps));
+  });
   return out;
+}
+
+// (x + delta, rms_norm(x + delta)): the residual stream after a sublayer, and the next
+// sublayer's normalised input, in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
+                                                const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type(),
+              "add_rms_norm: x and delta must share a shape and a dtype");
+  const at::Tensor xc = x.contiguous(), dc = delta.contiguous(), wc = weight.contiguous();
+  at::Tensor sum = at::empty_like(xc), out = at::empty_like(xc);
+  const int64_t dim = x.size(-1), rows = dim ? xc.numel() / dim : 0;
+  dispatch_norm_dtype(xc, [&](auto zero, auto element) {
+    using storage_t = decltype(zero);
+    using element_t = decltype(element);
+    rms_norm_rows<storage_t>(bits_of<storage_t, element_t>(xc), bits_of<storage_t, element_t>(dc),
+                             bits_of<storage_t, element_t>(sum), bits_of<storage_t, element_t>(wc),
+                             bits_of<storage_t, element_t>(out), rows, dim, static_cast<float>(eps));
+  });
+  return {sum, out};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(trident, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(trident, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+}
 
-TORCH_LIBRARY_IMPL(trident, CPU, m) { m.impl("rms_norm", &rms_norm); }
+TORCH_LIBRARY_IMPL(trident, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+}

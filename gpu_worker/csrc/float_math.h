@@ -1,0 +1,64 @@
+// Scalar helpers shared by the C++ CPU kernels, written so that the loops calling them
+// vectorise: reading bfloat16 as raw bits, rounding back as c10 does, and exp(x) for x <= 0.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace trident_kernels {
+
+// bfloat16 read as raw bits: c10::BFloat16's conversions are scalar, and at 2,048 prefill
+// rows they were most of an RMSNorm's time (1.9 ms a call against 0.35 as bits).
+struct Bf16Bits {
+  uint16_t bits;
+};
+static_assert(sizeof(Bf16Bits) == sizeof(c10::BFloat16), "read in place of c10::BFloat16");
+
+inline float widen(float v) { return v; }
+inline float widen(c10::Half v) { return static_cast<float>(v); }
+inline float widen(Bf16Bits v) {
+  const uint32_t wide = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+template <typename storage_t>
+inline storage_t round_to(float f) {
+  return static_cast<storage_t>(f);
+}
+
+// Round to nearest even, as c10::BFloat16 does; NaN stays NaN.
+template <>
+inline Bf16Bits round_to<Bf16Bits>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return {(u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded)};
+}
+
+// exp(x) for x <= 0, vectorisable: 2^(x log2 e) split into an integer power, set in the
+// exponent bits, and a degree-6 polynomial of the fraction (relative error ~2e-7); below
+// -87 the result is 0, as float32 underflow would make it.
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.f ? -87.f : x;
+  const float t = clamped * 1.44269504088896341f;
+  const float whole = __builtin_floorf(t);
+  const float f = t - whole;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.f ? 0.f : p * scale;
+}
+
+}  // namespace trident_kernels

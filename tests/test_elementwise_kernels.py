@@ -1,0 +1,100 @@
+"""The C++ elementwise ops of a decoder layer (csrc/rms_norm.cpp, csrc/layer_elementwise.cpp)
+compute what model.py's torch ops do, rounding where they round, for every dtype and any
+number of rows; the model uses them in eager steps and the torch ops when compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.cpu_kernels import ElementwiseKernels, load_elementwise_kernels
+from gpu_worker.model import RMSNorm, RotaryEmbedding, apply_rotary
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ElementwiseKernels:
+    ops = load_elementwise_kernels()
+    assert ops is not None, "the C++ kernels did not build (see the log)"
+    return ops
+
+
+def assert_same_up_to_last_bit(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32: within rounding. Lower precisions: float32 sums and exponentials may differ
+    in their last bit, so after rounding at most one step of the dtype apart, and almost
+    everywhere the same bits."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return
+    step = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * step, atol=1e-6)
+    assert (got == want).float().mean() >= 0.99
+
+
+def _torch_norm(dim: int, dtype: torch.dtype) -> RMSNorm:
+    norm = RMSNorm(dim, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim).to(dtype))
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (37, 576), (3, 5, 64), (2, 100)])
+def test_the_rms_norm_op_matches_the_torch_ops_of_the_reference_order(kernels, dtype, shape):
+    norm = _torch_norm(shape[-1], dtype)
+    x = (torch.randn(shape) * 3).to(dtype)
+    assert_same_up_to_last_bit(kernels.rms_norm(x, norm.weight, norm.eps), norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 33])
+def test_add_rms_norm_returns_the_residual_sum_and_its_norm(kernels, dtype, rows):
+    norm = _torch_norm(576, dtype)
+    x, delta = (torch.randn(rows, 576) * 3).to(dtype), torch.randn(rows, 576).to(dtype)
+    total, normed = kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+    assert torch.equal(total, x + delta)  # one rounding of an exact float32 sum: the same bits
+    assert_same_up_to_last_bit(normed, norm(x + delta))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 40])
+def test_silu_and_mul_matches_split_silu_mul(kernels, dtype, rows):
+    gate_up = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
+    gate, up = gate_up.split(1536, dim=-1)
+    assert_same_up_to_last_bit(kernels.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+def test_silu_and_mul_is_finite_at_the_extremes(kernels):
+    gate = torch.tensor([[-1e4, -100.0, -1e-3, 0.0, 1e-3, 100.0, 1e4, 3e38]])
+    got = kernels.silu_and_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))
+    torch.testing.assert_close(got, F.silu(gate), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 19])
+def test_rotary_matches_the_torch_rotary_on_a_strided_view_of_qkv(kernels, dtype, tokens):
+    heads, kv_heads, dim = 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(-1, heads + kv_heads, dim)  # rows strided by qkv's width
+    rope = RotaryEmbedding(dim, 10000.0, 4096)
+    tables = rope.tables(torch.randint(0, 4096, (tokens,)), dtype)
+    got = kernels.rotary(qk, *tables)
+    want = apply_rotary(qk, tables)
+    assert got.is_contiguous()
+    if dtype == torch.float32:
+        assert torch.equal(got, want)  # products and sums rounded as torch rounds them: the same bits
+    else:
+        assert_same_up_to_last_bit(got, want)
+
+
+def test_a_model_norm_uses_the_ops_when_given_and_torch_ops_when_compiled(kernels):
+    norm = _torch_norm(64, torch.bfloat16)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    torch_result = norm(x)
+    norm.kernels = kernels
+    assert torch.equal(norm(x), kernels.rms_norm(x, norm.weight, norm.eps))
+    compiled = torch.compile(norm)
+    torch.testing.assert_close(compiled(x).float(), torch_result.float(), rtol=1e-2, atol=1e-2)
