@@ -36,9 +36,9 @@ SOURCES = [
     os.path.join(CSRC, name)
     for name in ("paged_decode_attention.cpp", "small_batch_linear.cpp", "rms_norm.cpp", "layer_elementwise.cpp")
 ]
-# csrc/float_math.h is included by the sources: ninja's dependency files rebuild on its edits.
+# csrc/kernel_common.h is included by the sources: ninja's dependency files rebuild on its edits.
 COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
-"""-fno-trapping-math lets loops calling floorf vectorise (exp_nonpositive in csrc/float_math.h;
+"""-fno-trapping-math lets loops calling floorf vectorise (exp_nonpositive in csrc/kernel_common.h;
 without it GCC keeps them scalar); -ffp-contract=off rounds a product before a sum, as
 torch's separate ops do (the rotary's float32 bits)."""
 ISA_FLAGS = {

@@ -16,33 +16,18 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
-#include "float_math.h"
+#include "kernel_common.h"
 
 #include <algorithm>
 #include <cstdint>
 
 namespace {
 
-using trident_kernels::Bf16Bits;
+using trident_kernels::bits_of;
+using trident_kernels::dispatch_float_dtype;
 using trident_kernels::exp_nonpositive;
 using trident_kernels::round_to;
 using trident_kernels::widen;
-
-// Calls `body(storage_t{}, element_t{})` for the tensor's dtype (bfloat16 read as raw bits).
-template <typename Body>
-void dispatch_dtype(const at::Tensor& t, const char* op, const Body& body) {
-  switch (t.scalar_type()) {
-    case at::kFloat: body(float{}, float{}); break;
-    case at::kBFloat16: body(Bf16Bits{}, c10::BFloat16{}); break;
-    case at::kHalf: body(c10::Half{}, c10::Half{}); break;
-    default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16, not ", t.scalar_type());
-  }
-}
-
-template <typename storage_t, typename element_t>
-storage_t* bits_of(const at::Tensor& t) {
-  return reinterpret_cast<storage_t*>(t.data_ptr<element_t>());
-}
 
 // x * sigmoid(x), with sigmoid from exp(-|x|) so that the exponential never overflows.
 inline float silu(float x) {
@@ -56,7 +41,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const at::Tensor in = gate_up.contiguous();
   const int64_t rows = in.size(0), inter = in.size(1) / 2;
   at::Tensor out = at::empty({rows, inter}, in.options());
-  dispatch_dtype(in, "silu_and_mul", [&](auto zero, auto element) {
+  dispatch_float_dtype(in, "silu_and_mul", [&](auto zero, auto element) {
     using storage_t = decltype(zero);
     const storage_t* src = bits_of<storage_t, decltype(element)>(in);
     storage_t* dst = bits_of<storage_t, decltype(element)>(out);
@@ -89,7 +74,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const at::Tensor cc = cos.contiguous(), sc = signed_sin.contiguous();
   at::Tensor out = at::empty({tokens, heads, dim}, x.options());
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
-  dispatch_dtype(x, "rotary", [&](auto zero, auto element) {
+  dispatch_float_dtype(x, "rotary", [&](auto zero, auto element) {
     using storage_t = decltype(zero);
     using element_t = decltype(element);
     const storage_t* src = reinterpret_cast<const storage_t*>(x.data_ptr<element_t>());

@@ -23,7 +23,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
-#include "float_math.h"
+#include "kernel_common.h"
 
 #include <algorithm>
 #include <cmath>

@@ -15,7 +15,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
-#include "float_math.h"
+#include "kernel_common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,7 +24,8 @@
 
 namespace {
 
-using trident_kernels::Bf16Bits;
+using trident_kernels::bits_of;
+using trident_kernels::dispatch_float_dtype;
 using trident_kernels::round_to;
 using trident_kernels::widen;
 
@@ -62,23 +63,6 @@ void rms_norm_rows(const storage_t* x, const storage_t* delta, storage_t* sum, c
   });
 }
 
-// Calls `body(storage_t{}, element_t{})` for x's dtype; storage_t is how the elements are
-// read (bfloat16 as raw bits, see Bf16Bits).
-template <typename Body>
-void dispatch_norm_dtype(const at::Tensor& x, const Body& body) {
-  switch (x.scalar_type()) {
-    case at::kFloat: body(float{}, float{}); break;
-    case at::kBFloat16: body(Bf16Bits{}, c10::BFloat16{}); break;
-    case at::kHalf: body(c10::Half{}, c10::Half{}); break;
-    default: TORCH_CHECK(false, "rms_norm: float32, bfloat16 or float16, not ", x.scalar_type());
-  }
-}
-
-template <typename storage_t, typename element_t>
-storage_t* bits_of(const at::Tensor& t) {
-  return reinterpret_cast<storage_t*>(t.data_ptr<element_t>());
-}
-
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: weight [dim] for x [..., dim]");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must share a dtype");
@@ -90,7 +74,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor out = at::empty_like(xc);
   const int64_t dim = x.size(-1), rows = dim ? xc.numel() / dim : 0;
-  dispatch_norm_dtype(xc, [&](auto zero, auto element) {
+  dispatch_float_dtype(xc, "rms_norm", [&](auto zero, auto element) {
     using storage_t = decltype(zero);
     using element_t = decltype(element);
     rms_norm_rows<storage_t>(bits_of<storage_t, element_t>(xc), nullptr, nullptr, bits_of<storage_t, element_t>(wc),
@@ -109,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   const at::Tensor xc = x.contiguous(), dc = delta.contiguous(), wc = weight.contiguous();
   at::Tensor sum = at::empty_like(xc), out = at::empty_like(xc);
   const int64_t dim = x.size(-1), rows = dim ? xc.numel() / dim : 0;
-  dispatch_norm_dtype(xc, [&](auto zero, auto element) {
+  dispatch_float_dtype(xc, "rms_norm", [&](auto zero, auto element) {
     using storage_t = decltype(zero);
     using element_t = decltype(element);
     rms_norm_rows<storage_t>(bits_of<storage_t, element_t>(xc), bits_of<storage_t, element_t>(dc),

@@ -1,9 +1,9 @@
-// Scalar helpers shared by the C++ CPU kernels, written so that the loops calling them
-// vectorise: reading bfloat16 as raw bits, rounding back as c10 does, and exp(x) for x <= 0.
+// Helpers shared by the C++ CPU kernels: scalar ones written so that the loops calling them
+// vectorise (bfloat16 read as raw bits, rounded back as c10 does; exp(x) for x <= 0), and a
+// dtype dispatch that hands the kernels bfloat16 as those raw bits.
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <cstring>
@@ -59,6 +59,24 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x < -87.f ? 0.f : p * scale;
+}
+
+// Calls `body(storage_t{}, element_t{})` for the tensor's dtype: element_t is its c10 type,
+// storage_t how a kernel reads it (bfloat16 as Bf16Bits).
+template <typename Body>
+void dispatch_float_dtype(const at::Tensor& t, const char* op, const Body& body) {
+  switch (t.scalar_type()) {
+    case at::kFloat: body(float{}, float{}); break;
+    case at::kBFloat16: body(Bf16Bits{}, c10::BFloat16{}); break;
+    case at::kHalf: body(c10::Half{}, c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16, not ", t.scalar_type());
+  }
+}
+
+// A tensor's data as storage_t (Bf16Bits for bfloat16).
+template <typename storage_t, typename element_t>
+storage_t* bits_of(const at::Tensor& t) {
+  return reinterpret_cast<storage_t*>(t.data_ptr<element_t>());
 }
 
 }  // namespace trident_kernels
