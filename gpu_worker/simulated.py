@@ -85,14 +85,19 @@ class SimulatedWorker(WorkerLoop):
         if plan is not None:
             accepted = self._pseudo_tokens(plan)
             self.state.advance(plan, accepted)
-        # Sleep out what the profile says this step costs, less what it already took.
-        predicted = float(self.profile.predict(self.last_step_features))
-        if self._spread_draws is not None:
-            predicted *= self.profile.spread(self._spread_draws.random())
-        remaining = self.step_started + predicted - time.perf_counter()
+        # Sleep out what this step costs, less what it already took.
+        remaining = self.step_started + self.step_seconds() - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
         return accepted, []
+
+    def step_seconds(self) -> float:
+        """This step's time: the profile's prediction for its shape (`last_step_features`),
+        scaled by the next draw from the profile's measured spread unless --sim-exact-steps."""
+        predicted = float(self.profile.predict(self.last_step_features))
+        if self._spread_draws is not None:
+            predicted *= self.profile.spread(self._spread_draws.random())
+        return predicted
 
     def _pseudo_tokens(self, plan: StepPlan) -> list[np.ndarray]:
         if not plan.sampling_slots:  # only prompt chunks that do not end their prompt

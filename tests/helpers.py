@@ -188,12 +188,17 @@ def make_random_llama(
     return path
 
 
-def write_sim_profile(path: str, const_s: float, per_token_s: float = 2e-5) -> str:
-    """A step-time profile for `--worker simulated`: const_s a step plus per_token_s a token."""
+def write_sim_profile(
+    path: str, const_s: float, per_token_s: float = 2e-5, step_time_ratios: list[float] | None = None
+) -> str:
+    """A step-time profile for `--worker simulated`: const_s a step plus per_token_s a token,
+    and the measured spread `step_time_ratios` (none: exact steps)."""
     from gpu_worker.step_profile import COEFFICIENT_NAMES, StepProfile
 
     coefficients = dict.fromkeys(COEFFICIENT_NAMES, 0.0) | {"const_s": const_s, "per_token_s": per_token_s}
-    StepProfile(coefficients, description="test profile", kv_pool_tokens=50_000).save(path)
+    profile = StepProfile(coefficients, description="test profile", kv_pool_tokens=50_000)
+    profile.step_time_ratios = step_time_ratios or []
+    profile.save(path)
     return path
 
 

@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, StepProfile, fit_step_times, ratio_quantiles
-from tests.helpers import REPO_ROOT, record_workload
+from tests.helpers import REPO_ROOT, record_workload, write_sim_profile
 
 
 def synthetic_steps(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -57,6 +58,33 @@ def test_measured_spread_makes_simulated_steps_match_both_median_and_mean():
     assert abs(np.median(spread) / np.median(seconds) - 1) < 0.05
     assert abs(spread.sum() / seconds.sum() - 1) < 0.05
     assert StepProfile(dict(zip(COEFFICIENT_NAMES, coef))).spread(0.99) == 1.0  # hand-written: exact
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_simulated_step_takes_the_prediction_times_a_draw_from_the_spread(tmp_path, exact):
+    from gpu_worker.simulated import SimulatedWorker
+    from model_source import default_model_path
+    from wire.child import ChildContext
+    from wire.server_args import ServerArgs
+
+    # A spread from 1x (lowest percentile) to 3x (highest): every draw lands in between.
+    ratios = np.linspace(1.0, 3.0, 101).tolist()
+    profile = write_sim_profile(str(tmp_path / "p.json"), const_s=0.01, per_token_s=0.001, step_time_ratios=ratios)
+    args = ServerArgs(
+        model_path=default_model_path(),
+        run_dir=str(tmp_path),
+        worker="simulated",
+        sim_profile=profile,
+        sim_step_spread=not exact,
+    )
+    worker = SimulatedWorker(ChildContext(args, "worker", 0))
+    worker.last_step_features = np.asarray([1.0, 10.0, 10.0, 0.0, 0.0])  # predicted: 0.01 + 10 * 0.001 s
+    times = np.asarray([worker.step_seconds() for _ in range(200)])
+    if exact:
+        assert np.allclose(times, 0.02)
+    else:
+        assert (times >= 0.02 - 1e-12).all() and (times <= 0.06 + 1e-12).all()
+        assert 0.035 < np.median(times) < 0.045 and len(np.unique(times)) > 150
 
 
 def test_fit_profile_command_on_a_recording(tmp_path):
