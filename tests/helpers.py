@@ -196,9 +196,9 @@ def write_sim_profile(
     from gpu_worker.step_profile import COEFFICIENT_NAMES, StepProfile
 
     coefficients = dict.fromkeys(COEFFICIENT_NAMES, 0.0) | {"const_s": const_s, "per_token_s": per_token_s}
-    profile = StepProfile(coefficients, description="test profile", kv_pool_tokens=50_000)
-    profile.step_time_ratios = step_time_ratios or []
-    profile.save(path)
+    StepProfile(
+        coefficients, description="test profile", kv_pool_tokens=50_000, step_time_ratios=step_time_ratios or []
+    ).save(path)
     return path
 
 

@@ -5,6 +5,7 @@
 
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -59,6 +60,12 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x < -87.f ? 0.f : p * scale;
+}
+
+// The grain of an at::parallel_for over rows of `row_elements` elements: below ~16K elements
+// a second thread costs more than it saves.
+inline int64_t rows_per_task(int64_t row_elements) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elements, 1));
 }
 
 // Calls `body(storage_t{}, element_t{})` for the tensor's dtype: element_t is its c10 type,

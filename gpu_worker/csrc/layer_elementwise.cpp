@@ -27,6 +27,7 @@ using trident_kernels::bits_of;
 using trident_kernels::dispatch_float_dtype;
 using trident_kernels::exp_nonpositive;
 using trident_kernels::round_to;
+using trident_kernels::rows_per_task;
 using trident_kernels::widen;
 
 // x * sigmoid(x), with sigmoid from exp(-|x|) so that the exponential never overflows.
@@ -45,8 +46,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     using storage_t = decltype(zero);
     const storage_t* src = bits_of<storage_t, decltype(element)>(in);
     storage_t* dst = bits_of<storage_t, decltype(element)>(out);
-    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(inter, 1));
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, rows_per_task(inter), [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
         const storage_t* gate = src + row * 2 * inter;
         const storage_t* up = gate + inter;
@@ -81,8 +81,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     const storage_t* cos_t = bits_of<storage_t, element_t>(cc);
     const storage_t* sin_t = bits_of<storage_t, element_t>(sc);
     storage_t* dst = bits_of<storage_t, element_t>(out);
-    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * dim, 1));
-    at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tokens, rows_per_task(heads * dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const storage_t* c = cos_t + t * dim;
         const storage_t* s = sin_t + t * dim;

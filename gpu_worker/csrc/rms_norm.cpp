@@ -27,6 +27,7 @@ namespace {
 using trident_kernels::bits_of;
 using trident_kernels::dispatch_float_dtype;
 using trident_kernels::round_to;
+using trident_kernels::rows_per_task;
 using trident_kernels::widen;
 
 // normalise(x) into `out`; with `delta`, first sum = x + delta (rounded to the dtype, as
@@ -34,9 +35,7 @@ using trident_kernels::widen;
 template <typename storage_t>
 void rms_norm_rows(const storage_t* x, const storage_t* delta, storage_t* sum, const storage_t* weight,
                    storage_t* out, int64_t rows, int64_t dim, float eps) {
-  // Rows are independent; below ~16K elements a second thread costs more than it saves.
-  const int64_t grain = std::max<int64_t>(1, 16384 / dim);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(dim), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const storage_t* src = x + row * dim;
       if (delta != nullptr) {
