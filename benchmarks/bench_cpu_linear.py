@@ -1,14 +1,16 @@
-"""CPU linear layers in bf16: torch's F.linear, oneDNN-packed weights, the small-batch kernel.
+"""CPU linear layers in bf16: torch's F.linear, oneDNN-packed weights and the k-pair packed
+(VNNI) kernel.
 
-    python benchmarks/bench_cpu_linear.py [--rows 1,2,4,32,2048] [--calls 100]
+    python benchmarks/bench_cpu_linear.py [--rows 1,2,4,8,16,32,64,2048] [--calls 100]
 
 Two measurements, on the model's own shapes (default: the bundled SmolLM2-135M):
 
 1. `cached`: one weight of each shape (qkv, o, gate+up, down, LM head) called over and
    over, so that it sits in cache: the kernels' arithmetic and call overhead;
 2. `stream`: every layer's weights as distinct tensors, one pass through all of them per
-   step, as a decode step reads them: what a one- or two-row step costs when the weights
-   come from memory. Also reports `sum()` over as many bytes, the cores' streaming rate.
+   step, as a decode step reads them: what a decode step's linear layers cost when the
+   weights come from memory (batches of up to 64 rows). Also reports `sum()` over as many
+   bytes, the cores' streaming rate.
 
 Results print as JSON lines (microseconds per call, or milliseconds per pass and GB/s).
 """
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gpu_worker.cpu_kernels import load_small_batch_linear  # noqa: E402
+from gpu_worker.cpu_kernels import VnniLinear, load_vnni_linear  # noqa: E402
 from gpu_worker.weights import load_config  # noqa: E402
 from model_source import default_model_path  # noqa: E402
 
@@ -59,30 +61,31 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     }
 
 
-def variants(w: torch.Tensor, rows: int, small_batch) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def variants(w: torch.Tensor, vnni: VnniLinear | None) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
     out = {
         "F.linear": lambda x: F.linear(x, w),
         "packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
     }
-    if small_batch is not None and rows <= 2:
-        out["small_batch"] = lambda x: small_batch(x, w, None)
+    if vnni is not None:
+        vnni_packed, n = vnni.pack(w), w.shape[0]
+        out["vnni"] = lambda x: vnni.linear(x, vnni_packed, None, n)
     return out
 
 
-def cached(shapes: dict[str, tuple[int, int]], rows_list: list[int], calls: int, small_batch) -> None:
+def cached(shapes: dict[str, tuple[int, int]], rows_list: list[int], calls: int, vnni: VnniLinear | None) -> None:
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, dtype=torch.bfloat16)
         for rows in rows_list:
             x = torch.randn(rows, k, dtype=torch.bfloat16)
             n_calls = max(3, calls if rows * n * k < 1e9 else calls // 20)
             result = {"test": "cached", "layer": name, "out_in": [n, k], "rows": rows}
-            for label, fn in variants(w, rows, small_batch).items():
+            for label, fn in variants(w, vnni).items():
                 result[f"{label}_us"] = round(seconds_per_call(fn, n_calls, x) * 1e6, 1)
             print(json.dumps(result), flush=True)
 
 
-def stream(shapes: dict[str, tuple[int, int]], num_layers: int, rows_list: list[int], small_batch) -> None:
+def stream(shapes: dict[str, tuple[int, int]], num_layers: int, rows_list: list[int], vnni: VnniLinear | None) -> None:
     per_layer = [shape for name, shape in shapes.items() if name != "lm_head"]
     weights = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(num_layers) for n, k in per_layer]
     total_bytes = sum(w.numel() * w.element_size() for w in weights)
@@ -95,10 +98,10 @@ def stream(shapes: dict[str, tuple[int, int]], num_layers: int, rows_list: list[
     )
     del flat
     for rows in rows_list:
-        if rows > 4:
+        if rows > 64:
             continue
         inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in per_layer}
-        fns = [variants(w, rows, small_batch) for w in weights]
+        fns = [variants(w, vnni) for w in weights]
         for label in fns[0]:
             layers = [(fn[label], inputs[w.shape[1]]) for fn, w in zip(fns, weights)]
             pass_s = seconds_per_call(run_pass, 10, layers)
@@ -111,7 +114,7 @@ def stream(shapes: dict[str, tuple[int, int]], num_layers: int, rows_list: list[
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M GGUF")
-    p.add_argument("--rows", default="1,2,4,32,2048")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,2048")
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     ns = p.parse_args(argv)
@@ -120,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     model = ns.model or default_model_path()
     rows_list = [int(r) for r in ns.rows.split(",")]
     shapes = layer_shapes(model)
-    small_batch = load_small_batch_linear()
-    print(json.dumps({"threads": torch.get_num_threads(), "small_batch_kernel": small_batch is not None}), flush=True)
-    cached(shapes, rows_list, ns.calls, small_batch)
-    stream(shapes, load_config(model).num_layers, rows_list, small_batch)
+    vnni = load_vnni_linear()
+    print(json.dumps({"threads": torch.get_num_threads(), "vnni_kernel": vnni is not None}), flush=True)
+    cached(shapes, rows_list, ns.calls, vnni)
+    stream(shapes, load_config(model).num_layers, rows_list, vnni)
     return 0
 
 

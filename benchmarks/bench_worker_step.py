@@ -25,6 +25,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -169,6 +171,18 @@ def linear_swaps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, tor
     return swaps
 
 
+class Variant(NamedTuple):
+    """One configuration of the worker's step, measured in turn with another (the --ab-* flags)."""
+
+    layer_fn: Callable | None
+    """The compiled decoder layer, or None for eager."""
+    decode_kernel: Callable | None
+    packed_weights: bool
+    elementwise_ops: object | None
+    vnni: object | None
+    """The VNNI linear kernel given to every PackedLinear, or None (oneDNN for every batch)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M GGUF")
@@ -207,6 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ROUNDS",
         help="measure each batch size ROUNDS times with the torch ops and with the C++ ops for norms, "
         "rotary and SwiGLU (cpu_kernels.ElementwiseKernels), alternating",
+    )
+    p.add_argument(
+        "--ab-vnni",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="measure each batch size ROUNDS times with oneDNN for every linear layer and with decode "
+        "batches through the VNNI kernel (csrc/vnni_linear.cpp), alternating",
     )
     p.add_argument(
         "--glibc-malloc",
@@ -254,38 +276,35 @@ def main(argv: list[str] | None = None) -> int:
     compiled, kernel, elementwise = model.decode_layer, model.decode_kernel, model.norm.kernels
     packed = isinstance(model.lm_head, PackedLinear)
     swaps = linear_swaps(model) if ns.ab_linear else []
-    # Each variant: (compiled layer or None, decode kernel or None, packed linear weights,
-    # elementwise ops or None), measured in turn.
-    if ns.ab_compile:
-        variants, rounds = [(None, kernel, packed, elementwise), (compiled, kernel, packed, elementwise)], ns.ab_compile
-    elif ns.ab_attention:
-        variants, rounds = (
-            [(compiled, None, packed, elementwise), (compiled, kernel, packed, elementwise)],
-            ns.ab_attention,
-        )
-    elif ns.ab_linear:
-        variants, rounds = [(compiled, kernel, False, elementwise), (compiled, kernel, True, elementwise)], ns.ab_linear
-    elif ns.ab_elementwise:
-        variants, rounds = (
-            [(compiled, kernel, packed, None), (compiled, kernel, packed, elementwise)],
-            ns.ab_elementwise,
-        )
-    else:
-        variants, rounds = [(compiled, kernel, packed, elementwise)], 1
+    vnni_layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.vnni is not None]
+    vnni = vnni_layers[0].vnni if vnni_layers else None
+    default = Variant(compiled, kernel, packed, elementwise, vnni)
+    ab = {
+        "compile": (ns.ab_compile, default._replace(layer_fn=None), default),
+        "attention": (ns.ab_attention, default._replace(decode_kernel=None), default),
+        "linear": (ns.ab_linear, default._replace(packed_weights=False), default._replace(packed_weights=True)),
+        "elementwise": (ns.ab_elementwise, default._replace(elementwise_ops=None), default),
+        "vnni": (ns.ab_vnni, default._replace(vnni=None), default),
+    }
+    chosen = [(rounds, a, b) for rounds, a, b in ab.values() if rounds]
+    rounds, variants = (chosen[0][0], chosen[0][1:]) if chosen else (1, (default,))
     for b in batches:
         for _ in range(rounds):
-            for layer_fn, decode_kernel, packed_weights, elementwise_ops in variants:
-                model.decode_layer = layer_fn
-                model.use_decode_kernel(decode_kernel)
-                model.use_elementwise_kernels(elementwise_ops)
+            for v in variants:
+                model.decode_layer = v.layer_fn
+                model.use_decode_kernel(v.decode_kernel)
+                model.use_elementwise_kernels(v.elementwise_ops)
                 for parent, name, plain_layer, packed_layer in swaps:
-                    setattr(parent, name, packed_layer if packed_weights else plain_layer)
+                    setattr(parent, name, packed_layer if v.packed_weights else plain_layer)
+                for layer in vnni_layers:
+                    layer.vnni = v.vnni
                 result = measure(worker, b, ns.prompt_len, ns.decode_steps, ns.warmup_steps)
                 result.update(
-                    compiled=layer_fn is not None,
-                    decode_kernel=decode_kernel is not None,
-                    packed_linear=packed_weights,
-                    elementwise_kernels=elementwise_ops is not None,
+                    compiled=v.layer_fn is not None,
+                    decode_kernel=v.decode_kernel is not None,
+                    packed_linear=v.packed_weights,
+                    elementwise_kernels=v.elementwise_ops is not None,
+                    vnni_linear=v.vnni is not None,
                     loadavg=os.getloadavg()[0],
                 )
                 print(json.dumps(result), flush=True)

@@ -2,8 +2,8 @@
 
 - `torch.ops.trident.paged_decode_attention` (csrc/paged_decode_attention.cpp): decode
   attention reading the paged KV pool in place (`--decode-attention`);
-- `torch.ops.trident.small_batch_linear` (csrc/small_batch_linear.cpp): a bf16 linear
-  layer for one or two rows at the memory's speed (packed_linear.py uses it);
+- `torch.ops.trident.vnni_linear` (csrc/vnni_linear.cpp): a bf16 linear layer for decode
+  batches on weights packed for AVX512-BF16 (packed_linear.py uses it);
 - the elementwise steps of a layer, one op each (model.py, `ElementwiseKernels`):
   `torch.ops.trident.rms_norm` and `.add_rms_norm` (csrc/rms_norm.cpp: RMSNorm in one
   pass, after the residual add), `.silu_and_mul` and `.rotary` (csrc/layer_elementwise.cpp).
@@ -15,8 +15,9 @@ keeps its torch paths, and says so.
 
 The build targets the instruction set torch itself dispatches to on this CPU (AVX-512,
 AVX2 or none), and the cache entry is named after it: a cache shared by machines of
-different CPUs never hands one a binary it cannot run. small_batch_linear exists only in
-the AVX-512 build.
+different CPUs never hands one a binary it cannot run. vnni_linear runs only on an AVX-512
+build on a CPU with AVX512-BF16 (its code is compiled for that ISA, and asked for only
+when the CPU has it).
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ logger = logging.getLogger(__name__)
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = [
     os.path.join(CSRC, name)
-    for name in ("paged_decode_attention.cpp", "small_batch_linear.cpp", "rms_norm.cpp", "layer_elementwise.cpp")
+    for name in (
+        "paged_decode_attention.cpp",
+        "vnni_linear.cpp",
+        "rms_norm.cpp",
+        "layer_elementwise.cpp",
+    )
 ]
 # csrc/kernel_common.h is included by the sources: ninja's dependency files rebuild on its edits.
 COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
@@ -45,11 +51,18 @@ ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
-SMALL_BATCH_MAX_ROWS = 2
-"""small_batch_linear takes 1 or 2 rows (csrc/small_batch_linear.cpp, kMaxRows)."""
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-SmallBatchLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class VnniLinear:
+    """The bf16 linear for decode batches on k-pair packed weights (csrc/vnni_linear.cpp)."""
+
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    """weight [n, k] bf16 (k even) -> its packed copy, made once at load."""
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+    """(x [rows, k], packed, bias or None, n) -> x @ weight.T + bias, [rows, n] bf16."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +88,12 @@ def _decode_attention_fake(q, kv_cache, kv_indices, kv_lens, scale):
     return torch.empty_like(q)
 
 
-def _small_batch_linear_fake(x, weight, bias):
-    return x.new_empty(x.shape[0], weight.shape[0])
+def _vnni_pack_weight_fake(weight):
+    return weight.new_empty((weight.shape[0] + 31) // 32, weight.shape[1] // 2, 64)
+
+
+def _vnni_linear_fake(x, packed_weight, bias, out_features):
+    return x.new_empty(x.shape[0], out_features)
 
 
 def _rms_norm_fake(x, weight, eps):
@@ -125,7 +142,8 @@ def _build() -> bool:
         _built = False
         return False
     torch.library.register_fake("trident::paged_decode_attention")(_decode_attention_fake)
-    torch.library.register_fake("trident::small_batch_linear")(_small_batch_linear_fake)
+    torch.library.register_fake("trident::vnni_pack_weight")(_vnni_pack_weight_fake)
+    torch.library.register_fake("trident::vnni_linear")(_vnni_linear_fake)
     torch.library.register_fake("trident::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("trident::add_rms_norm")(_add_rms_norm_fake)
     torch.library.register_fake("trident::silu_and_mul")(_silu_and_mul_fake)
@@ -140,11 +158,12 @@ def load_decode_attention() -> DecodeKernel | None:
     return torch.ops.trident.paged_decode_attention if _build() else None
 
 
-def load_small_batch_linear() -> SmallBatchLinear | None:
-    """The 1-2 row bf16 linear op; None without an AVX-512 build."""
+def load_vnni_linear() -> VnniLinear | None:
+    """The packed-weight bf16 linear; None without an AVX-512 build or a CPU with AVX512-BF16."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512" or not _build():
         return None
-    return torch.ops.trident.small_batch_linear
+    ops = torch.ops.trident
+    return VnniLinear(ops.vnni_pack_weight, ops.vnni_linear) if ops.cpu_has_avx512_bf16() else None
 
 
 def load_elementwise_kernels() -> ElementwiseKernels | None:

@@ -12,6 +12,12 @@ calls MKL instead, so packed results differ from it by float32 rounding.
 The packed weight is an opaque MKLDNN tensor. The matmul goes through a custom op so
 that the `--compile` graphs call it as one opaque node: inductor's own lowering of the
 oneDNN linear only accepts weights it packed itself while freezing a graph.
+
+In bf16 on a CPU with AVX512-BF16, decode batches (up to `VNNI_MAX_ROWS` rows) go to our own
+kernel instead (csrc/vnni_linear.cpp), on a second copy of the weight packed in k-pairs:
+measured on 2 Zen 4 cores (docs/benchmarks.md), SmolLM2's 120 layer weights in one pass took
+9.6 / 10.1 / 24.2 / 43.0 ms at 1 / 4 / 32 / 64 rows against oneDNN's 16.4 / 17.9 / 32.9 /
+79.7. From ~128 rows the two are level, and at prefill sizes oneDNN is ~10 % faster.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gpu_worker.cpu_kernels import SMALL_BATCH_MAX_ROWS, SmallBatchLinear
+from gpu_worker.cpu_kernels import VnniLinear
 
 
 @torch.library.custom_op("trident::packed_linear", mutates_args=())
@@ -41,30 +47,33 @@ def _packed_linear_fake(
 class PackedLinear(nn.Module):
     """`y = x @ weight.T + bias` with the weight held in oneDNN's layout.
 
-    With `small_batch` (the C++ op of csrc/small_batch_linear.cpp, bf16 on AVX-512), a
-    batch of one or two rows goes to that op instead, which reads the plain weight at memory
-    speed: the layer then keeps both copies of its weight."""
+    With `vnni` (bf16, csrc/vnni_linear.cpp), batches of up to `VNNI_MAX_ROWS` rows, and
+    every batch of a compiled graph, go to that kernel instead: the layer then keeps both
+    packed copies of its weight."""
 
     # The batch size oneDNN is told to pack for; any batch size works with the result.
     PACK_FOR_ROWS = 32
+    VNNI_MAX_ROWS = 64
+    """Up to here the VNNI kernel was 1.1-1.9x faster than oneDNN (docs/benchmarks.md)."""
 
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, small_batch: SmallBatchLinear | None = None
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, vnni: VnniLinear | None = None) -> None:
         super().__init__()
         # Plain attributes, not buffers: module.to() and state_dict() cannot handle MKLDNN tensors.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_FOR_ROWS)
-        self.small_batch = small_batch
-        self.plain_weight = weight.contiguous() if small_batch is not None else None
+        self.vnni = vnni if vnni is not None and weight.shape[1] % 2 == 0 else None
+        self.vnni_weight = self.vnni.pack(weight) if self.vnni is not None else None
         self.register_buffer("bias", bias)
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A compiled graph over a symbolic batch size keeps oneDNN: a size test would become a guard.
-        rows = x.shape[0]
-        if self.small_batch is not None and x.dim() == 2 and type(rows) is int and rows <= SMALL_BATCH_MAX_ROWS:
-            return self.small_batch(x, self.plain_weight, self.bias)
+        if self.vnni is not None:
+            # A compiled step is a decode step, over a symbolic batch size that a size test
+            # would turn into a guard: it always takes the VNNI kernel.
+            if torch.compiler.is_compiling() or x.numel() <= self.VNNI_MAX_ROWS * self.in_features:
+                rows = x.reshape(-1, self.in_features)
+                y = self.vnni.linear(rows, self.vnni_weight, self.bias, self.out_features)
+                return y.view(*x.shape[:-1], self.out_features)
         if torch.compiler.is_compiling():
             return packed_linear(x, self.packed_weight, self.bias, self.out_features)
         # Eager, the custom op's Python dispatch would add ~10 us to each of ~120 calls a step.

@@ -22,7 +22,7 @@ import torch
 from gpu_worker.batch_state import BatchState, StepPlan
 from gpu_worker.compiled_decode import wants_compile, warm_up
 from gpu_worker.cpu_kernels import load_decode_attention as load_decode_kernel
-from gpu_worker.cpu_kernels import load_elementwise_kernels, load_small_batch_linear, wants_decode_kernel
+from gpu_worker.cpu_kernels import load_elementwise_kernels, load_vnni_linear, wants_decode_kernel
 from gpu_worker.int8_weights import check_supported as check_int8_supported
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
@@ -107,7 +107,7 @@ class Worker(WorkerLoop):
             check_int8_supported(self.device, self.dtype)
             self.model.quantize_weights_int8()
         elif wants_packed_linear(args.linear_weights, self.device, self.dtype):
-            self.model.pack_linear_weights(load_small_batch_linear() if self.dtype == torch.bfloat16 else None)
+            self.model.pack_linear_weights(load_vnni_linear() if self.dtype == torch.bfloat16 else None)
         logger.info("loaded %s in %.1f s (%s, %s)", args.model_path, time.monotonic() - t0, self.dtype, self.device)
 
         # Every rank must hold the same pages: the scheduler allocates from one pool.

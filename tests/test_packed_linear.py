@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.cpu_kernels import load_small_batch_linear
+from gpu_worker.cpu_kernels import load_vnni_linear
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.packed_linear import PackedLinear, replace_linear_layers, wants_packed_linear
 from tests.helpers import make_random_llama, prompt_logits
@@ -27,8 +27,9 @@ def test_packed_bf16_linear_gives_the_same_bits_as_f_linear(rows):
     assert torch.equal(PackedLinear(w, None)(x.view(1, rows, 96)), F.linear(x, w).view(1, rows, 160))
 
 
-needs_small_batch_linear = pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="small_batch_linear is built for AVX-512 only"
+VNNI = load_vnni_linear()
+needs_vnni_linear = pytest.mark.skipif(
+    VNNI is None, reason="vnni_linear needs an AVX-512 build on a CPU with AVX512-BF16"
 )
 
 
@@ -36,46 +37,64 @@ def _bf16_linear_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     return F.linear(x.double(), w.double(), None if b is None else b.double())
 
 
-@needs_small_batch_linear
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("n, k, with_bias", [(576, 576, False), (37, 100, True), (3, 1536, False)])
-def test_small_batch_linear_is_the_float32_sum_rounded_once(rows, n, k, with_bias):
-    op = load_small_batch_linear()
+def _vnni(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return VNNI.linear(x, VNNI.pack(w), b, w.shape[0])
+
+
+@needs_vnni_linear
+@pytest.mark.parametrize("rows", [1, 2, 13, 64])
+@pytest.mark.parametrize("n, k, with_bias", [(576, 576, False), (37, 100, True), (3, 1536, False), (100, 2, True)])
+def test_vnni_linear_is_the_float32_sum_rounded_once(rows, n, k, with_bias):
     w, x = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(rows, k, dtype=torch.bfloat16)
     b = torch.randn(n, dtype=torch.bfloat16) if with_bias else None
-    out = op(x, w, b)
+    out = _vnni(x, w, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
-    want = _bf16_linear_reference(x, w, b)
     # One rounding to bf16 (relative 2^-9) on top of a float32 sum.
-    torch.testing.assert_close(out.double(), want, rtol=2**-8, atol=1e-4 * k**0.5)
+    torch.testing.assert_close(out.double(), _bf16_linear_reference(x, w, b), rtol=2**-8, atol=1e-4 * k**0.5)
 
 
-@needs_small_batch_linear
-def test_packed_linear_sends_up_to_two_rows_to_the_small_batch_op_and_more_to_onednn():
-    op = load_small_batch_linear()
+@needs_vnni_linear
+def test_vnni_linear_gives_a_row_the_same_bits_whatever_batch_it_is_in():
+    w, x = torch.randn(200, 96, dtype=torch.bfloat16), torch.randn(40, 96, dtype=torch.bfloat16)
+    packed = VNNI.pack(w)
+    whole = VNNI.linear(x, packed, None, 200)
+    for row in (0, 11, 12, 39):
+        assert torch.equal(VNNI.linear(x[row : row + 1], packed, None, 200)[0], whole[row])
+    assert torch.equal(VNNI.linear(x[5:30], packed, None, 200), whole[5:30])
+
+
+@needs_vnni_linear
+def test_vnni_pack_refuses_an_odd_input_width_and_packed_linear_then_keeps_onednn():
+    w = torch.randn(16, 7, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="k must be even"):
+        VNNI.pack(w)
+    layer = PackedLinear(w, None, VNNI)
+    x = torch.randn(3, 7, dtype=torch.bfloat16)
+    assert layer.vnni is None and torch.equal(layer(x), F.linear(x, w))
+
+
+@needs_vnni_linear
+def test_packed_linear_sends_decode_batches_to_the_vnni_kernel_and_larger_ones_to_onednn():
     w, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
-    layer = PackedLinear(w, b, op)
-    for rows in (1, 2, 3, 33):
+    layer = PackedLinear(w, b, VNNI)
+    for rows in (1, 2, 33, PackedLinear.VNNI_MAX_ROWS):
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
-        torch.testing.assert_close(layer(x).double(), _bf16_linear_reference(x, w, b), rtol=2**-8, atol=1e-3)
-    x = torch.randn(2, 64, dtype=torch.bfloat16)
-    assert torch.equal(layer(x), op(x, w, b))
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
-    assert torch.equal(layer(x), F.linear(x, w, b))
+        assert torch.equal(layer(x), _vnni(x, w, b))
+        assert torch.equal(layer(x.view(1, rows, 64)), _vnni(x, w, b).view(1, rows, 96))
+    for rows in (PackedLinear.VNNI_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        assert torch.equal(layer(x), F.linear(x, w, b))
 
 
-@needs_small_batch_linear
-def test_compiled_graphs_use_the_small_batch_op_for_a_lone_row_and_onednn_for_a_symbolic_batch():
-    op = load_small_batch_linear()
+@needs_vnni_linear
+def test_compiled_graphs_use_the_vnni_kernel_for_every_batch_size():
     w = torch.randn(48, 32, dtype=torch.bfloat16)
-    layer = PackedLinear(w, None, op)
+    layer = PackedLinear(w, None, VNNI)
     compiled = torch.compile(lambda layer, x: torch.relu(layer(x)), dynamic=True)
     with torch.inference_mode():
-        lone = torch.randn(1, 32, dtype=torch.bfloat16)
-        assert torch.equal(compiled(layer, lone), torch.relu(op(lone, w, None)))
-        for rows in (3, 9, 40):
+        for rows in (1, 3, 40, 100):
             x = torch.randn(rows, 32, dtype=torch.bfloat16)
-            assert torch.equal(compiled(layer, x), torch.relu(F.linear(x, w)))
+            assert torch.equal(compiled(layer, x), torch.relu(_vnni(x, w)))
 
 
 def test_packed_float32_linear_is_within_float32_rounding_of_f_linear():
@@ -121,3 +140,15 @@ def test_a_model_with_packed_weights_predicts_the_same_bf16_logits_as_with_plain
     ids = torch.arange(3, 40)
     plain = prompt_logits(path, ids, torch.bfloat16)
     assert torch.equal(prompt_logits(path, ids, torch.bfloat16, LlamaForCausalLM.pack_linear_weights), plain)
+
+
+@needs_vnni_linear
+def test_a_model_whose_decode_batches_take_the_vnni_kernel_predicts_the_logits_of_plain_weights(tmp_path):
+    path = make_random_llama(str(tmp_path / "model"), seed=5)
+    ids = torch.arange(3, 40)
+    plain = prompt_logits(path, ids, torch.bfloat16)
+    with_vnni = prompt_logits(path, ids, torch.bfloat16, lambda model: model.pack_linear_weights(VNNI))
+    # The prompt (37 rows) runs through the VNNI kernel: a different float32 summation order,
+    # so equal up to bf16 rounding through the layers, not bit for bit.
+    torch.testing.assert_close(with_vnni.float(), plain.float(), atol=0.1, rtol=0.05)
+    assert torch.equal(with_vnni.argmax(-1), plain.argmax(-1))
