@@ -171,13 +171,16 @@ class Launcher:
         for d in range(self.args.dp_size):
             self.spawn_workers(d)
             self.spawn("scheduler", 0, d)
-        self.wait_ready(
-            {("worker", r, d) for r in self.layout.local_ranks() for d in range(self.args.dp_size)}
-            | {("scheduler", 0, d) for d in range(self.args.dp_size)}
-        )
+        expected = {("worker", r, d) for r in self.layout.local_ranks() for d in range(self.args.dp_size)} | {
+            ("scheduler", 0, d) for d in range(self.args.dp_size)
+        }
         if with_tokenizer:
+            # Started with the others: it loads its tokenizer (~14 s for SmolLM2's GGUF) while
+            # the workers load the model, and its handshake waits for the schedulers.
             self.spawn("tokenizer")
-            self.wait_ready({("tokenizer", 0, 0)})
+            expected.add(("tokenizer", 0, 0))
+        self.wait_ready(expected)
+        if with_tokenizer:
             self.to_tokenizer = PushSocket(self.zmq_ctx, endpoint(self.args.run_dir, ENDPOINT_TOKENIZER_IN), False)
 
     def wait_for_nodes(self) -> None:
