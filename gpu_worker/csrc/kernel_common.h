@@ -3,9 +3,11 @@
 // dtype dispatch that hands the kernels bfloat16 as those raw bits.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <torch/types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -66,6 +68,29 @@ inline float exp_nonpositive(float x) {
 // a second thread costs more than it saves.
 inline int64_t rows_per_task(int64_t row_elements) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elements, 1));
+}
+
+// Runs body(begin, end) over [0, n) in chunks of `chunk`, which the region's threads claim
+// one at a time, where at::parallel_for hands each thread a fixed share. On cores shared
+// with other processes a thread the OS preempts for a moment then holds up only the chunk it
+// is in: its teammate goes on claiming the rest, instead of finishing its own share and
+// waiting at the region's end for the other half. Measured on the 2 shared cores
+// (docs/benchmarks.md), 32-row decode steps beside a process waking 32 times a step: mean
+// 67.1 -> 63.9 ms, p90 85.4 -> 77.7; alone, the same.
+template <typename Body>
+void parallel_for_claimed(int64_t n, int64_t chunk, const Body& body) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1 || at::in_parallel_region()) {
+    body(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed))
+      body(c * chunk, std::min(n, (c + 1) * chunk));
+  });
 }
 
 // Calls `body(storage_t{}, element_t{})` for the tensor's dtype: element_t is its c10 type,

@@ -139,7 +139,7 @@ void decode_rows_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kv, const
   const int64_t heads = kv_heads * kGroup, token_stride = 2 * kv_heads * dim;
   const auto* q_bits = reinterpret_cast<const uint16_t*>(q);
   const auto* kv_bits = reinterpret_cast<const uint16_t*>(kv);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  trident_kernels::parallel_for_claimed(rows * kv_heads, 2 * kv_heads, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(kGroup * max_kv), result(kGroup * dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / kv_heads, kv_head = item % kv_heads;

@@ -8,8 +8,8 @@
 //
 // The packed layout ("VNNI"): the weight's output columns in panels of 32, each panel's
 // k-pairs one after the other, each k-pair two 64-byte cache lines holding [w[n][k], w[n][k+1]]
-// for the panel's 32 columns. A thread walks its panels front to back, one stream from
-// memory. Per panel, up to kTileRows input rows at a time hold 2 x kTileRows float32
+// for the panel's 32 columns. The threads claim two panels (72 KB at k = 576) at a time
+// (parallel_for_claimed in kernel_common.h), each claim a stream read front to back. Per panel, up to kTileRows input rows at a time hold 2 x kTileRows float32
 // accumulators (24 of the 32 registers): each loaded line of weights is used kTileRows
 // times, and each broadcast pair of x twice. Later row tiles read the panel (36 KB for
 // k = 576) again from L2.
@@ -24,6 +24,8 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "kernel_common.h"
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -37,6 +39,8 @@ namespace {
 
 constexpr int64_t kPanelColumns = 32;
 constexpr int kTileRows = 12;
+// Panels a thread claims at a time (parallel_for_claimed): 72 KB of weights at k = 576.
+constexpr int64_t kPanelsPerClaim = 2;
 // How many lines ahead of its reads the first row tile prefetches the panel.
 constexpr int64_t kPrefetchPairs = 16;
 
@@ -124,7 +128,7 @@ void vnni_linear_panels(const int32_t* x_pairs, int64_t rows, int64_t pairs, con
                         int64_t n, uint16_t* out) {
   const int64_t panels = (n + kPanelColumns - 1) / kPanelColumns;
   const int64_t panel_elements = pairs * 2 * kPanelColumns;
-  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+  trident_kernels::parallel_for_claimed(panels, kPanelsPerClaim, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t column0 = panel * kPanelColumns;
       const int64_t columns = std::min(kPanelColumns, n - column0);
