@@ -6,7 +6,9 @@
   batches on weights packed for AVX512-BF16 (packed_linear.py uses it);
 - the elementwise steps of a layer, one op each (model.py, `ElementwiseKernels`):
   `torch.ops.trident.rms_norm` and `.add_rms_norm` (csrc/rms_norm.cpp: RMSNorm in one
-  pass, after the residual add), `.silu_and_mul` and `.rotary` (csrc/layer_elementwise.cpp).
+  pass, after the residual add), `.silu_and_mul` and `.rotary` (csrc/layer_elementwise.cpp);
+- `torch.ops.trident.greedy_argmax` (csrc/greedy_argmax.cpp): each row's greedy token from
+  bf16 logits (sampler.py, `SamplingTable.argmax`).
 
 The first use compiles the files with torch's extension builder (~30 s on two cores; the
 result is cached under ~/.cache/torch_extensions, keyed by the sources, so later starts
@@ -40,6 +42,7 @@ SOURCES = [
         "vnni_linear.cpp",
         "rms_norm.cpp",
         "layer_elementwise.cpp",
+        "greedy_argmax.cpp",
     )
 ]
 # csrc/kernel_common.h is included by the sources: ninja's dependency files rebuild on its edits.
@@ -96,6 +99,10 @@ def _vnni_linear_fake(x, packed_weight, bias, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
+def _greedy_argmax_fake(logits):
+    return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+
 def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x)
 
@@ -144,6 +151,7 @@ def _build() -> bool:
     torch.library.register_fake("trident::paged_decode_attention")(_decode_attention_fake)
     torch.library.register_fake("trident::vnni_pack_weight")(_vnni_pack_weight_fake)
     torch.library.register_fake("trident::vnni_linear")(_vnni_linear_fake)
+    torch.library.register_fake("trident::greedy_argmax")(_greedy_argmax_fake)
     torch.library.register_fake("trident::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("trident::add_rms_norm")(_add_rms_norm_fake)
     torch.library.register_fake("trident::silu_and_mul")(_silu_and_mul_fake)
@@ -164,6 +172,13 @@ def load_vnni_linear() -> VnniLinear | None:
         return None
     ops = torch.ops.trident
     return VnniLinear(ops.vnni_pack_weight, ops.vnni_linear) if ops.cpu_has_avx512_bf16() else None
+
+
+def load_greedy_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """bf16 logits [rows, vocab] -> each row's argmax (int64); None without an AVX-512 build."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or not _build():
+        return None
+    return torch.ops.trident.greedy_argmax
 
 
 def load_elementwise_kernels() -> ElementwiseKernels | None:

@@ -32,6 +32,8 @@ class SamplingTable:
         self.output_counts: torch.Tensor | None = None
         self.prompt_seen: torch.Tensor | None = None
         self._max_slots = max_slots
+        self.bf16_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """The C++ greedy argmax for bf16 logits on CPU (cpu_kernels.py), set by the worker."""
 
     def add(self, slot: int, params: SamplingParams, generated_ids: list[int]) -> None:
         self.params[slot] = params
@@ -71,6 +73,12 @@ class SamplingTable:
             self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
             self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy token (the first index of its largest logit, or of a NaN)."""
+        if self.bf16_argmax is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
+            return self.bf16_argmax(logits)
+        return greedy_tokens(logits)
+
 
 def _uses_penalties(p: SamplingParams | None) -> bool:
     return p is not None and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0)
@@ -105,7 +113,7 @@ def sample(
     logits = _apply_penalties(logits, slots, params, table)
     logits = _mask_eos_before_min_tokens(logits, slots, params, table)
 
-    tokens = greedy_tokens(logits)
+    tokens = table.argmax(logits)
     if not all_greedy:
         greedy = torch.tensor([p.temperature <= 0.0 for p in params], device=logits.device)
         temps = torch.tensor([max(p.temperature, 1e-6) for p in params], device=logits.device)

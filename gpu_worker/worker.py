@@ -22,7 +22,7 @@ import torch
 from gpu_worker.batch_state import BatchState, StepPlan
 from gpu_worker.compiled_decode import wants_compile, warm_up
 from gpu_worker.cpu_kernels import load_decode_attention as load_decode_kernel
-from gpu_worker.cpu_kernels import load_elementwise_kernels, load_vnni_linear, wants_decode_kernel
+from gpu_worker.cpu_kernels import load_elementwise_kernels, load_greedy_argmax, load_vnni_linear, wants_decode_kernel
 from gpu_worker.int8_weights import check_supported as check_int8_supported
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
@@ -30,7 +30,7 @@ from gpu_worker.model_config import ModelConfig
 from gpu_worker.ngram_drafter import NgramDrafter
 from gpu_worker.packed_linear import wants_packed_linear
 from gpu_worker.parallel import ShardPlan, TPGroup, dist_port
-from gpu_worker.sampler import SamplingTable, greedy_tokens, sample
+from gpu_worker.sampler import SamplingTable, sample
 from gpu_worker.weights import iter_weights, load_config
 from gpu_worker.worker_loop import WorkerLoop
 from wire.backend import BatchDescriptor
@@ -133,6 +133,8 @@ class Worker(WorkerLoop):
         self.sampling = SamplingTable(
             args.max_running_requests, self.cfg.vocab_size, list(self.cfg.eos_token_ids), self.device
         )
+        if self.device.type == "cpu":
+            self.sampling.bf16_argmax = load_greedy_argmax()
         self.state = BatchState(
             args.max_running_requests,
             max_pages_per_row,
@@ -200,7 +202,7 @@ class Worker(WorkerLoop):
 
     def _verify(self, logits: torch.Tensor, draft: np.ndarray, slot: int) -> np.ndarray:
         """Greedy verification: keep drafts while they equal the model's argmax, plus one."""
-        targets = self.tp.broadcast(greedy_tokens(logits)).cpu().numpy()
+        targets = self.tp.broadcast(self.sampling.argmax(logits)).cpu().numpy()
         matches = targets[:-1] == draft
         accepted_drafts = len(draft) if matches.all() else int(np.argmin(matches))
         self.sampling.generated[slot] += accepted_drafts + 1
