@@ -9,10 +9,11 @@
 // The packed layout ("VNNI"): the weight's output columns in panels of 32, each panel's
 // k-pairs one after the other, each k-pair two 64-byte cache lines holding [w[n][k], w[n][k+1]]
 // for the panel's 32 columns. The threads claim two panels (72 KB at k = 576) at a time
-// (parallel_for_claimed in kernel_common.h), each claim a stream read front to back. Per panel, up to kTileRows input rows at a time hold 2 x kTileRows float32
-// accumulators (24 of the 32 registers): each loaded line of weights is used kTileRows
-// times, and each broadcast pair of x twice. Later row tiles read the panel (36 KB for
-// k = 576) again from L2.
+// (parallel_for_claimed in kernel_common.h), each claim a stream read front to back. Per
+// panel, up to kTileRows input rows at a time hold 2 x kTileRows float32 accumulators (24
+// of the 32 registers): each loaded line of weights is used kTileRows times, and each
+// broadcast pair of x twice. Later row tiles read the panel (36 KB for k = 576) again from
+// L2.
 //
 // Each row is summed in the same order whatever the batch: a row's result does not depend
 // on which other rows share its step. Rounded to bfloat16 once, at the end (nearest even).
@@ -41,7 +42,7 @@ constexpr int64_t kPanelColumns = 32;
 constexpr int kTileRows = 12;
 // Panels a thread claims at a time (parallel_for_claimed): 72 KB of weights at k = 576.
 constexpr int64_t kPanelsPerClaim = 2;
-// How many lines ahead of its reads the first row tile prefetches the panel.
+// How many k-pairs (two cache lines each) ahead of its reads the first row tile prefetches.
 constexpr int64_t kPrefetchPairs = 16;
 
 bool cpu_has_avx512_bf16() {
