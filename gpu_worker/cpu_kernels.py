@@ -166,9 +166,14 @@ def load_decode_attention() -> DecodeKernel | None:
     return torch.ops.trident.paged_decode_attention if _build() else None
 
 
+def _avx512_build() -> bool:
+    """The kernels are built for AVX-512, the build the AVX-512-only ops exist in."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and _build()
+
+
 def load_vnni_linear() -> VnniLinear | None:
     """The packed-weight bf16 linear; None without an AVX-512 build or a CPU with AVX512-BF16."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or not _build():
+    if not _avx512_build():
         return None
     ops = torch.ops.trident
     return VnniLinear(ops.vnni_pack_weight, ops.vnni_linear) if ops.cpu_has_avx512_bf16() else None
@@ -176,9 +181,7 @@ def load_vnni_linear() -> VnniLinear | None:
 
 def load_greedy_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """bf16 logits [rows, vocab] -> each row's argmax (int64); None without an AVX-512 build."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or not _build():
-        return None
-    return torch.ops.trident.greedy_argmax
+    return torch.ops.trident.greedy_argmax if _avx512_build() else None
 
 
 def load_elementwise_kernels() -> ElementwiseKernels | None:

@@ -15,7 +15,6 @@
 
 #include "kernel_common.h"
 
-#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -59,6 +58,7 @@ int64_t row_argmax(const Bf16Bits* row, int64_t n) {
   return 0;  // unreachable: best is one of the row's values
 }
 #endif
+
 // logits [rows, vocab] bfloat16 -> [rows] int64.
 at::Tensor greedy_argmax(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.scalar_type() == at::kBFloat16,
