@@ -64,3 +64,17 @@ def test_shared_prefix_workload_reuses_the_cached_system_prompt(smollm2_server, 
     assert wait_until(lambda: computed() - before <= run["total_input_tokens"] + prompt - 4 * 60, 10), (
         computed() - before
     )
+
+
+def test_frontend_cpu_bench_measures_each_process_against_a_simulated_worker(tmp_path):
+    out = tmp_path / "frontend.json"
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_frontend_cpu.py"), "--step-ms", "5"]
+    cmd += ["--num-prompts", "8", "--concurrency", "4", "--input-len", "16", "--output-len", "12", "--rounds", "1"]
+    proc = subprocess.run([*cmd, "--output-json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (run,) = json.loads(out.read_text())["rounds"]
+    assert run["output_tokens"] == 8 * 12
+    # 8 requests of 12 tokens, 4 at a time: at least two waves of 12 decode steps.
+    assert run["steps"] >= 2 * 12
+    assert set(run["cpu_ms_per_step"]) == {"tokenizer", "scheduler", "worker", "client"}
+    assert all(ms > 0 for ms in run["cpu_ms_per_step"].values())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import random
 
 import pytest
 import zmq.asyncio
@@ -23,7 +24,7 @@ from tokenizer_proc.request_handle import TokenOut, take_queued
 from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import ModelLimits, SamplingRequest, build_sampling_params, check_model, check_prompt_ids
 from tokenizer_proc.state import FrontendState
-from tokenizer_proc.tokenization import TokenStrings, load_tokenizer
+from tokenizer_proc.tokenization import TokenStrings, load_tokenizer, text_decoder
 from wire.frontend import ServerInfo
 from wire.server_args import ServerArgs
 
@@ -89,6 +90,15 @@ def test_final_flush_emits_incomplete_character(tok):
     dec = IncrementalDecoder(tok)
     assert dec.push(ids[:1]) == ""
     assert dec.push([], final=True) != ""
+
+
+def test_backend_decode_equals_the_tokenizers_decode(tok):
+    rng = random.Random(0)
+    decode = text_decoder(tok)
+    for _ in range(500):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 9))]
+        for skip in (True, False):
+            assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
 
 
 def test_special_tokens_are_skipped(tok):

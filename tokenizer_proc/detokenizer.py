@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenizer_proc.tokenization import text_decoder
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -29,7 +31,7 @@ class IncrementalDecoder:
     """Token ids in, new complete text out; works for byte-level BPE and SentencePiece."""
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
+        self._decode_ids = text_decoder(tokenizer)
         self._skip_special = skip_special_tokens
         self.ids: list[int] = []
         self._prefix_offset = 0
@@ -38,7 +40,7 @@ class IncrementalDecoder:
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
             return ""
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        return self._decode_ids(ids, self._skip_special)
 
     def push(self, new_ids: Iterable[int], final: bool = False) -> str:
         """Append ids; return the text they complete (nothing while a character is partial).

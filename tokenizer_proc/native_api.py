@@ -84,7 +84,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     return JSONResponse({"text": result.text, "output_ids": result.token_ids, "meta_info": _meta(rid, result)})
 
 
-async def _stream_generate(handles: Sequence[RequestHandle], rid: str) -> AsyncIterator[str]:
+async def _stream_generate(handles: Sequence[RequestHandle], rid: str) -> AsyncIterator[bytes]:
     result = ChoiceResult(0)
     async for out in merge_outputs(handles):
         result.add(out)

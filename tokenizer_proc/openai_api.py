@@ -50,7 +50,7 @@ CLIENT_CLOSED = 499
 class EventStreamResponse(StreamingResponse):
     """SSE response that closes (aborts) its requests however the stream ends, even unstarted."""
 
-    def __init__(self, content: AsyncIterator[str], handles: Sequence[RequestHandle]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], handles: Sequence[RequestHandle]) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._handles = handles
 
@@ -187,13 +187,13 @@ async def _stream_completion(
     model: str,
     prompt_ids: list[int],
     echo_text: str | None,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     include_usage = body.include_usage()
     want_lp = body.logprobs is not None
     builders = [fmt.CompletionLogprobs(st.strings) for _ in handles]
     results = [ChoiceResult(i) for i in range(len(handles))]
 
-    def chunk(index: int, text: str, logprobs: dict | None, finish: str | None) -> str:
+    def chunk(index: int, text: str, logprobs: dict | None, finish: str | None) -> bytes:
         obj = fmt.completion_body(cid, created, model, [fmt.completion_choice(index, text, logprobs, finish)], None)
         if include_usage:
             obj["usage"] = None
@@ -263,11 +263,11 @@ async def _stream_chat(
     created: int,
     model: str,
     prompt_len: int,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     include_usage = body.include_usage()
     results = [ChoiceResult(i) for i in range(len(handles))]
 
-    def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
+    def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
         return sse(fmt.chat_chunk(cid, created, model, index, delta, finish, logprobs, include_usage))
 
     for i in range(len(handles)):

@@ -13,22 +13,25 @@ the scheduler: that is how a vanished streaming client frees its KV.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import Request
 
 from tokenizer_proc.errors import SERVER_ERROR, SERVER_UNAVAILABLE, APIError
 from tokenizer_proc.request_handle import GenerationOutput, RequestHandle
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 _END = object()
+_JSON = msgspec.json.Encoder()
 
 
-def sse(obj: Any) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+def sse(obj: Any) -> bytes:
+    """One event. msgspec writes the compact UTF-8 JSON that json.dumps(ensure_ascii=False)
+    would, ~9x faster: a streamed chunk per request per step adds up."""
+    return b"data: " + _JSON.encode(obj) + b"\n\n"
 
 
 class ClientDisconnected(Exception):
@@ -158,5 +161,5 @@ def usage_of(results: Sequence[ChoiceResult], prompt_tokens: int) -> dict[str, A
     return usage_dict(prompt_tokens, completion, cached)
 
 
-def stream_error_event(message: str) -> str:
+def stream_error_event(message: str) -> bytes:
     return sse({"error": {"message": message, "type": SERVER_ERROR, "param": None, "code": None}})

@@ -1,0 +1,154 @@
+"""CPU the front end spends per decode step: tokenizer, scheduler and client, measured apart.
+
+    python benchmarks/bench_frontend_cpu.py --rounds 3
+
+On a CPU-only machine the tokenizer, the scheduler and the benchmark client run on the
+same cores as the worker's threads, so every millisecond they spend per step is taken from
+the forward (and costs it more than a millisecond: a preempted thread stalls its teammate).
+This measures that CPU without the model: trident runs with a simulated worker whose every
+step takes `--step-ms` (profiles' `const_s`), so the cores are otherwise idle and the
+numbers are steady. The workload is compare_vllm's: `--num-prompts` streamed completions,
+`--concurrency` at a time, `--input-len` / `--output-len` tokens.
+
+Per round it reports, from /proc (user + system time of every thread of each process)
+and the scheduler's step counter, CPU ms per scheduler step of the tokenizer, the
+scheduler, the simulated worker and the client (this process). `--launch-cwd` runs
+another checkout's launch.py, to compare two versions in one sitting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_serving import build_parser, run_against, workload_spec  # noqa: E402
+from launched_server import REPO_ROOT, LaunchedServer  # noqa: E402
+from serving_report import write_json  # noqa: E402
+from serving_workload import build_workload, load_tokenizer  # noqa: E402
+
+ROLES = ("tokenizer", "scheduler", "worker")
+
+
+def write_constant_profile(step_ms: float, directory: str) -> str:
+    path = os.path.join(directory, f"constant-{step_ms:g}ms.json")
+    profile = {
+        "coefficients": {
+            "const_s": step_ms / 1e3,
+            "per_token_s": 0.0,
+            "per_logit_row_s": 0.0,
+            "per_kv_read_s": 0.0,
+            "per_extend_pair_s": 0.0,
+        },
+        "description": f"every step takes {step_ms:g} ms (bench_frontend_cpu.py)",
+        "source": "hand-written constant",
+        "kv_pool_tokens": 1_000_000,
+        "fit": {},
+    }
+    with open(path, "w") as f:
+        json.dump(profile, f)
+    return path
+
+
+def role_processes(launcher_pid: int) -> dict[str, psutil.Process]:
+    """The launched server's children by role, from their process titles (`trident::ROLE`)."""
+    found: dict[str, psutil.Process] = {}
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            title = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        for role in ROLES:
+            if title.startswith(f"trident::{role}"):
+                found[role] = child
+    missing = [r for r in ROLES if r not in found]
+    if missing:
+        raise RuntimeError(f"no process found for {missing} under pid {launcher_pid}")
+    return found
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def scheduler_steps(base_url: str) -> int:
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    match = re.search(r"^trident_scheduler_steps_total (\S+)$", text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError("trident_scheduler_steps_total is not in /metrics")
+    return int(float(match.group(1)))
+
+
+def one_round(base_url: str, procs: dict[str, psutil.Process], ns: argparse.Namespace, requests: list) -> dict:
+    before = {role: cpu_seconds(p) for role, p in procs.items()}
+    client_before = time.process_time()
+    steps_before = scheduler_steps(base_url)
+    doc = run_against(base_url, ns, requests)
+    time.sleep(1.5)  # the scheduler publishes its final step count once idle
+    steps = scheduler_steps(base_url) - steps_before
+    cpu_ms = {role: (cpu_seconds(p) - before[role]) * 1e3 for role, p in procs.items()}
+    cpu_ms["client"] = (time.process_time() - client_before) * 1e3
+    run = doc["runs"][0]
+    return {
+        "steps": steps,
+        "output_tokens": run["total_output_tokens"],
+        "cpu_ms_per_step": {role: ms / steps for role, ms in cpu_ms.items()},
+        "median_tpot_ms": run["tpot_ms"]["median"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--step-ms", type=float, default=60.0, help="the simulated worker's step time")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--launch-args", default="--max-running-requests 64", help="extra launch.py flags")
+    p.add_argument("--launch-cwd", default=REPO_ROOT, help="the checkout whose launch.py runs")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+
+    ns = build_parser().parse_args([])
+    ns.dataset, ns.num_prompts, ns.seed = "random", args.num_prompts, args.seed
+    ns.random_input_len, ns.random_output_len = (args.input_len,) * 2, (args.output_len,) * 2
+    ns.max_concurrency, ns.disable_tqdm, ns.label, ns.warmup_requests = args.concurrency, True, "frontend", 2
+    requests = build_workload(workload_spec(ns), load_tokenizer(ns.tokenizer))
+
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = write_constant_profile(args.step_ms, tmp)
+        cmd = f"{shlex.quote(sys.executable)} launch.py --worker simulated --sim-profile {profile} {args.launch_args}"
+        with LaunchedServer(cmd, os.path.join(tmp, "server.log"), cwd=args.launch_cwd) as server:
+            procs = role_processes(server.proc.pid)
+            for i in range(args.rounds):
+                r = one_round(server.base_url, procs, ns, requests)
+                rounds.append(r)
+                per = "  ".join(f"{role} {ms:.2f}" for role, ms in r["cpu_ms_per_step"].items())
+                print(f"round {i + 1}: {r['steps']} steps, CPU ms a step: {per}", flush=True)
+    roles = rounds[0]["cpu_ms_per_step"]
+    medians = {role: statistics.median(r["cpu_ms_per_step"][role] for r in rounds) for role in roles}
+    front = medians["tokenizer"] + medians["scheduler"] + medians["client"]
+    print("median CPU ms a step: " + "  ".join(f"{role} {ms:.2f}" for role, ms in medians.items()))
+    print(f"front end (tokenizer + scheduler + client): {front:.2f} ms a step")
+    if args.output_json:
+        write_json({"args": vars(args), "rounds": rounds, "median_cpu_ms_per_step": medians}, args.output_json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
