@@ -92,9 +92,10 @@ async def benchmark(
         results, duration = await run_requests(
             base_url, requests, opts, args.request_rate, conc, args.seed, progress=not args.disable_tqdm
         )
+        client_cpu_s = time.process_time() - cpu_before
         summary = summarize(results, duration)
         # The load generator shares the machine with the server under test: its own CPU says how much it took.
-        summary["client_cpu_share"] = (time.process_time() - cpu_before) / duration if duration else 0.0
+        summary["client_cpu_share"] = client_cpu_s / duration if duration else 0.0
         summary["cache_flushed_via"] = flushed
         summary["loadavg_1min_before_after"] = [load_before, os.getloadavg()[0]]
         summary["max_concurrency"] = conc
