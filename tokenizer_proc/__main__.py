@@ -151,8 +151,9 @@ async def _serve(ctx: ChildContext, sock: socket.socket, state: FrontendState) -
 def main() -> None:
     ctx = start_child("tokenizer")
     try:
-        # uvloop (and httptools, which uvicorn picks when it is installed) roughly halve the
-        # CPU this process spends per streamed chunk; that CPU is taken from the worker's cores.
+        # uvloop (and httptools, which uvicorn picks when it is installed) cut this process's
+        # CPU per 32-row step from 4.0 to 3.4-3.8 ms (docs/benchmarks.md): on a CPU-only
+        # machine that CPU is taken from the worker's cores.
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(_run(ctx))
     except StartupError as e:
