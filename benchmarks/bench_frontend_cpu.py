@@ -12,16 +12,14 @@ numbers are steady. The workload is compare_vllm's: `--num-prompts` streamed com
 
 Per round it reports, from /proc (user + system time of every thread of each process)
 and the scheduler's step counter, CPU ms per scheduler step of the tokenizer, the
-scheduler, the simulated worker and the client (this process, while the requests stream). `--launch-cwd` runs
-another checkout's launch.py, to compare two versions in one sitting.
+scheduler, the simulated worker and the client (this process, while the requests stream).
+`--launch-cwd` runs another checkout's launch.py, to compare two versions in one sitting.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -34,61 +32,25 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import build_parser, run_against, workload_spec  # noqa: E402
-from launched_server import REPO_ROOT, LaunchedServer  # noqa: E402
+from launched_server import REPO_ROOT, LaunchedServer, child_process, cpu_seconds  # noqa: E402
 from serving_report import write_json  # noqa: E402
 from serving_workload import build_workload, load_tokenizer  # noqa: E402
 
-ROLES = ("tokenizer", "scheduler", "worker")
+sys.path.insert(0, REPO_ROOT)
+from gpu_worker.step_profile import COEFFICIENT_NAMES, StepProfile  # noqa: E402
+
+ROLE_TITLES = {"tokenizer": "trident::tokenizer", "scheduler": "trident::scheduler", "worker": "trident::worker[tp0]"}
 
 
 def write_constant_profile(step_ms: float, directory: str) -> str:
     path = os.path.join(directory, f"constant-{step_ms:g}ms.json")
-    profile = {
-        "coefficients": {
-            "const_s": step_ms / 1e3,
-            "per_token_s": 0.0,
-            "per_logit_row_s": 0.0,
-            "per_kv_read_s": 0.0,
-            "per_extend_pair_s": 0.0,
-        },
-        "description": f"every step takes {step_ms:g} ms (bench_frontend_cpu.py)",
-        "source": "hand-written constant",
-        "kv_pool_tokens": 1_000_000,
-        "fit": {},
-    }
-    with open(path, "w") as f:
-        json.dump(profile, f)
+    coefficients = {name: 0.0 for name in COEFFICIENT_NAMES} | {"const_s": step_ms / 1e3}
+    StepProfile(coefficients, f"every step takes {step_ms:g} ms (bench_frontend_cpu.py)", "hand-written").save(path)
     return path
 
 
-def role_processes(launcher_pid: int) -> dict[str, psutil.Process]:
-    """The launched server's children by role, from their process titles (`trident::ROLE`)."""
-    found: dict[str, psutil.Process] = {}
-    for child in psutil.Process(launcher_pid).children(recursive=True):
-        try:
-            title = " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        for role in ROLES:
-            if title.startswith(f"trident::{role}"):
-                found[role] = child
-    missing = [r for r in ROLES if r not in found]
-    if missing:
-        raise RuntimeError(f"no process found for {missing} under pid {launcher_pid}")
-    return found
-
-
-def cpu_seconds(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system
-
-
 def scheduler_steps(base_url: str) -> int:
-    text = httpx.get(base_url + "/metrics", timeout=10).text
-    match = re.search(r"^trident_scheduler_steps_total (\S+)$", text, re.MULTILINE)
-    if match is None:
-        raise RuntimeError("trident_scheduler_steps_total is not in /metrics")
-    return int(float(match.group(1)))
+    return int(httpx.get(base_url + "/server_info", timeout=10).json()["scheduler_stats"]["steps"])
 
 
 def one_round(base_url: str, procs: dict[str, psutil.Process], ns: argparse.Namespace, requests: list) -> dict:
@@ -134,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = write_constant_profile(args.step_ms, tmp)
         cmd = f"{shlex.quote(sys.executable)} launch.py --worker simulated --sim-profile {profile} {args.launch_args}"
         with LaunchedServer(cmd, os.path.join(tmp, "server.log"), cwd=args.launch_cwd) as server:
-            procs = role_processes(server.proc.pid)
+            procs = {role: child_process(server.proc.pid, title) for role, title in ROLE_TITLES.items()}
             for i in range(args.rounds):
                 r = one_round(server.base_url, procs, ns, requests)
                 rounds.append(r)

@@ -18,18 +18,10 @@ import threading
 import time
 
 import httpx
-import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launched_server import LaunchedServer  # noqa: E402
+from launched_server import LaunchedServer, child_process  # noqa: E402
 from serving_report import print_and_write_report  # noqa: E402
-
-
-def find_child(root_pid: int, title: str) -> psutil.Process:
-    for p in psutil.Process(root_pid).children(recursive=True):
-        if " ".join(p.cmdline()).strip() == title:
-            return p
-    raise RuntimeError(f"no {title} under pid {root_pid}")
 
 
 def one_recovery(base_url: str, root_pid: int, title: str, max_tokens: int) -> dict:
@@ -51,7 +43,7 @@ def one_recovery(base_url: str, root_pid: int, title: str, max_tokens: int) -> d
     threading.Thread(target=stream, daemon=True).start()
     while len(arrivals) < 10:
         time.sleep(0.01)
-    victim = find_child(root_pid, title)
+    victim = child_process(root_pid, title)
     killed_at = time.perf_counter()
     victim.send_signal(signal.SIGKILL)
     done.wait(600)

@@ -42,18 +42,11 @@ import httpx
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launched_server import REPO_ROOT, LaunchedServer  # noqa: E402
+from launched_server import REPO_ROOT, LaunchedServer, child_process, cpu_seconds  # noqa: E402
 from serving_report import write_json  # noqa: E402
 
 RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results")
 SCHEDULER_TITLE = "trident::scheduler"
-
-
-def scheduler_process(server: LaunchedServer) -> psutil.Process:
-    for p in psutil.Process(server.proc.pid).children(recursive=True):
-        if " ".join(p.cmdline()).strip() == SCHEDULER_TITLE:
-            return p
-    raise RuntimeError("no scheduler process")
 
 
 def stats(http: httpx.Client) -> dict[str, Any]:
@@ -71,11 +64,6 @@ def fresh_stats(http: httpx.Client, timeout_s: float = 5.0) -> dict[str, Any]:
             return now
         time.sleep(0.01)
     return stats(http)
-
-
-def cpu_seconds(p: psutil.Process) -> float:
-    t = p.cpu_times()
-    return t.user + t.system
 
 
 def main_thread_cpu_seconds(p: psutil.Process) -> float:
@@ -190,7 +178,7 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
             break
         time.sleep(0.2)
     time.sleep(1.0)  # past the prefill steps
-    sched = scheduler_process(server)
+    sched = child_process(server.proc.pid, SCHEDULER_TITLE)
     s0, c0, m0, t0 = fresh_stats(http), cpu_seconds(sched), main_thread_cpu_seconds(sched), time.monotonic()
     breakdown = py_spy_breakdown(sched.pid, ns.window) if ns.py_spy else None
     if breakdown is None:
@@ -223,7 +211,7 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
 
 def hold(server: LaunchedServer, http: httpx.Client, ns: argparse.Namespace) -> dict[str, Any]:
     bodies = [generate_body(f"hold-{i}", ns.prompt_len, ns.hold_new_tokens) for i in range(ns.hold)]
-    sched = scheduler_process(server)
+    sched = child_process(server.proc.pid, SCHEDULER_TITLE)
     s0, c0, t0 = stats(http), cpu_seconds(sched), time.monotonic()
     peak = {"running": 0, "queued": 0}
     done: list[int] = []

@@ -12,9 +12,25 @@ import threading
 import time
 from typing import Any
 
+import psutil
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 READY_MARKER = "trident ready:"
+
+
+def child_process(root_pid: int, title: str) -> psutil.Process:
+    """The process under `root_pid` whose title (setproctitle) is `title`, e.g. "trident::scheduler"."""
+    for p in psutil.Process(root_pid).children(recursive=True):
+        if " ".join(p.cmdline()).strip() == title:
+            return p
+    raise RuntimeError(f"no {title} under pid {root_pid}")
+
+
+def cpu_seconds(p: psutil.Process) -> float:
+    """User + system CPU time of every thread of `p`."""
+    t = p.cpu_times()
+    return t.user + t.system
 
 
 def free_port() -> int:
