@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
-        help="weight and KV dtype; auto is bfloat16 on CUDA and on CPUs with AVX-512, else float32",
+        help="weight and KV dtype; auto is bfloat16 on CUDA and on CPUs with AVX-512 or AVX2, else float32",
     )
     m.add_argument(
         "--weight-dtype",
@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "packed", "plain"],
         default="auto",
         help="CPU linear layers: weights packed once at load for oneDNN (auto: bf16 and float32 on CPU; "
-        "2x faster decode matmuls here) or plain, re-packed by F.linear on every call",
+        "2x faster decode matmuls here; bf16 on a CPU without bf16 instructions: our AVX2 kernel instead) "
+        "or plain, re-packed by F.linear on every call",
     )
     compiled = m.add_mutually_exclusive_group()
     compiled.add_argument(

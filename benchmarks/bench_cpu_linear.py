@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gpu_worker.cpu_kernels import VnniLinear, load_vnni_linear  # noqa: E402
+from gpu_worker.cpu_kernels import Bf16LinearKernel, load_vnni_linear  # noqa: E402
 from gpu_worker.weights import load_config  # noqa: E402
 from model_source import default_model_path  # noqa: E402
 
@@ -61,7 +61,7 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     }
 
 
-def variants(w: torch.Tensor, vnni: VnniLinear | None) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def variants(w: torch.Tensor, vnni: Bf16LinearKernel | None) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
     out = {
         "F.linear": lambda x: F.linear(x, w),
@@ -73,7 +73,7 @@ def variants(w: torch.Tensor, vnni: VnniLinear | None) -> dict[str, Callable[[to
     return out
 
 
-def cached(shapes: dict[str, tuple[int, int]], rows_list: list[int], calls: int, vnni: VnniLinear | None) -> None:
+def cached(shapes: dict[str, tuple[int, int]], rows_list: list[int], calls: int, vnni: Bf16LinearKernel | None) -> None:
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, dtype=torch.bfloat16)
         for rows in rows_list:
@@ -85,7 +85,9 @@ def cached(shapes: dict[str, tuple[int, int]], rows_list: list[int], calls: int,
             print(json.dumps(result), flush=True)
 
 
-def stream(shapes: dict[str, tuple[int, int]], num_layers: int, rows_list: list[int], vnni: VnniLinear | None) -> None:
+def stream(
+    shapes: dict[str, tuple[int, int]], num_layers: int, rows_list: list[int], vnni: Bf16LinearKernel | None
+) -> None:
     per_layer = [shape for name, shape in shapes.items() if name != "lm_head"]
     weights = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(num_layers) for n, k in per_layer]
     total_bytes = sum(w.numel() * w.element_size() for w in weights)

@@ -40,6 +40,7 @@ SOURCES = [
     for name in (
         "paged_decode_attention.cpp",
         "vnni_linear.cpp",
+        "widening_bf16_linear.cpp",
         "rms_norm.cpp",
         "layer_elementwise.cpp",
         "greedy_argmax.cpp",
@@ -59,11 +60,12 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 
 
 @dataclass(frozen=True)
-class VnniLinear:
-    """The bf16 linear for decode batches on k-pair packed weights (csrc/vnni_linear.cpp)."""
+class Bf16LinearKernel:
+    """A bf16 linear of our own on weights packed for it: the AVX512-BF16 one for decode
+    batches (csrc/vnni_linear.cpp) or the AVX2 one (csrc/widening_bf16_linear.cpp)."""
 
     pack: Callable[[torch.Tensor], torch.Tensor]
-    """weight [n, k] bf16 (k even) -> its packed copy, made once at load."""
+    """weight [n, k] bf16 -> its packed copy, made once at load (k even for the VNNI kernel)."""
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
     """(x [rows, k], packed, bias or None, n) -> x @ weight.T + bias, [rows, n] bf16."""
 
@@ -95,8 +97,12 @@ def _vnni_pack_weight_fake(weight):
     return weight.new_empty((weight.shape[0] + 31) // 32, weight.shape[1] // 2, 64)
 
 
-def _vnni_linear_fake(x, packed_weight, bias, out_features):
+def _bf16_linear_fake(x, packed_weight, bias, out_features):
     return x.new_empty(x.shape[0], out_features)
+
+
+def _widening_pack_weight_fake(weight):
+    return weight.new_empty((weight.shape[0] + 15) // 16, weight.shape[1], 16)
 
 
 def _greedy_argmax_fake(logits):
@@ -150,7 +156,9 @@ def _build() -> bool:
         return False
     torch.library.register_fake("trident::paged_decode_attention")(_decode_attention_fake)
     torch.library.register_fake("trident::vnni_pack_weight")(_vnni_pack_weight_fake)
-    torch.library.register_fake("trident::vnni_linear")(_vnni_linear_fake)
+    torch.library.register_fake("trident::vnni_linear")(_bf16_linear_fake)
+    torch.library.register_fake("trident::widening_pack_weight")(_widening_pack_weight_fake)
+    torch.library.register_fake("trident::widening_bf16_linear")(_bf16_linear_fake)
     torch.library.register_fake("trident::greedy_argmax")(_greedy_argmax_fake)
     torch.library.register_fake("trident::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("trident::add_rms_norm")(_add_rms_norm_fake)
@@ -171,12 +179,21 @@ def _avx512_build() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and _build()
 
 
-def load_vnni_linear() -> VnniLinear | None:
+def load_vnni_linear() -> Bf16LinearKernel | None:
     """The packed-weight bf16 linear; None without an AVX-512 build or a CPU with AVX512-BF16."""
     if not _avx512_build():
         return None
     ops = torch.ops.trident
-    return VnniLinear(ops.vnni_pack_weight, ops.vnni_linear) if ops.cpu_has_avx512_bf16() else None
+    return Bf16LinearKernel(ops.vnni_pack_weight, ops.vnni_linear) if ops.cpu_has_avx512_bf16() else None
+
+
+def load_widening_bf16_linear() -> Bf16LinearKernel | None:
+    """The bf16 linear on widened weights; None if the kernels cannot be built or the CPU has
+    no AVX2 and FMA."""
+    if not _build():
+        return None
+    ops = torch.ops.trident
+    return Bf16LinearKernel(ops.widening_pack_weight, ops.widening_bf16_linear) if ops.cpu_has_avx2_fma() else None
 
 
 def load_greedy_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -18,11 +18,11 @@ from torch import nn
 
 from gpu_worker.attention import AttentionMetadata, paged_attention
 from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
-from gpu_worker.cpu_kernels import DecodeKernel, ElementwiseKernels, VnniLinear
+from gpu_worker.cpu_kernels import Bf16LinearKernel, DecodeKernel, ElementwiseKernels
 from gpu_worker.int8_weights import Int8Linear
 from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.packed_linear import PackedLinear, replace_linear_layers
+from gpu_worker.packed_linear import PackedLinear, WideningBf16Linear, replace_linear_layers
 from gpu_worker.parallel import ShardPlan, TPGroup
 
 
@@ -227,11 +227,16 @@ class LlamaForCausalLM(nn.Module):
         after load_weights and the cast to the activation dtype."""
         self._replace_linear_layers(Int8Linear)
 
-    def pack_linear_weights(self, vnni: VnniLinear | None = None) -> None:
+    def pack_linear_weights(self, vnni: Bf16LinearKernel | None = None) -> None:
         """Every linear layer and the LM head to oneDNN-packed weights (packed_linear.py),
         and decode batches through the `vnni` kernel when given; call after load_weights
         and the cast."""
         self._replace_linear_layers(lambda weight, bias: PackedLinear(weight, bias, vnni))
+
+    def widen_linear_weights(self, kernel: Bf16LinearKernel) -> None:
+        """Every linear layer and the LM head to `WideningBf16Linear` (packed_linear.py), for
+        bf16 on CPUs without bf16 arithmetic; call after load_weights and the cast."""
+        self._replace_linear_layers(lambda weight, bias: WideningBf16Linear(weight, bias, kernel))
 
     def _replace_linear_layers(self, make) -> None:
         """`make(weight, bias)` for every linear layer and for the LM head; a tied head gets

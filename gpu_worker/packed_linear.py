@@ -18,6 +18,10 @@ kernel instead (csrc/vnni_linear.cpp), on a second copy of the weight packed in 
 measured on 2 Zen 4 cores (docs/benchmarks.md), SmolLM2's 120 layer weights in one pass took
 9.6 / 10.1 / 24.2 / 43.0 ms at 1 / 4 / 32 / 64 rows against oneDNN's 16.4 / 17.9 / 32.9 /
 79.7. From ~128 rows the two are level, and at prefill sizes oneDNN is ~10 % faster.
+
+On a CPU without bf16 arithmetic (AVX2: Zen 2/3, older Intel), oneDNN has no fast bf16
+matmul, and every bf16 batch goes to `WideningBf16Linear` (csrc/widening_bf16_linear.cpp)
+instead: bf16 weights widened to float32 in registers.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gpu_worker.cpu_kernels import VnniLinear
+from gpu_worker.cpu_kernels import Bf16LinearKernel
 
 
 @torch.library.custom_op("trident::packed_linear", mutates_args=())
@@ -56,7 +60,7 @@ class PackedLinear(nn.Module):
     VNNI_MAX_ROWS = 64
     """Up to here the VNNI kernel was 1.1-1.9x faster than oneDNN (docs/benchmarks.md)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, vnni: VnniLinear | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, vnni: Bf16LinearKernel | None = None) -> None:
         super().__init__()
         # Plain attributes, not buffers: module.to() and state_dict() cannot handle MKLDNN tensors.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_FOR_ROWS)
@@ -80,6 +84,27 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+class WideningBf16Linear(nn.Module):
+    """bf16 `y = x @ weight.T + bias` through csrc/widening_bf16_linear.cpp, at every batch
+    size: on a CPU with AVX2 but no bf16 arithmetic, where torch's bf16 matmul is a slow
+    path. Measured on 2 Zen 3 cores (docs/benchmarks.md), SmolLM2's MLP up-projection
+    (576 -> 6,144 fused) at 1 / 32 / 200 rows: 0.17 / 1.29 / 7.6 ms, against 0.37 / 2.69 /
+    9.5 ms for float32 `F.linear` on float32 weights twice the size."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Bf16LinearKernel) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.register_buffer("weight_panels", kernel.pack(weight))
+        self.register_buffer("bias", bias)
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = self.kernel.linear(rows, self.weight_panels, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def replace_linear_layers(module: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> int:
     """Replaces every nn.Linear under `module` (weights already loaded and cast) by
     `make(weight, bias)`; returns how many."""
@@ -91,6 +116,17 @@ def replace_linear_layers(module: nn.Module, make: Callable[[torch.Tensor, torch
         else:
             count += replace_linear_layers(child, make)
     return count
+
+
+def wants_widening_linear(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """`auto` in bf16 on a CPU whose oneDNN has no fast bf16 matmul (no bf16 instructions):
+    `WideningBf16Linear` then, where `F.linear` would take torch's slow bf16 path."""
+    return (
+        setting == "auto"
+        and device.type == "cpu"
+        and dtype == torch.bfloat16
+        and not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 def wants_packed_linear(setting: str, device: torch.device, dtype: torch.dtype) -> bool:

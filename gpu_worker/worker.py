@@ -22,13 +22,19 @@ import torch
 from gpu_worker.batch_state import BatchState, StepPlan
 from gpu_worker.compiled_decode import wants_compile, warm_up
 from gpu_worker.cpu_kernels import load_decode_attention as load_decode_kernel
-from gpu_worker.cpu_kernels import load_elementwise_kernels, load_greedy_argmax, load_vnni_linear, wants_decode_kernel
+from gpu_worker.cpu_kernels import (
+    load_elementwise_kernels,
+    load_greedy_argmax,
+    load_vnni_linear,
+    load_widening_bf16_linear,
+    wants_decode_kernel,
+)
 from gpu_worker.int8_weights import check_supported as check_int8_supported
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.ngram_drafter import NgramDrafter
-from gpu_worker.packed_linear import wants_packed_linear
+from gpu_worker.packed_linear import wants_packed_linear, wants_widening_linear
 from gpu_worker.parallel import ShardPlan, TPGroup, dist_port
 from gpu_worker.sampler import SamplingTable, sample
 from gpu_worker.weights import iter_weights, load_config
@@ -42,13 +48,16 @@ logger = logging.getLogger(__name__)
 MIN_COLLECTIVE_TIMEOUT_S = 30.0
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        # bf16 matmuls only pay off on CPUs with native bf16 (AVX512-BF16 / AMX).
-        return torch.bfloat16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
+    """`--dtype auto`: bf16 on CUDA; on CPU, bf16 where its matmuls are fast: AVX-512 (oneDNN,
+    and our VNNI kernel with AVX512-BF16), or AVX2 with our widening kernel, which runs the
+    linear layers only when left to choose (`--linear-weights auto`, no int8). Else float32."""
+    if args.dtype != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    if device.type == "cuda" or "AVX512" in torch.backends.cpu.get_cpu_capability():
+        return torch.bfloat16
+    widening = args.linear_weights == "auto" and args.weight_dtype == "auto" and load_widening_bf16_linear() is not None
+    return torch.bfloat16 if widening else torch.float32
 
 
 def kv_pool_tokens(
@@ -84,7 +93,7 @@ class Worker(WorkerLoop):
         if self.device.type == "cpu":  # the workers of this node share its cores
             workers_here = args.dp_size * layout_of(args).ranks_per_node
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers_here))
-        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.dtype = resolve_dtype(args, self.device)
         self.cfg = load_config(args.model_path)
         self.vocab_size = self.cfg.vocab_size
         self.eos_token_ids = list(self.cfg.eos_token_ids)
@@ -108,6 +117,12 @@ class Worker(WorkerLoop):
             self.model.quantize_weights_int8()
         elif wants_packed_linear(args.linear_weights, self.device, self.dtype):
             self.model.pack_linear_weights(load_vnni_linear() if self.dtype == torch.bfloat16 else None)
+        elif wants_widening_linear(args.linear_weights, self.device, self.dtype):
+            kernel = load_widening_bf16_linear()
+            if kernel is not None:
+                self.model.widen_linear_weights(kernel)
+            else:
+                logger.warning("bf16 on a CPU without bf16 arithmetic, and no AVX2 kernel: matmuls are slow")
         logger.info("loaded %s in %.1f s (%s, %s)", args.model_path, time.monotonic() - t0, self.dtype, self.device)
 
         # Every rank must hold the same pages: the scheduler allocates from one pool.

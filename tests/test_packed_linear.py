@@ -1,6 +1,8 @@
 """Linear layers with oneDNN-packed weights (`--linear-weights`): in bf16 the same bits as
 `F.linear`, in float32 within float32 rounding, the same inside a compiled graph, and a
-whole model with packed weights predicts what it does with plain ones."""
+whole model with packed weights predicts what it does with plain ones. Our own bf16
+kernels (AVX512-BF16 VNNI, AVX2 widening) give the float32 sum rounded once, a row's
+result does not depend on its batch, and a model using them predicts the plain logits."""
 
 from __future__ import annotations
 
@@ -8,9 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.cpu_kernels import load_vnni_linear
+from gpu_worker.cpu_kernels import load_vnni_linear, load_widening_bf16_linear
 from gpu_worker.model import LlamaForCausalLM
-from gpu_worker.packed_linear import PackedLinear, replace_linear_layers, wants_packed_linear
+from gpu_worker.packed_linear import (
+    PackedLinear,
+    WideningBf16Linear,
+    replace_linear_layers,
+    wants_packed_linear,
+    wants_widening_linear,
+)
 from tests.helpers import make_random_llama, prompt_logits
 
 needs_onednn_bf16 = pytest.mark.skipif(
@@ -152,3 +160,62 @@ def test_a_model_whose_decode_batches_take_the_vnni_kernel_predicts_the_logits_o
     # so equal up to bf16 rounding through the layers, not bit for bit.
     torch.testing.assert_close(with_vnni.float(), plain.float(), atol=0.1, rtol=0.05)
     assert torch.equal(with_vnni.argmax(-1), plain.argmax(-1))
+
+
+WIDENING = load_widening_bf16_linear()
+needs_widening_linear = pytest.mark.skipif(WIDENING is None, reason="widening_bf16_linear needs an x86 CPU with AVX2")
+
+
+@needs_widening_linear
+@pytest.mark.parametrize("rows", [1, 5, 32, 200])
+@pytest.mark.parametrize("n, k, with_bias", [(576, 576, False), (37, 100, True), (3, 1536, False), (100, 1, True)])
+def test_widening_linear_is_the_float32_sum_rounded_once(rows, n, k, with_bias):
+    w, x = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(rows, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16) if with_bias else None
+    out = WideningBf16Linear(w, b, WIDENING)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    torch.testing.assert_close(out.double(), _bf16_linear_reference(x, w, b), rtol=2**-8, atol=1e-4 * k**0.5)
+
+
+@needs_widening_linear
+def test_widening_linear_gives_a_row_the_same_bits_whatever_batch_it_is_in():
+    layer = WideningBf16Linear(torch.randn(200, 96, dtype=torch.bfloat16), None, WIDENING)
+    x = torch.randn(250, 96, dtype=torch.bfloat16)  # past one 96-row block of prefill rows
+    whole = layer(x)
+    for row in (0, 5, 6, 95, 96, 249):
+        assert torch.equal(layer(x[row : row + 1])[0], whole[row])
+    assert torch.equal(layer(x[7:130].view(1, 123, 96)), whole[7:130].view(1, 123, 200))
+
+
+@needs_widening_linear
+def test_compiled_graphs_call_the_widening_kernel_for_every_batch_size():
+    layer = WideningBf16Linear(torch.randn(48, 32, dtype=torch.bfloat16), None, WIDENING)
+    compiled = torch.compile(lambda layer, x: torch.relu(layer(x)), dynamic=True)
+    with torch.inference_mode():
+        for rows in (1, 3, 40, 100):
+            x = torch.randn(rows, 32, dtype=torch.bfloat16)
+            assert torch.equal(compiled(layer, x), torch.relu(layer(x)))
+
+
+def test_auto_widens_bf16_weights_only_where_onednn_has_no_bf16_matmul():
+    cpu = torch.device("cpu")
+    no_bf16_instructions = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert wants_widening_linear("auto", cpu, torch.bfloat16) == no_bf16_instructions
+    assert not wants_widening_linear("auto", cpu, torch.float32)
+    assert not wants_widening_linear("plain", cpu, torch.bfloat16)
+    assert not wants_widening_linear("auto", torch.device("cuda"), torch.bfloat16)
+
+
+@needs_widening_linear
+def test_a_model_with_widened_bf16_weights_is_as_close_to_float32_as_with_plain_ones(tmp_path):
+    path = make_random_llama(str(tmp_path / "model"), seed=5)
+    ids = torch.arange(3, 40)
+    want = prompt_logits(path, ids, torch.float32).double()
+    plain = prompt_logits(path, ids, torch.bfloat16).double()
+    widened = prompt_logits(path, ids, torch.bfloat16, lambda model: model.widen_linear_weights(WIDENING)).double()
+    # Another float32 summation order than torch's bf16 matmul, so not the same bits; the
+    # error that bf16 rounding through the layers leaves must be no larger.
+    plain_error, widened_error = (plain - want).abs(), (widened - want).abs()
+    assert widened_error.mean() <= 1.1 * plain_error.mean()
+    assert widened_error.max() <= 1.25 * plain_error.max()
+    assert torch.equal(widened.argmax(-1), plain.argmax(-1))
