@@ -1,5 +1,6 @@
-"""CPU linear layers in bf16: torch's F.linear, oneDNN-packed weights and the k-pair packed
-(VNNI) kernel.
+"""CPU linear layers in bf16: torch's F.linear, oneDNN-packed weights, the k-pair packed
+(VNNI) kernel where the CPU has AVX512-BF16 and the widening kernel where it has AVX2; and,
+for scale, oneDNN-packed float32 weights (what `--dtype float32` runs).
 
     python benchmarks/bench_cpu_linear.py [--rows 1,2,4,8,16,32,64,2048] [--calls 100]
 
@@ -18,18 +19,20 @@ Results print as JSON lines (microseconds per call, or milliseconds per pass and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gpu_worker.cpu_kernels import Bf16LinearKernel, load_vnni_linear  # noqa: E402
+from gpu_worker.cpu_kernels import Bf16LinearKernel, load_vnni_linear, load_widening_bf16_linear  # noqa: E402
 from gpu_worker.weights import load_config  # noqa: E402
 from model_source import default_model_path  # noqa: E402
 
@@ -61,33 +64,38 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     }
 
 
-def variants(w: torch.Tensor, vnni: Bf16LinearKernel | None) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
-    out = {
-        "F.linear": lambda x: F.linear(x, w),
-        "packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-    }
-    if vnni is not None:
-        vnni_packed, n = vnni.pack(w), w.shape[0]
-        out["vnni"] = lambda x: vnni.linear(x, vnni_packed, None, n)
+class OurKernels(NamedTuple):
+    vnni: Bf16LinearKernel | None
+    widening: Bf16LinearKernel | None
+
+
+def variants(w: torch.Tensor, ours: OurKernels) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    n = w.shape[0]
+    out = {"F.linear": lambda x: F.linear(x, w)}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # else oneDNN's bf16 is as slow as F.linear
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+        out["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    packed_fp32 = torch.ops.mkldnn._reorder_linear_weight(w.float(), 32)
+    out["packed_fp32"] = lambda x: torch.ops.mkldnn._linear_pointwise(x.float(), packed_fp32, None, "none", [], "")
+    for label, kernel in ours._asdict().items():
+        if kernel is not None:
+            out[label] = functools.partial(kernel.linear, packed_weight=kernel.pack(w), bias=None, out_features=n)
     return out
 
 
-def cached(shapes: dict[str, tuple[int, int]], rows_list: list[int], calls: int, vnni: Bf16LinearKernel | None) -> None:
+def cached(shapes: dict[str, tuple[int, int]], rows_list: list[int], calls: int, ours: OurKernels) -> None:
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, dtype=torch.bfloat16)
         for rows in rows_list:
             x = torch.randn(rows, k, dtype=torch.bfloat16)
             n_calls = max(3, calls if rows * n * k < 1e9 else calls // 20)
             result = {"test": "cached", "layer": name, "out_in": [n, k], "rows": rows}
-            for label, fn in variants(w, vnni).items():
+            for label, fn in variants(w, ours).items():
                 result[f"{label}_us"] = round(seconds_per_call(fn, n_calls, x) * 1e6, 1)
             print(json.dumps(result), flush=True)
 
 
-def stream(
-    shapes: dict[str, tuple[int, int]], num_layers: int, rows_list: list[int], vnni: Bf16LinearKernel | None
-) -> None:
+def stream(shapes: dict[str, tuple[int, int]], num_layers: int, rows_list: list[int], ours: OurKernels) -> None:
     per_layer = [shape for name, shape in shapes.items() if name != "lm_head"]
     weights = [torch.randn(n, k, dtype=torch.bfloat16) for _ in range(num_layers) for n, k in per_layer]
     total_bytes = sum(w.numel() * w.element_size() for w in weights)
@@ -103,7 +111,7 @@ def stream(
         if rows > 64:
             continue
         inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for _, k in per_layer}
-        fns = [variants(w, vnni) for w in weights]
+        fns = [variants(w, ours) for w in weights]
         for label in fns[0]:
             layers = [(fn[label], inputs[w.shape[1]]) for fn, w in zip(fns, weights)]
             pass_s = seconds_per_call(run_pass, 10, layers)
@@ -125,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     model = ns.model or default_model_path()
     rows_list = [int(r) for r in ns.rows.split(",")]
     shapes = layer_shapes(model)
-    vnni = load_vnni_linear()
-    print(json.dumps({"threads": torch.get_num_threads(), "vnni_kernel": vnni is not None}), flush=True)
-    cached(shapes, rows_list, ns.calls, vnni)
-    stream(shapes, load_config(model).num_layers, rows_list, vnni)
+    ours = OurKernels(load_vnni_linear(), load_widening_bf16_linear())
+    kernels = {label: kernel is not None for label, kernel in ours._asdict().items()}
+    print(json.dumps({"threads": torch.get_num_threads(), "our_kernels": kernels}), flush=True)
+    cached(shapes, rows_list, ns.calls, ours)
+    stream(shapes, load_config(model).num_layers, rows_list, ours)
     return 0
 
 
