@@ -50,18 +50,6 @@ def _vnni(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> to
 
 
 @needs_vnni_linear
-@pytest.mark.parametrize("rows", [1, 2, 13, 64])
-@pytest.mark.parametrize("n, k, with_bias", [(576, 576, False), (37, 100, True), (3, 1536, False), (100, 2, True)])
-def test_vnni_linear_is_the_float32_sum_rounded_once(rows, n, k, with_bias):
-    w, x = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(rows, k, dtype=torch.bfloat16)
-    b = torch.randn(n, dtype=torch.bfloat16) if with_bias else None
-    out = _vnni(x, w, b)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
-    # One rounding to bf16 (relative 2^-9) on top of a float32 sum.
-    torch.testing.assert_close(out.double(), _bf16_linear_reference(x, w, b), rtol=2**-8, atol=1e-4 * k**0.5)
-
-
-@needs_vnni_linear
 def test_vnni_linear_gives_a_row_the_same_bits_whatever_batch_it_is_in():
     w, x = torch.randn(200, 96, dtype=torch.bfloat16), torch.randn(40, 96, dtype=torch.bfloat16)
     packed = VNNI.pack(w)
@@ -166,14 +154,18 @@ WIDENING = load_widening_bf16_linear()
 needs_widening_linear = pytest.mark.skipif(WIDENING is None, reason="widening_bf16_linear needs an x86 CPU with AVX2")
 
 
-@needs_widening_linear
+@pytest.mark.parametrize("kernel", ["vnni", "widening"])
 @pytest.mark.parametrize("rows", [1, 5, 32, 200])
-@pytest.mark.parametrize("n, k, with_bias", [(576, 576, False), (37, 100, True), (3, 1536, False), (100, 1, True)])
-def test_widening_linear_is_the_float32_sum_rounded_once(rows, n, k, with_bias):
+@pytest.mark.parametrize("n, k, with_bias", [(576, 576, False), (37, 100, True), (3, 1536, False), (100, 2, True)])
+def test_our_bf16_kernels_give_the_float32_sum_rounded_once(kernel, rows, n, k, with_bias):
+    ours = {"vnni": VNNI, "widening": WIDENING}[kernel]
+    if ours is None:
+        pytest.skip(f"this CPU cannot run the {kernel} kernel")
     w, x = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(rows, k, dtype=torch.bfloat16)
     b = torch.randn(n, dtype=torch.bfloat16) if with_bias else None
-    out = WideningBf16Linear(w, b, WIDENING)(x)
+    out = ours.linear(x, ours.pack(w), b, n)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    # One rounding to bf16 (relative 2^-9) on top of a float32 sum.
     torch.testing.assert_close(out.double(), _bf16_linear_reference(x, w, b), rtol=2**-8, atol=1e-4 * k**0.5)
 
 

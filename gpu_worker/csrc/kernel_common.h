@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 namespace trident_kernels {
 
@@ -103,6 +104,13 @@ void dispatch_float_dtype(const at::Tensor& t, const char* op, const Body& body)
     case at::kHalf: body(c10::Half{}, c10::Half{}); break;
     default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16, not ", t.scalar_type());
   }
+}
+
+// An optional bias of n values as a contiguous float32 tensor, undefined when absent.
+inline at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == n, "bias [n]");
+  return bias->to(at::kFloat).contiguous();
 }
 
 // A tensor's data as storage_t (Bf16Bits for bfloat16).

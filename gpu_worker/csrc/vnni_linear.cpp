@@ -162,11 +162,7 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& packed, const std:
   if (rows == 0) return out;
 #ifdef __AVX512F__
   const at::Tensor xc = x.contiguous();
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bias [n]");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = trident_kernels::float_bias(bias, n);
   vnni_linear_panels(reinterpret_cast<const int32_t*>(xc.data_ptr<c10::BFloat16>()), rows, pairs,
                      reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
                      bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, n,

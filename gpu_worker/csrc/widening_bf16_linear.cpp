@@ -168,11 +168,7 @@ at::Tensor widening_bf16_linear(const at::Tensor& x, const at::Tensor& packed, c
 #if defined(__x86_64__)
   // Widened once here, not once per panel: every panel reads all of x.
   const at::Tensor x_wide = x.to(at::kFloat).contiguous();
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bias [n]");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = trident_kernels::float_bias(bias, n);
   widening_linear_panels(x_wide.data_ptr<float>(), rows, k, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
                          bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, n,
                          reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
