@@ -155,7 +155,7 @@ needs_widening_linear = pytest.mark.skipif(WIDENING is None, reason="widening_bf
 
 
 @pytest.mark.parametrize("kernel", ["vnni", "widening"])
-@pytest.mark.parametrize("rows", [1, 5, 32, 200])
+@pytest.mark.parametrize("rows", [1, 3, 5, 32, 200])
 @pytest.mark.parametrize("n, k, with_bias", [(576, 576, False), (37, 100, True), (3, 1536, False), (100, 2, True)])
 def test_our_bf16_kernels_give_the_float32_sum_rounded_once(kernel, rows, n, k, with_bias):
     ours = {"vnni": VNNI, "widening": WIDENING}[kernel]
