@@ -197,8 +197,8 @@ def load_widening_bf16_linear() -> Bf16LinearKernel | None:
 
 
 def load_greedy_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """bf16 logits [rows, vocab] -> each row's argmax (int64); None without an AVX-512 build."""
-    return torch.ops.trident.greedy_argmax if _avx512_build() else None
+    """bf16 logits [rows, vocab] -> each row's argmax (int64); None if the kernels cannot be built."""
+    return torch.ops.trident.greedy_argmax if _build() else None
 
 
 def load_elementwise_kernels() -> ElementwiseKernels | None:

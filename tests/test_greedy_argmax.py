@@ -11,7 +11,7 @@ from gpu_worker.cpu_kernels import load_greedy_argmax
 from gpu_worker.sampler import SamplingTable
 
 ARGMAX = load_greedy_argmax()
-needs_kernel = pytest.mark.skipif(ARGMAX is None, reason="greedy_argmax is built for AVX-512 only")
+needs_kernel = pytest.mark.skipif(ARGMAX is None, reason="the C++ kernels cannot be built here")
 
 
 @needs_kernel
@@ -26,6 +26,12 @@ def test_greedy_argmax_picks_torch_max_index_on_ties_infinities_and_nans(vocab):
     logits[4, vocab - 1] = float("nan")  # a NaN is the max, the first one wins
     logits[4, vocab // 3] = float("nan")
     logits[5, :] = 0.0
+    logits[6, :] = -1.0
+    logits[6, vocab // 2] = -0.0  # -0 == +0: the first of them wins
+    logits[6, vocab - 1] = 0.0
+    logits[7, :] = float("-inf")
+    logits[7, vocab - 1] = -3.0e38  # the most negative finite values
+    logits[7, vocab // 4] = -3.0e38
     assert torch.equal(ARGMAX(logits), logits.max(dim=-1).indices)
 
 
