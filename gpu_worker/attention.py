@@ -98,15 +98,16 @@ def kernel_serves(g: DecodeGroup) -> bool:
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     kv_head_map: torch.Tensor | None = None,
     kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, dim], this step's k/v: [num_tokens, kv_heads, dim] (already in
-    kv_cache [pool tokens, 2, kv_heads, dim]) -> [num_tokens, heads, dim].
+    kv_cache [pool tokens, 2, kv_heads, dim]; None in a step without extend rows, which
+    reads the pool only) -> [num_tokens, heads, dim].
 
     Query head h reads KV head h // (heads // kv_heads) (SDPA's GQA grouping), unless
     `kv_head_map` gives each query head's KV head: a tensor-parallel rank whose heads
@@ -126,6 +127,7 @@ def paged_attention(
         else:
             out[g.token_idx[g.q_valid]] = rows[g.q_valid]
     for row in meta.extend_rows:
+        assert k is not None and v is not None, "extend rows attend to this step's k and v"
         sl = slice(row.q_start, row.q_start + row.q_len)
         out[sl] = _extend_row(q[sl], k[sl], v[sl], kv_cache, row, kv_head_map)
     return out

@@ -6,7 +6,8 @@
   batches on weights packed for AVX512-BF16 (packed_linear.py uses it);
 - the elementwise steps of a layer, one op each (model.py, `ElementwiseKernels`):
   `torch.ops.trident.rms_norm` and `.add_rms_norm` (csrc/rms_norm.cpp: RMSNorm in one
-  pass, after the residual add), `.silu_and_mul` and `.rotary` (csrc/layer_elementwise.cpp);
+  pass, after the residual add), `.silu_and_mul`, `.rotary` and `.rotary_write_kv`
+  (csrc/layer_elementwise.cpp);
 - `torch.ops.trident.greedy_argmax` (csrc/greedy_argmax.cpp): each row's greedy token from
   bf16 logits (sampler.py, `SamplingTable.argmax`).
 
@@ -83,6 +84,9 @@ class ElementwiseKernels:
     """gate_up [rows, 2 * inter] -> silu(gate) * up [rows, inter]."""
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     """(x [tokens, heads, dim], cos, signed_sin [tokens, 1, dim]) -> the rotated x, contiguous."""
+    rotary_write_kv: Callable[..., torch.Tensor]
+    """(qkv [tokens, (heads + 2 kv_heads) dim], cos, signed_sin, kv_cache, loc, heads, kv_heads)
+    -> the rotated q [tokens, heads, dim]; the rotated k and v written to kv_cache[loc]."""
 
 
 _built: bool | None = None
@@ -125,6 +129,10 @@ def _rotary_fake(x, cos, signed_sin):
     return x.new_empty(x.shape)
 
 
+def _rotary_write_kv_fake(qkv, cos, signed_sin, kv_cache, loc, heads, kv_heads):
+    return qkv.new_empty(qkv.shape[0], heads, kv_cache.shape[-1])
+
+
 def wants_decode_kernel(setting: str, device: torch.device) -> bool:
     """`auto` (the default) and `kernel` use it on CPU; `torch` keeps attention.py's torch path.
     The kernel is CPU code: on CUDA the torch path runs whatever the setting."""
@@ -164,6 +172,7 @@ def _build() -> bool:
     torch.library.register_fake("trident::add_rms_norm")(_add_rms_norm_fake)
     torch.library.register_fake("trident::silu_and_mul")(_silu_and_mul_fake)
     torch.library.register_fake("trident::rotary")(_rotary_fake)
+    torch.library.register_fake("trident::rotary_write_kv")(_rotary_write_kv_fake)
     _built = True
     logger.info("C++ CPU kernels ready in %.1f s", time.monotonic() - t0)
     return True
@@ -206,4 +215,4 @@ def load_elementwise_kernels() -> ElementwiseKernels | None:
     if not _build():
         return None
     ops = torch.ops.trident
-    return ElementwiseKernels(ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.rotary)
+    return ElementwiseKernels(ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.rotary, ops.rotary_write_kv)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.cpu_kernels import ElementwiseKernels, load_elementwise_kernels
+from gpu_worker.kv_pool import write_kv
 from gpu_worker.model import RMSNorm, RotaryEmbedding, apply_rotary
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -88,6 +89,34 @@ def test_rotary_matches_the_torch_rotary_on_a_strided_view_of_qkv(kernels, dtype
         assert torch.equal(got, want)  # products and sums rounded as torch rounds them: the same bits
     else:
         assert_same_up_to_last_bit(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 19])
+def test_rotary_write_kv_gives_the_rotary_q_and_writes_what_write_kv_writes(kernels, dtype, tokens):
+    heads, kv_heads, dim, pool = 9, 3, 64, 50
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    tables = RotaryEmbedding(dim, 10000.0, 4096).tables(torch.randint(0, 4096, (tokens,)), dtype)
+    loc = torch.randperm(pool)[:tokens]
+    want_cache, got_cache = (
+        torch.randn(pool, 2, kv_heads, dim).to(dtype),
+        torch.zeros(pool, 2, kv_heads, dim, dtype=dtype),
+    )
+    got_cache.copy_(want_cache)
+    # The decode step's torch path (model.py): one rotary over q and k, then write_kv.
+    qk = kernels.rotary(qkv[:, : (heads + kv_heads) * dim].view(-1, heads + kv_heads, dim), *tables)
+    write_kv(want_cache, loc, qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim))
+    q = kernels.rotary_write_kv(qkv, *tables, got_cache, loc, heads, kv_heads)
+    assert torch.equal(q, qk[:, :heads])
+    assert torch.equal(got_cache, want_cache)  # the new tokens' K/V, and nothing else touched
+
+
+def test_rotary_write_kv_refuses_a_pool_index_out_of_range(kernels):
+    qkv, cache = torch.randn(2, 5 * 8), torch.zeros(4, 2, 1, 8)
+    tables = RotaryEmbedding(8, 10000.0, 64).tables(torch.tensor([0, 1]), torch.float32)
+    with pytest.raises(RuntimeError, match="pool index 4 out of"):
+        kernels.rotary_write_kv(qkv, *tables, cache, torch.tensor([0, 4]), 3, 1)
+    assert not cache.any()
 
 
 def test_a_model_norm_uses_the_ops_when_given_and_torch_ops_when_compiled(kernels):

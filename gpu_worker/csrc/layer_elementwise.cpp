@@ -1,5 +1,6 @@
 // The elementwise steps of a decoder layer between its matmuls, one op each instead of
-// several: SwiGLU's silu(gate) * up, and the rotary embedding of q and k.
+// several: SwiGLU's silu(gate) * up, the rotary embedding of q and k, and (in decode steps)
+// that rotary together with the write of the new K and V into the pool.
 //
 // In torch, SwiGLU is split + silu + mul and the rotary is mul + cat + mul + add over
 // sliced views: each op its own dispatch and OpenMP region, ~5-25 us apiece at decode
@@ -10,7 +11,8 @@
 // The build (cpu_kernels.py) turns off contracting a * b + c into one fused multiply-add:
 // torch rounds the product first, and so must the rotary's float32 path to give its bits.
 //
-// Registered as torch.ops.trident.silu_and_mul and .rotary (fake kernels in cpu_kernels.py).
+// Registered as torch.ops.trident.silu_and_mul, .rotary and .rotary_write_kv (fake kernels
+// in cpu_kernels.py).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -62,15 +64,36 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// One head of one token: x * cos + swap_halves(x) * signed_sin into o (dim values).
+// signed_sin holds -sin in its first half, so this is the reference's
+// x * cos + rotate_half(x) * sin, each product rounded before the sum as torch rounds it.
+template <typename storage_t>
+inline void rotate_head(const storage_t* x, const storage_t* c, const storage_t* s, storage_t* o, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float lo = widen(x[i]), hi = widen(x[i + half]);
+    const float lo_cos = widen(round_to<storage_t>(lo * widen(c[i])));
+    const float hi_sin = widen(round_to<storage_t>(hi * widen(s[i])));
+    o[i] = round_to<storage_t>(lo_cos + hi_sin);
+    const float hi_cos = widen(round_to<storage_t>(hi * widen(c[i + half])));
+    const float lo_sin = widen(round_to<storage_t>(lo * widen(s[i + half])));
+    o[i + half] = round_to<storage_t>(hi_cos + lo_sin);
+  }
+}
+
+void check_tables(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t tokens,
+                  int64_t dim, const char* op) {
+  TORCH_CHECK(cos.numel() == tokens * dim && signed_sin.numel() == tokens * dim, op, ": tables [tokens, 1, dim]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && signed_sin.scalar_type() == x.scalar_type(), op,
+              ": tables in x's dtype");
+}
+
 // x [tokens, heads, dim] (any strides, last dim contiguous); cos, signed_sin [tokens, 1, dim]
-// -> x * cos + swap_halves(x) * signed_sin [tokens, heads, dim], contiguous. signed_sin
-// holds -sin in its first half, so this is the reference's x * cos + rotate_half(x) * sin.
+// -> the rotated x [tokens, heads, dim], contiguous.
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rotary: x [tokens, heads, even dim]");
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  TORCH_CHECK(cos.numel() == tokens * dim && signed_sin.numel() == tokens * dim, "rotary: tables [tokens, 1, dim]");
-  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && signed_sin.scalar_type() == x.scalar_type(),
-              "rotary: tables in x's dtype");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  check_tables(x, cos, signed_sin, tokens, dim, "rotary");
   const at::Tensor cc = cos.contiguous(), sc = signed_sin.contiguous();
   at::Tensor out = at::empty({tokens, heads, dim}, x.options());
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
@@ -82,27 +105,58 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     const storage_t* sin_t = bits_of<storage_t, element_t>(sc);
     storage_t* dst = bits_of<storage_t, element_t>(out);
     at::parallel_for(0, tokens, rows_per_task(heads * dim), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const storage_t* c = cos_t + t * dim;
-        const storage_t* s = sin_t + t * dim;
-        for (int64_t h = 0; h < heads; ++h) {
-          const storage_t* xh = src + t * token_stride + h * head_stride;
-          storage_t* o = dst + (t * heads + h) * dim;
-#pragma omp simd
-          for (int64_t i = 0; i < half; ++i) {
-            const float lo = widen(xh[i]), hi = widen(xh[i + half]);
-            const float lo_cos = widen(round_to<storage_t>(lo * widen(c[i])));
-            const float hi_sin = widen(round_to<storage_t>(hi * widen(s[i])));
-            o[i] = round_to<storage_t>(lo_cos + hi_sin);
-            const float hi_cos = widen(round_to<storage_t>(hi * widen(c[i + half])));
-            const float lo_sin = widen(round_to<storage_t>(lo * widen(s[i + half])));
-            o[i + half] = round_to<storage_t>(hi_cos + lo_sin);
-          }
-        }
-      }
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < heads; ++h)
+          rotate_head(src + t * token_stride + h * head_stride, cos_t + t * dim, sin_t + t * dim,
+                      dst + (t * heads + h) * dim, dim / 2);
     });
   });
   return out;
+}
+
+// A decode step's qkv [tokens, (heads + 2 kv_heads) * dim] -> the rotated q [tokens, heads,
+// dim]; the rotated k and the v of token t go straight into kv_cache[loc[t]] ([pool tokens,
+// 2, kv_heads, dim]). In torch this is a rotary, five slices and views, a stack and an
+// index_copy_ (~10 ops a layer); the K bits are the rotary's.
+at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
+                           at::Tensor& kv_cache, const at::Tensor& loc, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && kv_cache.dim() == 4 && kv_cache.is_contiguous() &&
+                  kv_cache.size(1) == 2 && kv_cache.size(2) == kv_heads,
+              "rotary_write_kv: qkv [tokens, (heads + 2 kv_heads) dim], kv_cache [pool, 2, kv_heads, dim]");
+  const int64_t tokens = qkv.size(0), dim = kv_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim && dim % 2 == 0, "rotary_write_kv: qkv width ",
+              qkv.size(1), " is not (", heads, " + 2 x ", kv_heads, ") x ", dim);
+  TORCH_CHECK(qkv.scalar_type() == kv_cache.scalar_type(), "rotary_write_kv: qkv and kv_cache share a dtype");
+  TORCH_CHECK(loc.dim() == 1 && loc.size(0) == tokens && loc.scalar_type() == at::kLong,
+              "rotary_write_kv: loc, int64 [tokens]");
+  check_tables(qkv, cos, signed_sin, tokens, dim, "rotary_write_kv");
+  const at::Tensor cc = cos.contiguous(), sc = signed_sin.contiguous(), slots = loc.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t pool = kv_cache.size(0);
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < pool, "rotary_write_kv: pool index ", slot[t], " out of [0, ", pool, ")");
+  at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
+  const int64_t row_stride = qkv.stride(0), kv_token = 2 * kv_heads * dim;
+  dispatch_float_dtype(qkv, "rotary_write_kv", [&](auto zero, auto element) {
+    using storage_t = decltype(zero);
+    using element_t = decltype(element);
+    const storage_t* src = reinterpret_cast<const storage_t*>(qkv.data_ptr<element_t>());
+    const storage_t* cos_t = bits_of<storage_t, element_t>(cc);
+    const storage_t* sin_t = bits_of<storage_t, element_t>(sc);
+    storage_t* q_out = bits_of<storage_t, element_t>(q);
+    storage_t* pool_bits = bits_of<storage_t, element_t>(kv_cache);
+    at::parallel_for(0, tokens, rows_per_task((heads + 2 * kv_heads) * dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const storage_t* row = src + t * row_stride;
+        const storage_t *c = cos_t + t * dim, *s = sin_t + t * dim;
+        storage_t* entry = pool_bits + slot[t] * kv_token;  // K of every KV head, then V of every KV head
+        for (int64_t h = 0; h < heads; ++h) rotate_head(row + h * dim, c, s, q_out + (t * heads + h) * dim, dim / 2);
+        for (int64_t h = 0; h < kv_heads; ++h) rotate_head(row + (heads + h) * dim, c, s, entry + h * dim, dim / 2);
+        std::copy_n(row + (heads + kv_heads) * dim, kv_heads * dim, entry + kv_heads * dim);
+      }
+    });
+  });
+  return q;
 }
 
 }  // namespace
@@ -110,9 +164,13 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(trident, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
+  m.def(
+      "rotary_write_kv(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor loc, int heads, "
+      "int kv_heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(trident, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
+  m.impl("rotary_write_kv", &rotary_write_kv);
 }
