@@ -37,9 +37,10 @@ def _reference(q, pool, kv_indices, kv_lens):
 @pytest.mark.parametrize(
     "dtype, dim, heads, kv_heads",
     [
-        (torch.bfloat16, 64, 9, 3),  # SmolLM2's shape: the AVX-512 fast path
+        (torch.bfloat16, 64, 9, 3),  # SmolLM2's shape: the fast path (AVX-512 or AVX2)
         (torch.bfloat16, 64, 8, 8),  # one query head per KV head
         (torch.bfloat16, 64, 16, 4),
+        (torch.bfloat16, 64, 16, 2),  # 8 per KV head: AVX2 sums one output vector a pass
         (torch.bfloat16, 64, 10, 2),  # 5 heads per KV head: no fast path, the generic loop
         (torch.bfloat16, 32, 4, 2),  # another head dim: the generic loop
         (torch.float32, 64, 9, 3),

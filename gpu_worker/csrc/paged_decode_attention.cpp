@@ -10,11 +10,11 @@
 // whatever the dtype, so the output is closer to float32 attention than the torch path's
 // (which rounds the scores to the model dtype before its softmax).
 //
-// Two implementations: an AVX-512 one for bfloat16 with head dim 64 (SmolLM2, most small
-// LLaMAs), which keeps a GQA group's queries and outputs in registers; and a portable one
-// (any dtype, any head dim) that the compiler vectorises. Measured on 2 Zen 4 cores, per
-// layer at 32 rows x 256-512 keys in bfloat16: 0.22-0.73 ms against the torch path's
-// 0.82-2.52 ms (docs/benchmarks.md).
+// Three implementations: for bfloat16 with head dim 64 (SmolLM2, most small LLaMAs), an
+// AVX-512 one, which keeps a GQA group's queries and outputs in registers, and an AVX2 one
+// with the same work items; and a portable one (any dtype, any head dim) that the compiler
+// vectorises. Measured on 2 Zen 4 cores, per layer at 32 rows x 256-512 keys in bfloat16:
+// 0.22-0.73 ms against the torch path's 0.82-2.52 ms (docs/benchmarks.md).
 //
 // Registered as torch.ops.trident.paged_decode_attention (a fake kernel for tracing is in
 // cpu_kernels.py), so torch.compile treats it as one opaque op.
@@ -30,7 +30,8 @@
 #include <cstdint>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define TRIDENT_FAST_DECODE_BF16_D64 1
 #include <immintrin.h>
 #endif
 
@@ -131,6 +132,79 @@ void decode_item_bf16_d64(const uint16_t* q, float scale, const uint16_t* kv, co
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * 64 + c * 16, acc[g][c]);
 }
 
+#elif defined(TRIDENT_FAST_DECODE_BF16_D64)
+// The AVX2 path (Zen 2/3 and other CPUs without AVX-512), the same work items: a GQA
+// group's queries (kGroup x 8 vectors) do not fit in 16 registers, so they stay in L1 and
+// feed the multiply-adds from memory; the outputs are summed kColumns vectors at a time,
+// in passes over the row's V rows (later passes read them from cache).
+inline __m256 widen8(const uint16_t* src) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline void prefetch_head(const uint16_t* head) {
+  __builtin_prefetch(head);
+  __builtin_prefetch(head + 32);
+}
+
+template <int kGroup>
+void decode_item_bf16_d64(const uint16_t* q, float scale, const uint16_t* kv, const int64_t* tokens, int64_t len,
+                          int64_t token_stride, int64_t k_offset, int64_t v_offset, float* probs, float* out) {
+  constexpr int kColumns = kGroup <= 3 ? 4 : kGroup <= 6 ? 2 : 1;  // accumulators: kGroup x kColumns <= 12
+  alignas(32) float qf[kGroup * 64];
+  for (int i = 0; i < kGroup * 64; ++i) qf[i] = trident_kernels::widen(trident_kernels::Bf16Bits{q[i]}) * scale;
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchAhead < len) prefetch_head(kv + tokens[t + kPrefetchAhead] * token_stride + k_offset);
+    const uint16_t* k = kv + tokens[t] * token_stride + k_offset;
+    __m256 kc[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) kc[c] = widen8(k + c * 8);
+#pragma GCC unroll 8
+    for (int g = 0; g < kGroup; ++g) {
+      const float* qg = qf + g * 64;
+      __m256 even = _mm256_mul_ps(_mm256_load_ps(qg), kc[0]), odd = _mm256_mul_ps(_mm256_load_ps(qg + 8), kc[1]);
+#pragma GCC unroll 8
+      for (int c = 2; c < 8; c += 2) {
+        even = _mm256_fmadd_ps(_mm256_load_ps(qg + c * 8), kc[c], even);
+        odd = _mm256_fmadd_ps(_mm256_load_ps(qg + c * 8 + 8), kc[c + 1], odd);
+      }
+      probs[g * len + t] = horizontal_sum(_mm256_add_ps(even, odd));
+    }
+  }
+  for (int g = 0; g < kGroup; ++g) softmax_in_place(probs + g * len, len);
+  for (int column0 = 0; column0 < 8; column0 += kColumns) {
+    __m256 acc[kGroup][kColumns];
+#pragma GCC unroll 8
+    for (int g = 0; g < kGroup; ++g)
+#pragma GCC unroll 8
+      for (int c = 0; c < kColumns; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      if (column0 == 0 && t + kPrefetchAhead < len)
+        prefetch_head(kv + tokens[t + kPrefetchAhead] * token_stride + v_offset);
+      const uint16_t* v = kv + tokens[t] * token_stride + v_offset + column0 * 8;
+#pragma GCC unroll 8
+      for (int c = 0; c < kColumns; ++c) {
+        const __m256 vc = widen8(v + c * 8);
+#pragma GCC unroll 8
+        for (int g = 0; g < kGroup; ++g)
+          acc[g][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(probs + g * len + t), vc, acc[g][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < kGroup; ++g)
+#pragma GCC unroll 8
+      for (int c = 0; c < kColumns; ++c) _mm256_storeu_ps(out + g * 64 + (column0 + c) * 8, acc[g][c]);
+  }
+}
+#endif
+
+#ifdef TRIDENT_FAST_DECODE_BF16_D64
 template <int kGroup>
 void decode_rows_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* kv_indices,
                           const int64_t* kv_lens, c10::BFloat16* out, int64_t rows, int64_t kv_heads, int64_t max_kv,
@@ -256,7 +330,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       rows_of(decode_rows<scalar_t, 0>);
     }
   };
-#ifdef __AVX512F__
+#ifdef TRIDENT_FAST_DECODE_BF16_D64
   if (q.scalar_type() == at::kBFloat16 && dim == 64 && decode_bf16_d64(qc, kvc, idx, lens, out, scale)) return out;
 #endif
   switch (q.scalar_type()) {
