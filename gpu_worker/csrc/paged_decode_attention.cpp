@@ -77,6 +77,14 @@ inline void softmax_in_place(float* p, int64_t len) {
   for (int64_t t = 0; t < len; ++t) p[t] *= inv;
 }
 
+#ifdef TRIDENT_FAST_DECODE_BF16_D64
+// One head's 64 bfloat16 values span two cache lines.
+inline void prefetch_head(const uint16_t* head) {
+  __builtin_prefetch(head);
+  __builtin_prefetch(head + 32);
+}
+#endif
+
 #ifdef __AVX512F__
 // The fast path: bfloat16, head dim 64, AVX-512. One work item is a (row, KV head) and its
 // `kGroup` query heads; their queries (kGroup x 4 vectors) and, in the second pass, their
@@ -85,12 +93,6 @@ inline void softmax_in_place(float* p, int64_t len) {
 inline __m512 widen16(const uint16_t* src) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// One head's 64 bfloat16 values span two cache lines.
-inline void prefetch_head(const uint16_t* head) {
-  __builtin_prefetch(head);
-  __builtin_prefetch(head + 32);
 }
 
 template <int kGroup>
@@ -146,11 +148,6 @@ inline float horizontal_sum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
-inline void prefetch_head(const uint16_t* head) {
-  __builtin_prefetch(head);
-  __builtin_prefetch(head + 32);
 }
 
 template <int kGroup>
