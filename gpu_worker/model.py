@@ -115,7 +115,7 @@ class Attention(nn.Module):
         kernels = eager_kernels(self.kernels)
         if kernels is not None and not meta.extend_rows:
             # A decode step reads K/V from the pool only: one op rotates q and writes the new
-            # K/V there, where the lines below take ~10 ops (~1 ms a step at one row).
+            # K/V there, where the lines below take ~10 ops a layer.
             q = kernels.rotary_write_kv(qkv, *rotary, kv_cache, meta.out_cache_loc, self.num_heads, self.num_kv_heads)
             k = v = None
         else:
