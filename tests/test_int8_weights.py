@@ -24,7 +24,9 @@ def test_per_channel_quantization_is_within_half_a_step_of_each_weight():
     w = torch.randn(96, 64) * torch.logspace(-3, 1, 96)[:, None]  # rows of very different ranges
     q, scale = quantize_per_channel(w)
     assert q.dtype == torch.int8 and q.abs().max() <= 127
-    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+    # Half a step, plus float32's rounding of w / scale and q * scale (relative to w: an
+    # absolute 1e-7 failed now and then on rows of w ~ 10).
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 2**-20 * w.abs()).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
