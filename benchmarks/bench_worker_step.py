@@ -181,6 +181,8 @@ class Variant(NamedTuple):
     elementwise_ops: object | None
     vnni: object | None
     """The VNNI linear kernel given to every PackedLinear, or None (oneDNN for every batch)."""
+    flat_decode: bool
+    """Plain decode steps through gpu_worker/flat_decode.py (False: the module tree)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,6 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         "batches through the VNNI kernel (csrc/vnni_linear.cpp), alternating",
     )
     p.add_argument(
+        "--ab-flat-decode",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="measure each batch size ROUNDS times with decode steps through the modules and through the "
+        "flat loop of gpu_worker/flat_decode.py, alternating",
+    )
+    p.add_argument(
         "--glibc-malloc",
         action="store_true",
         help="leave glibc's allocator as it is instead of the worker's policy (malloc_policy.py), for A/B",
@@ -278,13 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     swaps = linear_swaps(model) if ns.ab_linear else []
     vnni_layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.vnni is not None]
     vnni = vnni_layers[0].vnni if vnni_layers else None
-    default = Variant(compiled, kernel, packed, elementwise, vnni)
+    default = Variant(compiled, kernel, packed, elementwise, vnni, model.flat_decode_enabled)
     ab = {
         "compile": (ns.ab_compile, default._replace(layer_fn=None), default),
         "attention": (ns.ab_attention, default._replace(decode_kernel=None), default),
         "linear": (ns.ab_linear, default._replace(packed_weights=False), default._replace(packed_weights=True)),
         "elementwise": (ns.ab_elementwise, default._replace(elementwise_ops=None), default),
         "vnni": (ns.ab_vnni, default._replace(vnni=None), default),
+        "flat_decode": (ns.ab_flat_decode, default._replace(flat_decode=False), default._replace(flat_decode=True)),
     }
     chosen = [(rounds, a, b) for rounds, a, b in ab.values() if rounds]
     rounds, variants = (chosen[0][0], chosen[0][1:]) if chosen else (1, (default,))
@@ -298,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                     setattr(parent, name, packed_layer if v.packed_weights else plain_layer)
                 for layer in vnni_layers:
                     layer.vnni = v.vnni
+                model.use_flat_decode(v.flat_decode)  # after the swaps: it snapshots the modules
                 result = measure(worker, b, ns.prompt_len, ns.decode_steps, ns.warmup_steps)
                 result.update(
                     compiled=v.layer_fn is not None,
@@ -305,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                     packed_linear=v.packed_weights,
                     elementwise_kernels=v.elementwise_ops is not None,
                     vnni_linear=v.vnni is not None,
+                    flat_decode=v.flat_decode,
                     loadavg=os.getloadavg()[0],
                 )
                 print(json.dumps(result), flush=True)

@@ -19,6 +19,7 @@ from torch import nn
 from gpu_worker.attention import AttentionMetadata, paged_attention
 from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
 from gpu_worker.cpu_kernels import Bf16LinearKernel, DecodeKernel, ElementwiseKernels
+from gpu_worker.flat_decode import FlatDecodeLoop
 from gpu_worker.int8_weights import Int8Linear
 from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
@@ -188,15 +189,43 @@ class LlamaForCausalLM(nn.Module):
         """The compiled layer of plain decode steps (compiled_decode.py); None: eager."""
         self.decode_kernel: DecodeKernel | None = None
         """The C++ decode attention op every layer uses (cpu_kernels.py); None: torch."""
+        self.flat_decode_enabled = True
+        """Plain decode steps through FlatDecodeLoop where it applies (flat_decode.py);
+        use_flat_decode turns it off for A/B runs and tests."""
+        self._flat_decode: FlatDecodeLoop | None = None
+        """Built at the first step that takes it, from the modules as they are then;
+        dropped whenever the kernels or the linear layers change."""
 
     def compile_decode(self) -> None:
         self.decode_layer = compile_layer()
+
+    def use_flat_decode(self, enabled: bool) -> None:
+        """Plain decode steps through flat_decode.py (True) or the modules; either way the
+        loop is rebuilt from the current modules at its next use (call this after swapping
+        modules by hand)."""
+        self.flat_decode_enabled = enabled
+        self._flat_decode = None
+
+    def _flat_decode_loop(self, meta: AttentionMetadata) -> FlatDecodeLoop | None:
+        kernels = self.norm.kernels
+        if (
+            not self.flat_decode_enabled
+            or kernels is None
+            or self.tp.size > 1
+            or self.decode_layer is not None
+            or not FlatDecodeLoop.serves(meta)
+        ):
+            return None
+        if self._flat_decode is None:
+            self._flat_decode = FlatDecodeLoop(self.layers, kernels, self.decode_kernel, self.cfg.rms_norm_eps)
+        return self._flat_decode
 
     def use_elementwise_kernels(self, kernels: ElementwiseKernels | None) -> None:
         """Norms, rotary and SwiGLU through the C++ ops in eager steps (None: torch ops)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.kernels = kernels
+        self._flat_decode = None
 
     def use_decode_kernel(self, kernel: DecodeKernel | None) -> None:
         """Decode attention through the C++ kernel (None: through torch). The kernel reads KV
@@ -207,6 +236,7 @@ class LlamaForCausalLM(nn.Module):
         self.decode_kernel = kernel
         for layer in self.layers:
             layer.self_attn.decode_kernel = kernel
+        self._flat_decode = None
 
     @torch.inference_mode()
     def forward(
@@ -222,9 +252,12 @@ class LlamaForCausalLM(nn.Module):
         x = self.tp.embed(input_ids, self.embed_tokens.weight, self.plan.vocab)
         meta.prepare_gather(self.plan.num_kv_heads, self.gather_kv_heads, self.decode_kernel)
         rotary = self.rope.tables(positions, x.dtype)
-        run = self.decode_layer if self.decode_layer is not None and runs_compiled(meta) else run_layer
-        for layer, kv_cache in zip(self.layers, kv_pool.kv):
-            x = run(layer, x, rotary, kv_cache, meta)
+        if (flat := self._flat_decode_loop(meta)) is not None:
+            x = flat.run(x, rotary, kv_pool.kv, meta)
+        else:
+            run = self.decode_layer if self.decode_layer is not None and runs_compiled(meta) else run_layer
+            for layer, kv_cache in zip(self.layers, kv_pool.kv):
+                x = run(layer, x, rotary, kv_cache, meta)
         x = self.norm(x[logits_indices])
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         return self.tp.gather_vocab(logits, self.cfg.vocab_size)
@@ -251,6 +284,7 @@ class LlamaForCausalLM(nn.Module):
         replace_linear_layers(self.layers, make)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.lm_head = make(head.data, None)
+        self._flat_decode = None
 
     def load_weights(self, weights) -> None:
         """Takes (name, tensor) pairs in Hugging Face LLaMA names (full, unsharded tensors);

@@ -83,6 +83,21 @@ class PackedLinear(nn.Module):
         # Eager, the custom op's Python dispatch would add ~10 us to each of ~120 calls a step.
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
+    def rows_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """forward on 2-D rows, eager, as a plain function (flat_decode.py)."""
+        packed, bias, n = self.packed_weight, self.bias, self.out_features
+        onednn = torch.ops.mkldnn._linear_pointwise
+        if self.vnni is None:
+            return lambda rows: onednn(rows, packed, bias, "none", [], "")
+        vnni, vnni_weight, max_rows = self.vnni.linear, self.vnni_weight, self.VNNI_MAX_ROWS
+
+        def vnni_or_onednn(rows: torch.Tensor) -> torch.Tensor:
+            if rows.shape[0] <= max_rows:
+                return vnni(rows, vnni_weight, bias, n)
+            return onednn(rows, packed, bias, "none", [], "")
+
+        return vnni_or_onednn
+
 
 class WideningBf16Linear(nn.Module):
     """bf16 `y = x @ weight.T + bias` through csrc/widening_bf16_linear.cpp, at every batch
@@ -103,6 +118,11 @@ class WideningBf16Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         y = self.kernel.linear(rows, self.weight_panels, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def rows_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """forward on 2-D rows as a plain function (flat_decode.py)."""
+        linear, panels, bias, n = self.kernel.linear, self.weight_panels, self.bias, self.out_features
+        return lambda rows: linear(rows, panels, bias, n)
 
 
 def replace_linear_layers(module: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> int:

@@ -1,5 +1,5 @@
-"""Starting real servers (python launch.py), making tiny random-weight models, and running
-the worker's model on one prompt, for tests."""
+"""Starting real servers (python launch.py), making tiny random-weight models, driving an
+in-process worker with descriptors, and running the worker's model on one prompt, for tests."""
 
 from __future__ import annotations
 
@@ -17,7 +17,12 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import httpx
+import numpy as np
 import psutil
+
+from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends, StepResult
+from wire.codec import pack_int32, unpack_int32
+from wire.frontend import SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -254,3 +259,47 @@ def prompt_logits(path: str, ids: torch.Tensor, dtype: torch.dtype, prepare=None
     loc = torch.arange(1, n + 1)
     meta = AttentionMetadata(loc, [], [ExtendRow(0, n, 0, loc, None)])
     return model(ids, torch.arange(n), pool, meta, torch.arange(n))
+
+
+class WorkerDriver:
+    """Sends a worker the descriptors a scheduler would: rows join with their prompts in
+    one extend step, then decode, one new page (page size 1) per row per step."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.step_id = worker.state.next_step_id
+        self.next_page = 1
+        self.lens: dict[int, int] = {}
+
+    def _pages(self, slot: int, n: int) -> tuple[int, int, list[int]]:
+        first = self.lens.get(slot, 0)
+        self.lens[slot] = first + n
+        ids = list(range(self.next_page, self.next_page + n))
+        self.next_page += n
+        return slot, first, ids
+
+    def _send(self, mode: ForwardMode, **fields) -> np.ndarray:
+        desc = BatchDescriptor(self.step_id, int(mode), seq_lens_sum=sum(self.lens.values()), **fields)
+        self.step_id += 1
+        out = self.worker.step(desc)
+        assert isinstance(out, StepResult), out
+        return unpack_int32(out.next_token_ids)
+
+    def generate(self, prompts: list[np.ndarray], decode_steps: int = 6) -> np.ndarray:
+        """Greedy tokens [rows, 1 + decode_steps]; the rows leave the batch afterwards."""
+        slots = range(len(prompts))
+        params = SamplingParams(max_new_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
+        first = self._send(
+            ForwardMode.EXTEND,
+            removed_slots=[],
+            added=[AddedRequest(s, 0, params) for s in slots],
+            page_appends=PageAppends.of_rows([self._pages(s, len(p)) for s, p in zip(slots, prompts)]),
+            extends=[ExtendChunk(s, pack_int32(p), True) for s, p in zip(slots, prompts)],
+        )
+        tokens = [first]
+        for _ in range(decode_steps):
+            pages = PageAppends.of_rows([self._pages(s, 1) for s in slots])
+            tokens.append(self._send(ForwardMode.DECODE, removed_slots=[], added=[], page_appends=pages, extends=[]))
+        self._send(ForwardMode.IDLE, removed_slots=list(slots), added=[], page_appends=PageAppends(), extends=[])
+        self.lens.clear()
+        return np.stack(tokens, axis=1)

@@ -15,57 +15,9 @@ import numpy as np
 import pytest
 
 from gpu_worker.batch_state import group_by_length
-from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends, StepResult
+from tests.helpers import WorkerDriver
 from wire.child import ChildContext
-from wire.codec import pack_int32, unpack_int32
-from wire.frontend import SamplingParams
 from wire.server_args import ServerArgs
-
-DECODE_STEPS = 6
-
-
-class Driver:
-    """Sends a worker the descriptors a scheduler would: rows join with their prompts in
-    one extend step, then decode, one new page (page size 1) per row per step."""
-
-    def __init__(self, worker) -> None:
-        self.worker = worker
-        self.step_id = worker.state.next_step_id
-        self.next_page = 1
-        self.lens: dict[int, int] = {}
-
-    def _pages(self, slot: int, n: int) -> tuple[int, int, list[int]]:
-        first = self.lens.get(slot, 0)
-        self.lens[slot] = first + n
-        ids = list(range(self.next_page, self.next_page + n))
-        self.next_page += n
-        return slot, first, ids
-
-    def _send(self, mode: ForwardMode, **fields) -> np.ndarray:
-        desc = BatchDescriptor(self.step_id, int(mode), seq_lens_sum=sum(self.lens.values()), **fields)
-        self.step_id += 1
-        out = self.worker.step(desc)
-        assert isinstance(out, StepResult), out
-        return unpack_int32(out.next_token_ids)
-
-    def generate(self, prompts: list[np.ndarray]) -> np.ndarray:
-        """Greedy tokens [rows, 1 + DECODE_STEPS]; the rows leave the batch afterwards."""
-        slots = range(len(prompts))
-        params = SamplingParams(max_new_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
-        first = self._send(
-            ForwardMode.EXTEND,
-            removed_slots=[],
-            added=[AddedRequest(s, 0, params) for s in slots],
-            page_appends=PageAppends.of_rows([self._pages(s, len(p)) for s, p in zip(slots, prompts)]),
-            extends=[ExtendChunk(s, pack_int32(p), True) for s, p in zip(slots, prompts)],
-        )
-        tokens = [first]
-        for _ in range(DECODE_STEPS):
-            pages = PageAppends.of_rows([self._pages(s, 1) for s in slots])
-            tokens.append(self._send(ForwardMode.DECODE, removed_slots=[], added=[], page_appends=pages, extends=[]))
-        self._send(ForwardMode.IDLE, removed_slots=list(slots), added=[], page_appends=PageAppends(), extends=[])
-        self.lens.clear()
-        return np.stack(tokens, axis=1)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +52,7 @@ def test_compiled_decode_samples_what_eager_does_and_compiles_nothing_after_warm
     with_lone_group = [rng.integers(100, 5000, n) for n in (3, 4, 90)]
     compiled_fn = worker.model.decode_layer
     graphs_after_warm_up = counters["stats"]["unique_graphs"]
-    driver = Driver(worker)
+    driver = WorkerDriver(worker)
     # With the decode kernel, ragged rows decode as one group; without ragged decoding they
     # fall into length groups (the path of the torch attention), each served by the kernel.
     assert worker.state.ragged_decode

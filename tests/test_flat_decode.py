@@ -1,0 +1,133 @@
+"""Plain decode steps through the flat loop (gpu_worker/flat_decode.py) give the module
+tree's logits bit for bit, and only the steps it serves take it.
+
+An in-process worker on a random-weight LLaMA with SmolLM2's head dim (64), so that the
+C++ kernels take the paths they take for the real model: in bf16 with the widening or the
+VNNI linear (whichever the CPU picks), in bf16 with int8 weights, and in float32 with
+oneDNN's packed weights. Each workload runs twice on the same worker, with the flat loop
+off and on, and every step's logits are compared.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow
+from gpu_worker.flat_decode import FlatDecodeLoop
+from tests.helpers import WorkerDriver, make_random_llama
+from wire.child import ChildContext
+from wire.server_args import ServerArgs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return make_random_llama(
+        str(tmp_path_factory.mktemp("model")), hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512, seed=3
+    )
+
+
+@pytest.fixture(
+    scope="module", params=[("bfloat16", "auto"), ("bfloat16", "int8"), ("float32", "auto")], ids=lambda p: "-".join(p)
+)
+def worker(request, model_dir):
+    from gpu_worker.worker import Worker
+
+    dtype, weight_dtype = request.param
+    args = ServerArgs(
+        model_path=model_dir,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        max_total_tokens=4096,
+        max_running_requests=8,
+        run_dir=tempfile.mkdtemp(prefix="trident-test-"),
+    )
+    ctx = ChildContext(args, "worker", 0)
+    yield Worker(ctx)
+    ctx.zmq_ctx.destroy(linger=0)
+
+
+def _generate_twice(worker, prompts: list[np.ndarray], monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """(logits of every step with the modules, the same with the flat loop, flat runs)."""
+    model = worker.model
+    flat_runs = 0
+    real_run = FlatDecodeLoop.run
+
+    def counted_run(self, *args):
+        nonlocal flat_runs
+        flat_runs += 1
+        return real_run(self, *args)
+
+    monkeypatch.setattr(FlatDecodeLoop, "run", counted_run)
+    logits: list[torch.Tensor] = []
+    hook = model.register_forward_hook(lambda _module, _inputs, out: logits.append(out.clone()))
+    try:
+        by_path = []
+        for enabled in (False, True):
+            model.use_flat_decode(enabled)
+            logits.clear()
+            WorkerDriver(worker).generate(prompts, decode_steps=5)
+            by_path.append(list(logits))
+    finally:
+        hook.remove()
+        model.use_flat_decode(True)
+    return by_path[0], by_path[1], flat_runs
+
+
+def _assert_same_logits(modules: list[torch.Tensor], flat: list[torch.Tensor]) -> None:
+    assert len(modules) == len(flat) == 6  # the prompt step and 5 decode steps
+    for step, (a, b) in enumerate(zip(modules, flat, strict=True)):
+        assert torch.equal(a, b), f"step {step}: largest difference {(a.float() - b.float()).abs().max().item()}"
+
+
+def test_flat_decode_gives_the_module_trees_logits_at_one_row_and_ragged_rows(worker, monkeypatch):
+    rng = np.random.default_rng(0)
+    lone = [rng.integers(100, 5000, 9)]
+    ragged = [rng.integers(100, 5000, n) for n in (3, 12, 41, 90, 91)]
+    try:
+        # One length group (the decode kernel reads ragged rows in place), then several.
+        for prompts, ragged_decode in ((lone, True), (ragged, True), (ragged, False)):
+            worker.state.ragged_decode = ragged_decode
+            modules, flat, flat_runs = _generate_twice(worker, prompts, monkeypatch)
+            _assert_same_logits(modules, flat)
+            assert flat_runs == 5, "the decode steps, not the prompt step, take the flat loop"
+    finally:
+        worker.state.ragged_decode = True
+
+
+def test_flat_decode_with_torch_attention_matches_the_modules_with_torch_attention(worker, monkeypatch):
+    model = worker.model
+    kernel = model.decode_kernel
+    assert kernel is not None, "the CPU worker uses the C++ decode attention by default"
+    model.use_decode_kernel(None)  # drops the flat loop built with the kernel
+    try:
+        rng = np.random.default_rng(1)
+        prompts = [rng.integers(100, 5000, n) for n in (5, 30, 31)]
+        modules, flat, flat_runs = _generate_twice(worker, prompts, monkeypatch)
+        _assert_same_logits(modules, flat)
+        assert flat_runs == 5
+    finally:
+        model.use_decode_kernel(kernel)
+
+
+def _meta(queries_per_row: int, extend: bool) -> AttentionMetadata:
+    rows = 2
+    group = DecodeGroup(
+        token_idx=torch.zeros(rows, queries_per_row, dtype=torch.int64),
+        q_valid=torch.ones(rows, queries_per_row, dtype=torch.bool),
+        kv_indices=torch.zeros(rows, 4, dtype=torch.int64),
+        kv_lens=torch.full((rows,), 4),
+        bias=torch.zeros(rows, 1, queries_per_row, 1, 4),
+        covers_batch=queries_per_row == 1,
+    )
+    extend_rows = [ExtendRow(0, 3, 0, torch.arange(3), None)] if extend else []
+    return AttentionMetadata(torch.zeros(rows, dtype=torch.int64), [group], extend_rows)
+
+
+def test_only_plain_decode_steps_take_the_flat_loop():
+    assert FlatDecodeLoop.serves(_meta(1, extend=False))
+    assert not FlatDecodeLoop.serves(_meta(3, extend=False)), "a draft to verify attends to its own tokens"
+    assert not FlatDecodeLoop.serves(_meta(1, extend=True)), "a prompt chunk attends to this step's k/v"
