@@ -3,7 +3,8 @@
 RMSNorm, rotary embeddings (half-split, as Hugging Face checkpoints store q/k),
 grouped-query attention, SwiGLU MLP, optional q/k/v bias (Qwen2), tied or separate LM
 head. q/k/v and gate/up are fused into one matmul each. Attention itself lives in
-`attention.py`; this file only says what a layer does.
+`attention.py`; this file only says what a layer does. On CPU, plain decode steps run the
+same ops from one flat loop (`flat_decode.py`): keep the two in step (a test compares them).
 
 Under tensor parallelism (`parallel.py`) every module is built with this rank's slice
 (`ShardPlan`) and `load_weights` copies only that slice out of the full checkpoint tensors;
