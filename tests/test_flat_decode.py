@@ -50,7 +50,9 @@ def worker(request, model_dir):
     ctx.zmq_ctx.destroy(linger=0)
 
 
-def _generate_twice(worker, prompts: list[np.ndarray], monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+def _generate_twice(
+    worker, prompts: list[np.ndarray], monkeypatch
+) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
     """(logits of every step with the modules, the same with the flat loop, flat runs)."""
     model = worker.model
     flat_runs = 0
