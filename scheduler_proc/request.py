@@ -111,6 +111,13 @@ class Req:
     def remaining_new_tokens(self) -> int:
         return self.sampling.max_new_tokens - len(self.output_ids)
 
+    def ends_with_steps_in_flight(self) -> bool:
+        """Its output budget runs out with the tokens of the steps already sent (each adds
+        at least one): no later step can add to it. With overlap, the next step is built
+        before those results arrive; without this, it would carry the row one step past
+        its finish, a whole forward for a one-token request before its answer goes out."""
+        return len(self.output_ids) + self.pending_results >= self.max_output_len
+
     def finish(self, reason: FinishReason, error: str = "") -> None:
         if self.finish_reason is None:
             self.finish_reason = reason

@@ -195,7 +195,7 @@ class Scheduler:
         t0 = time.perf_counter()
         if self.link.in_flight and self.is_overlapped(self.link.in_flight[-1]):
             self.apply_seq_lens_sync(self.link.in_flight[-1])
-        self.remove_rows([r for r in self.batch.reqs if r.finish_reason is not None])
+        self.remove_rows([r for r in self.batch.reqs if r.finish_reason is not None or r.ends_with_steps_in_flight()])
         decoding = self.reserve_decode_pages()
         self.batch.prepare_for_decode(decoding)
         self.prefill.plan(self.batch, self.waiting, decoding)
@@ -331,8 +331,10 @@ class Scheduler:
                 self.trim_draft_pages()
         outputs = take_step_tokens(step.sampling_reqs, result)
         for req in outputs.finished:
-            # A retracted request (no slot) waits in the queue; only then is there one to search.
-            if req.slot is None and self.waiting.remove(req.rid) is not None:
+            # No slot: it left the batch before this result (retracted into the queue, or
+            # removed as ending with its steps in flight), so no later step will drop it.
+            if req.slot is None:
+                self.waiting.remove(req.rid)
                 self.reqs.pop(req.rid, None)
         self.counters.generation_tokens += outputs.tokens
         if outputs.batch is not None:

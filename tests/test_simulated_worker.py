@@ -72,6 +72,28 @@ def test_output_is_deterministic_across_runs_overlap_and_speculation(profile):
         assert wait_until(lambda: http.get("/server_info").json()["scheduler_stats"]["spec_accepted_drafts"] > 0, 5)
 
 
+@pytest.mark.parametrize("overlap", [[], ["--disable-overlap"]], ids=["overlap_on", "overlap_off"])
+def test_no_step_runs_past_a_finish_known_from_the_length_budget(profile, overlap):
+    # One request at a time: a request of n tokens takes its prompt step and n - 1 decode
+    # steps. With overlap, the step after a request's last one is built before that last
+    # result arrives; it must leave the request out all the same.
+    budgets = [1, 2, 5]
+    with running_server(sim_args(profile, *overlap)) as server:
+        http = server.http()
+        for n in budgets:
+            body = {"text": "tell me about the sea", "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}
+            r = http.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["output_ids"]) == n and r.json()["meta_info"]["finish_reason"] == "length"
+
+        def stats() -> dict:
+            return http.get("/server_info").json()["scheduler_stats"]
+
+        assert wait_until(lambda: stats()["generation_tokens"] == sum(budgets), 5)
+        assert stats()["steps"] == sum(budgets)
+        assert stats()["running_requests"] == 0
+
+
 def test_simulated_workers_serve_dp2_tp2_over_two_nodes_with_one_workers_output(profile, tmp_path):
     # The simulated worker plugs into the multi-node launch unchanged: each replica's tp 2
     # group has rank 0 on node 0 and rank 1 on node 1, and the output is one worker's.
