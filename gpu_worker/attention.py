@@ -75,6 +75,11 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     extend_rows: list[ExtendRow]
 
+    def is_plain_decode(self) -> bool:
+        """Every row one query (no draft to verify) and no prompt chunk: the step reads K/V
+        from the pool only (the flat loop and the compiled layer take only such steps)."""
+        return not self.extend_rows and all(kernel_serves(g) for g in self.decode_groups)
+
     def prepare_gather(self, num_kv_heads: int, kv_head_of: torch.Tensor, kernel: DecodeKernel | None = None) -> None:
         """Builds the gather index, once per forward, of each group that the decode kernel
         (if any) does not serve.

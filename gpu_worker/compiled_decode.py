@@ -52,11 +52,7 @@ def runs_compiled(meta: AttentionMetadata) -> bool:
     2+ rows each. torch specialises sizes of 1, so a one-row group among others would need
     a graph for each mix of such groups; those steps run eager."""
     groups = meta.decode_groups
-    return (
-        not meta.extend_rows
-        and all(g.token_idx.shape[1] == 1 for g in groups)
-        and (len(groups) == 1 or all(g.token_idx.shape[0] > 1 for g in groups))
-    )
+    return meta.is_plain_decode() and (len(groups) == 1 or all(g.token_idx.shape[0] > 1 for g in groups))
 
 
 def wants_compile(setting: str, tp_size: int) -> bool:

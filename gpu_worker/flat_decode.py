@@ -82,11 +82,6 @@ class FlatDecodeLoop:
         self.num_kv_heads = attn.num_kv_heads
         self.q_size = attn.q_size
 
-    @staticmethod
-    def serves(meta: AttentionMetadata) -> bool:
-        """A plain decode step: every row one query, no prompt chunk."""
-        return not meta.extend_rows and all(g.token_idx.shape[1] == 1 for g in meta.decode_groups)
-
     def run(
         self,
         x: torch.Tensor,

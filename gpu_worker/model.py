@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
             or kernels is None
             or self.tp.size > 1
             or self.decode_layer is not None
-            or not FlatDecodeLoop.serves(meta)
+            or not meta.is_plain_decode()
         ):
             return None
         if self._flat_decode is None:

@@ -130,6 +130,6 @@ def _meta(queries_per_row: int, extend: bool) -> AttentionMetadata:
 
 
 def test_only_plain_decode_steps_take_the_flat_loop():
-    assert FlatDecodeLoop.serves(_meta(1, extend=False))
-    assert not FlatDecodeLoop.serves(_meta(3, extend=False)), "a draft to verify attends to its own tokens"
-    assert not FlatDecodeLoop.serves(_meta(1, extend=True)), "a prompt chunk attends to this step's k/v"
+    assert _meta(1, extend=False).is_plain_decode()
+    assert not _meta(3, extend=False).is_plain_decode(), "a draft to verify attends to its own tokens"
+    assert not _meta(1, extend=True).is_plain_decode(), "a prompt chunk attends to this step's k/v"
