@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from gpu_worker.cpu_kernels import Bf16LinearKernel, load_vnni_linear, load_widening_bf16_linear  # noqa: E402
 from gpu_worker.weights import load_config  # noqa: E402
-from model_source import default_model_path  # noqa: E402
+from trident.model_source import default_model_path  # noqa: E402
 
 
 def seconds_per_call(fn: Callable[..., object], calls: int, *args: object) -> float:

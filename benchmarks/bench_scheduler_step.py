@@ -32,10 +32,10 @@ from scheduler_proc.prefill import WaitingQueue  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
 from scheduler_proc.stats import SchedulerCounters  # noqa: E402
 from scheduler_proc.worker_link import Step, WorkerLink  # noqa: E402
-from wire.backend import SeqLensSync, StepResult, WorkerCounters, WorkerReady  # noqa: E402
-from wire.codec import FrameEncoder, pack_int32  # noqa: E402
-from wire.frontend import GenerateReq, SamplingParams  # noqa: E402
-from wire.server_args import ServerArgs  # noqa: E402
+from trident.wire.backend import SeqLensSync, StepResult, WorkerCounters, WorkerReady  # noqa: E402
+from trident.wire.codec import FrameEncoder, pack_int32  # noqa: E402
+from trident.wire.frontend import GenerateReq, SamplingParams  # noqa: E402
+from trident.wire.server_args import ServerArgs  # noqa: E402
 
 
 class _Sink:

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dp-size", type=int, default=16)
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--profile", default=os.path.join(REPO_ROOT, "profiles", "h100-llama3.1-8b-bf16.json"))
+    p.add_argument("--profile", default=os.path.join(REPO_ROOT, "trident", "profiles", "h100-llama3.1-8b-bf16.json"))
     p.add_argument("--requests", type=int, default=640)
     p.add_argument("--output-len", type=lambda s: tuple(map(int, s.split("-"))), default=(8, 256))
     p.add_argument("--groups", type=int, default=8, help="prompt families sharing a prefix")

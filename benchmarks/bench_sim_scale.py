@@ -14,7 +14,7 @@ and a KV pool of millions of tokens, which a simulated worker does not allocate)
 
 Example (the numbers in docs/benchmarks.md):
 
-    python benchmarks/bench_sim_scale.py --profile profiles/h100-llama3.1-8b-bf16.json \\
+    python benchmarks/bench_sim_scale.py --profile h100-llama3.1-8b-bf16.json \\
         --label before --output-json benchmarks/results/sim_scale_before.json
     python benchmarks/bench_sim_scale.py --plot-json benchmarks/results/sim_scale_*.json \\
         --output-png docs/img/sim_scheduler_cost.png
@@ -286,7 +286,7 @@ def write_png(docs: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", default=os.path.join(REPO_ROOT, "profiles", "h100-llama3.1-8b-bf16.json"))
+    p.add_argument("--profile", default=os.path.join(REPO_ROOT, "trident", "profiles", "h100-llama3.1-8b-bf16.json"))
     p.add_argument("--running", default="8,32,128,256,512,1024,2048,4096", help="running counts to sweep")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new", type=int, default=8000, help="sweep requests are aborted before this")

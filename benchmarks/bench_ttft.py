@@ -11,7 +11,7 @@ tokenizing, two hops over ZeroMQ each way, scheduling, detokenizing and streamin
 Issue 8's goal: TTFT within 5 ms of the worker's prefill time. It also times the end of
 each stream and a non-streamed one-token request (the same work, answered whole).
 
-With `--extra "--worker simulated --sim-profile profiles/constant-1ms.json"` the forward is a
+With `--extra "--worker simulated --sim-profile constant-1ms"` the forward is a
 1 ms sleep, so what remains is the engine's own latency.
 """
 

@@ -38,12 +38,12 @@ use_passive_omp_wait()  # before torch loads, as the worker process does
 import torch  # noqa: E402
 
 from gpu_worker.packed_linear import PackedLinear  # noqa: E402
-from model_source import default_model_path  # noqa: E402
-from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends, StepResult  # noqa: E402
-from wire.child import ChildContext  # noqa: E402
-from wire.codec import pack_int32, unpack_int32  # noqa: E402
-from wire.frontend import SamplingParams  # noqa: E402
-from wire.server_args import ServerArgs  # noqa: E402
+from trident.model_source import default_model_path  # noqa: E402
+from trident.wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends, StepResult  # noqa: E402
+from trident.wire.child import ChildContext  # noqa: E402
+from trident.wire.codec import pack_int32, unpack_int32  # noqa: E402
+from trident.wire.frontend import SamplingParams  # noqa: E402
+from trident.wire.server_args import ServerArgs  # noqa: E402
 
 
 class SyntheticScheduler:

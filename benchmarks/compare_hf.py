@@ -63,7 +63,7 @@ class HFResult:
 
 def default_model_path() -> str:
     sys.path.insert(0, REPO_ROOT)
-    from model_source import default_model_path as bundled
+    from trident.model_source import default_model_path as bundled
 
     return bundled()
 

@@ -76,7 +76,7 @@ def load_tokenizer(spec: str | None) -> Any | None:
     path = spec
     if spec == "auto":
         sys.path.insert(0, REPO_ROOT)
-        from model_source import default_model_path
+        from trident.model_source import default_model_path
 
         path = default_model_path()
     if path.endswith(".gguf"):

@@ -8,7 +8,7 @@ import sys
 
 from gpu_worker.malloc_policy import keep_freed_memory
 from gpu_worker.omp_policy import use_passive_omp_wait
-from wire.child import start_child
+from trident.wire.child import start_child
 
 
 def main() -> None:

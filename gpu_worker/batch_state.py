@@ -22,8 +22,8 @@ import torch
 
 from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow, shifted_causal_mask
 from gpu_worker.sampler import SamplingTable
-from wire.backend import BatchDescriptor
-from wire.codec import unpack_int32
+from trident.wire.backend import BatchDescriptor
+from trident.wire.codec import unpack_int32
 
 _NO_DRAFT = np.zeros(0, dtype=np.int64)
 

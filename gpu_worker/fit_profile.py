@@ -43,8 +43,8 @@ from gpu_worker.step_profile import (
     fit_step_times,
     ratio_quantiles,
 )
-from wire.backend import BatchDescriptor
-from wire.child import ChildContext
+from trident.wire.backend import BatchDescriptor
+from trident.wire.child import ChildContext
 
 
 def time_recording(path: str, passes: int, overrides: dict) -> tuple[np.ndarray, np.ndarray]:

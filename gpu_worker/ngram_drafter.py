@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wire.frontend import SamplingParams
+from trident.wire.frontend import SamplingParams
 
 MAX_NGRAM = 4
 MIN_NGRAM = 2

@@ -25,11 +25,11 @@ from tqdm import tqdm
 
 from gpu_worker.malloc_policy import keep_freed_memory
 from gpu_worker.omp_policy import use_passive_omp_wait
-from wire.backend import BatchDescriptor, ResetBatch, StepResult, WorkerError, WorkerInput
-from wire.child import ChildContext
-from wire.codec import unpack_int32
-from wire.recording import RECEIVED, SENT, read_recording
-from wire.server_args import ServerArgs
+from trident.wire.backend import BatchDescriptor, ResetBatch, StepResult, WorkerError, WorkerInput
+from trident.wire.child import ChildContext
+from trident.wire.codec import unpack_int32
+from trident.wire.recording import RECEIVED, SENT, read_recording
+from trident.wire.server_args import ServerArgs
 
 
 @dataclass

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from wire.backend import RowLogprobs
-from wire.frontend import SamplingParams
+from trident.wire.backend import RowLogprobs
+from trident.wire.frontend import SamplingParams
 
 NEG_INF = float("-inf")
 

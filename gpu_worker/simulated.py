@@ -29,7 +29,7 @@ from gpu_worker.sampler import SamplingTable
 from gpu_worker.step_profile import StepProfile
 from gpu_worker.weights import load_config
 from gpu_worker.worker_loop import WorkerLoop
-from wire.child import ChildContext
+from trident.wire.child import ChildContext
 
 logger = logging.getLogger(__name__)
 

@@ -39,10 +39,10 @@ from gpu_worker.parallel import ShardPlan, TPGroup, dist_port
 from gpu_worker.sampler import SamplingTable, sample
 from gpu_worker.weights import iter_weights, load_config
 from gpu_worker.worker_loop import WorkerLoop
-from wire.backend import BatchDescriptor
-from wire.child import ChildContext
-from wire.cluster import layout_of
-from wire.server_args import ServerArgs
+from trident.wire.backend import BatchDescriptor
+from trident.wire.child import ChildContext
+from trident.wire.cluster import layout_of
+from trident.wire.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 MIN_COLLECTIVE_TIMEOUT_S = 30.0

@@ -18,7 +18,7 @@ import numpy as np
 from gpu_worker.batch_state import BatchState, StepGapError, StepPlan
 from gpu_worker.ngram_drafter import can_draft
 from gpu_worker.step_profile import step_features
-from wire.backend import (
+from trident.wire.backend import (
     BatchDescriptor,
     ForwardMode,
     ResetBatch,
@@ -29,11 +29,11 @@ from wire.backend import (
     WorkerInput,
     WorkerReady,
 )
-from wire.child import ChildContext
-from wire.cluster import layout_of, signer_of
-from wire.codec import pack_int32
-from wire.control import PROTOCOL_VERSION
-from wire.transport import (
+from trident.wire.child import ChildContext
+from trident.wire.cluster import layout_of, signer_of
+from trident.wire.codec import pack_int32
+from trident.wire.control import PROTOCOL_VERSION
+from trident.wire.transport import (
     PullSocket,
     PushSocket,
     endpoint,

@@ -6,7 +6,7 @@ import logging
 import signal
 import sys
 
-from wire.child import start_child, tune_gc
+from trident.wire.child import start_child, tune_gc
 
 logger = logging.getLogger("scheduler_proc")
 

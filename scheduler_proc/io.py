@@ -10,14 +10,14 @@ import time
 
 import zmq
 
-from wire.backend import ResetBatch, SchedulerReply, StepResult, WorkerInput, WorkerReady
-from wire.child import ChildContext
-from wire.cluster import layout_of, signer_of
-from wire.codec import FrameEncoder
-from wire.control import check_protocol_version
-from wire.frontend import SchedulerInput
-from wire.recording import RECEIVED, SENT, RecordingWriter
-from wire.transport import (
+from trident.wire.backend import ResetBatch, SchedulerReply, StepResult, WorkerInput, WorkerReady
+from trident.wire.child import ChildContext
+from trident.wire.cluster import layout_of, signer_of
+from trident.wire.codec import FrameEncoder
+from trident.wire.control import check_protocol_version
+from trident.wire.frontend import SchedulerInput
+from trident.wire.recording import RECEIVED, SENT, RecordingWriter
+from trident.wire.transport import (
     ENDPOINT_TOKENIZER_IN,
     PeerSender,
     PullSocket,

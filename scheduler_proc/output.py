@@ -15,9 +15,9 @@ from typing import NamedTuple
 import numpy as np
 
 from scheduler_proc.request import FinishReason, Req
-from wire.backend import RowLogprobs, StepResult
-from wire.codec import pack_int32, unpack_int32
-from wire.frontend import RowExtras, TokenOutBatch
+from trident.wire.backend import RowLogprobs, StepResult
+from trident.wire.codec import pack_int32, unpack_int32
+from trident.wire.frontend import RowExtras, TokenOutBatch
 
 
 def append_token(req: Req, token: int) -> None:

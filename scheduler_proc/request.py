@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from wire.frontend import SamplingParams
+from trident.wire.frontend import SamplingParams
 
 
 class FinishReason(str, enum.Enum):

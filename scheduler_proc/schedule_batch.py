@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler_proc.request import Req
-from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends
-from wire.codec import pack_int32
+from trident.wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends
+from trident.wire.codec import pack_int32
 
 
 class SeqLensDrift(AssertionError):

@@ -22,11 +22,11 @@ from scheduler_proc.request import FinishReason, Req
 from scheduler_proc.schedule_batch import ScheduleBatch, check_seq_lens
 from scheduler_proc.stats import SchedulerCounters
 from scheduler_proc.worker_link import Step, WorkerLink, WorkerLost
-from wire.backend import ForwardMode, StepResult, WorkerReady
-from wire.child import ChildContext
-from wire.codec import unpack_int32
-from wire.control import PROTOCOL_VERSION, check_protocol_version
-from wire.frontend import (
+from trident.wire.backend import ForwardMode, StepResult, WorkerReady
+from trident.wire.child import ChildContext
+from trident.wire.codec import unpack_int32
+from trident.wire.control import PROTOCOL_VERSION, check_protocol_version
+from trident.wire.frontend import (
     AbortReq,
     FlushCacheDone,
     FlushCacheReq,

@@ -6,13 +6,13 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from wire.backend import WorkerCounters
-from wire.frontend import SchedulerStats
+from trident.wire.backend import WorkerCounters
+from trident.wire.frontend import SchedulerStats
 
 if TYPE_CHECKING:
     from scheduler_proc.scheduler import Scheduler
     from scheduler_proc.worker_link import Step
-    from wire.backend import StepResult
+    from trident.wire.backend import StepResult
 
 logger = logging.getLogger("scheduler_proc")
 

@@ -20,9 +20,9 @@ import numpy as np
 from scheduler_proc.io import SchedulerIO
 from scheduler_proc.request import Req
 from scheduler_proc.stats import SchedulerCounters
-from wire.backend import BatchDescriptor, SeqLensSync, StepResult, WorkerError, WorkerReady
-from wire.child import ChildContext
-from wire.control import RestartWorkers
+from trident.wire.backend import BatchDescriptor, SeqLensSync, StepResult, WorkerError, WorkerReady
+from trident.wire.child import ChildContext
+from trident.wire.control import RestartWorkers
 
 logger = logging.getLogger(__name__)
 

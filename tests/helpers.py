@@ -20,9 +20,9 @@ import httpx
 import numpy as np
 import psutil
 
-from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends, StepResult
-from wire.codec import pack_int32, unpack_int32
-from wire.frontend import SamplingParams
+from trident.wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends, StepResult
+from trident.wire.codec import pack_int32, unpack_int32
+from trident.wire.frontend import SamplingParams
 
 if TYPE_CHECKING:
     import torch

@@ -16,8 +16,8 @@ import pytest
 
 from gpu_worker.batch_state import group_by_length
 from tests.helpers import WorkerDriver
-from wire.child import ChildContext
-from wire.server_args import ServerArgs
+from trident.wire.child import ChildContext
+from trident.wire.server_args import ServerArgs
 
 
 @pytest.fixture(scope="module")

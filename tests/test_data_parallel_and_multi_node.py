@@ -19,14 +19,14 @@ import httpx
 import pytest
 import zmq
 
-from launch import main as launch_main
 from tests.helpers import REPO_ROOT, Server, free_port, running_server, wait_until
 from tests.workload import BASE, child, run_with_fault
 from tokenizer_proc.router import IMBALANCE_LIMIT, PREFIX_BLOCK, ReplicaRouter
-from wire.backend import ResetBatch
-from wire.cluster import ClusterError, ClusterLayout
-from wire.codec import FrameEncoder
-from wire.signing import FrameSigner, new_secret, write_secret_file
+from trident.launch import main as launch_main
+from trident.wire.backend import ResetBatch
+from trident.wire.cluster import ClusterError, ClusterLayout
+from trident.wire.codec import FrameEncoder
+from trident.wire.signing import FrameSigner, new_secret, write_secret_file
 
 
 def replica_counts(server: Server) -> list[dict]:

@@ -17,10 +17,10 @@ import zmq
 
 from tests.helpers import REPO_ROOT, Server, free_port, running_server, wait_until
 from tests.workload import BASE, MAX_NEW, child, generation_tokens, prompts, run_with_fault
-from wire.backend import BatchDescriptor, PageAppends, ResetBatch, StepResult, WorkerCounters
-from wire.codec import FrameEncoder, pack_int32
-from wire.frontend import AbortReq, RowExtras, ServerInfo, TokenOutBatch
-from wire.transport import (
+from trident.wire.backend import BatchDescriptor, PageAppends, ResetBatch, StepResult, WorkerCounters
+from trident.wire.codec import FrameEncoder, pack_int32
+from trident.wire.frontend import AbortReq, RowExtras, ServerInfo, TokenOutBatch
+from trident.wire.transport import (
     ENDPOINT_LAUNCHER,
     ENDPOINT_TOKENIZER_IN,
     scheduler_in_endpoint,

@@ -63,9 +63,9 @@ def test_measured_spread_makes_simulated_steps_match_both_median_and_mean():
 @pytest.mark.parametrize("exact", [False, True])
 def test_a_simulated_step_takes_the_prediction_times_a_draw_from_the_spread(tmp_path, exact):
     from gpu_worker.simulated import SimulatedWorker
-    from model_source import default_model_path
-    from wire.child import ChildContext
-    from wire.server_args import ServerArgs
+    from trident.model_source import default_model_path
+    from trident.wire.child import ChildContext
+    from trident.wire.server_args import ServerArgs
 
     # A spread from 1x (lowest percentile) to 3x (highest): every draw lands in between.
     ratios = np.linspace(1.0, 3.0, 101).tolist()

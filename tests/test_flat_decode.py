@@ -19,8 +19,8 @@ import torch
 from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow
 from gpu_worker.flat_decode import FlatDecodeLoop
 from tests.helpers import WorkerDriver, make_random_llama
-from wire.child import ChildContext
-from wire.server_args import ServerArgs
+from trident.wire.child import ChildContext
+from trident.wire.server_args import ServerArgs
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import os
 import psutil
 import pytest
 
-from engine import Engine
+from trident.engine import Engine
 
 PROMPTS = [
     "The capital of France is",

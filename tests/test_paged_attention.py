@@ -17,9 +17,9 @@ from gpu_worker.cpu_kernels import load_decode_attention as load_decode_kernel
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.sampler import SamplingTable
-from wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends
-from wire.codec import pack_int32
-from wire.frontend import SamplingParams
+from trident.wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends
+from trident.wire.codec import pack_int32
+from trident.wire.frontend import SamplingParams
 
 PAGE = 4
 HEAD_DIM = 16

@@ -15,9 +15,9 @@ from gpu_worker.batch_state import BatchState, SeqLensSumMismatch
 from gpu_worker.sampler import SamplingTable
 from scheduler_proc.request import Req
 from scheduler_proc.schedule_batch import ScheduleBatch, SeqLensDrift, check_seq_lens
-from wire.backend import WorkerInput
-from wire.codec import FrameEncoder
-from wire.frontend import SamplingParams
+from trident.wire.backend import WorkerInput
+from trident.wire.codec import FrameEncoder
+from trident.wire.frontend import SamplingParams
 
 PAGE = 4
 

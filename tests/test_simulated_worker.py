@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.helpers import Server, free_port, running_server, wait_until, write_sim_profile
-from wire.signing import new_secret, write_secret_file
+from trident.wire.signing import new_secret, write_secret_file
 
 PROMPTS = [f"Request {i}: " + "tell me about the sea and the ships " * (1 + i % 5) for i in range(10)]
 MAX_TOKENS = [8 + 7 * i for i in range(10)]

@@ -25,8 +25,8 @@ from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import ModelLimits, SamplingRequest, build_sampling_params, check_model, check_prompt_ids
 from tokenizer_proc.state import FrontendState
 from tokenizer_proc.tokenization import TokenStrings, load_tokenizer, text_decoder
-from wire.frontend import ServerInfo
-from wire.server_args import ServerArgs
+from trident.wire.frontend import ServerInfo
+from trident.wire.server_args import ServerArgs
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LIMITS = ModelLimits("smollm2-135m", context_length=64, vocab_size=49152)

@@ -12,7 +12,7 @@ import zmq
 
 from tests.helpers import wait_until
 from tests.test_process_lifecycle import run_dir_of
-from wire.backend import (
+from trident.wire.backend import (
     AddedRequest,
     BatchDescriptor,
     ExtendChunk,
@@ -22,9 +22,9 @@ from wire.backend import (
     WorkerCounters,
     WorkerInput,
 )
-from wire.codec import FrameDecoder, FrameEncoder, pack_int32, unpack_int32
-from wire.control import ProtocolMismatch, check_protocol_version
-from wire.frontend import (
+from trident.wire.codec import FrameDecoder, FrameEncoder, pack_int32, unpack_int32
+from trident.wire.control import ProtocolMismatch, check_protocol_version
+from trident.wire.frontend import (
     GenerateReq,
     RowExtras,
     SamplingParams,
@@ -32,7 +32,7 @@ from wire.frontend import (
     TokenizerInput,
     TokenOutBatch,
 )
-from wire.transport import scheduler_in_endpoint, worker_endpoint
+from trident.wire.transport import scheduler_in_endpoint, worker_endpoint
 
 
 def sample_descriptor() -> BatchDescriptor:

@@ -28,8 +28,8 @@ from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.state import FrontendState
 from tokenizer_proc.tokenization import load_tokenizer
-from wire.child import ChildContext, start_child, tune_gc
-from wire.control import ProtocolMismatch
+from trident.wire.child import ChildContext, start_child, tune_gc
+from trident.wire.control import ProtocolMismatch
 
 logger = logging.getLogger("tokenizer_proc")
 

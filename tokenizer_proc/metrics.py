@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tokenizer_proc.replicas import ReplicaSet
-from wire.frontend import SchedulerStats
+from trident.wire.frontend import SchedulerStats
 
 PREFIX = "trident_"
 LATENCY_BUCKETS = (

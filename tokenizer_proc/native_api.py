@@ -31,7 +31,7 @@ from tokenizer_proc.serving import (
 )
 from tokenizer_proc.state import get_state
 from tokenizer_proc.tokenization import encode_text
-from wire.frontend import SamplingParams
+from trident.wire.frontend import SamplingParams
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

@@ -14,9 +14,9 @@ import msgspec
 import zmq.asyncio
 
 from tokenizer_proc.router import ReplicaRouter
-from wire.frontend import SchedulerStats, ServerInfo
-from wire.server_args import ServerArgs
-from wire.transport import AsyncPushSocket, endpoint, scheduler_in_endpoint
+from trident.wire.frontend import SchedulerStats, ServerInfo
+from trident.wire.server_args import ServerArgs
+from trident.wire.transport import AsyncPushSocket, endpoint, scheduler_in_endpoint
 
 _LATEST_NOT_SUMMED = {"last_step_time_s", "descriptor_bytes", "dp_rank"}
 """SchedulerStats fields that describe one step, not a total: merged by max."""

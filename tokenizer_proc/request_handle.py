@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from tokenizer_proc.detokenizer import RequestDetokenizer
-from wire.frontend import RowExtras, SamplingParams
+from trident.wire.frontend import RowExtras, SamplingParams
 
 if TYPE_CHECKING:
     from tokenizer_proc.request_manager import RequestManager

@@ -30,9 +30,9 @@ from tokenizer_proc.errors import SERVER_ERROR, SERVER_UNAVAILABLE, APIError
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.replicas import ReplicaSet
 from tokenizer_proc.request_handle import OpenRequest, RequestHandle, TokenOut
-from wire.codec import pack_int32
-from wire.control import PROTOCOL_VERSION, check_protocol_version
-from wire.frontend import (
+from trident.wire.codec import pack_int32
+from trident.wire.control import PROTOCOL_VERSION, check_protocol_version
+from trident.wire.frontend import (
     AbortReq,
     FlushCacheDone,
     FlushCacheReq,
@@ -45,8 +45,8 @@ from wire.frontend import (
     TokenizerInput,
     TokenOutBatch,
 )
-from wire.server_args import ServerArgs
-from wire.transport import ENDPOINT_TOKENIZER_IN, AsyncPullSocket, endpoint
+from trident.wire.server_args import ServerArgs
+from trident.wire.transport import ENDPOINT_TOKENIZER_IN, AsyncPullSocket, endpoint
 
 logger = logging.getLogger(__name__)
 

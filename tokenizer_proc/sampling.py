@@ -14,7 +14,7 @@ import msgspec
 
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.protocol import MAX_LOGPROBS, NativeSamplingParams
-from wire.frontend import SamplingParams
+from trident.wire.frontend import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import ModelLimits
 from tokenizer_proc.tokenization import TokenStrings
-from wire.server_args import ServerArgs
+from trident.wire.server_args import ServerArgs
 
 
 @dataclass

@@ -18,8 +18,8 @@ import time
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from wire.codec import decode_plain, encode_plain
-from wire.server_args import ServerArgs
+from trident.wire.codec import decode_plain, encode_plain
+from trident.wire.server_args import ServerArgs
 
 MAGIC = b"TRIDENTREC1\n"
 SENT = b"D"

@@ -1,6 +1,6 @@
 """The offline API: trident's scheduler and workers driven from Python, without HTTP.
 
-    from engine import Engine
+    from trident.engine import Engine
 
     with Engine(dtype="float32") as engine:
         outs = engine.generate(["The capital of France is"], {"temperature": 0, "max_new_tokens": 16})
@@ -36,8 +36,6 @@ from typing import Any
 import pydantic
 import zmq.asyncio
 
-from launch import Launcher, StartupError, build_parser, server_args_from_cli
-from model_source import ModelNotFound, resolve_model
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.protocol import NativeSamplingParams
@@ -45,7 +43,9 @@ from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import ModelLimits, check_prompt_ids, native_sampling_params
 from tokenizer_proc.serving import collect
 from tokenizer_proc.tokenization import encode_text, load_tokenizer
-from wire.server_args import write_server_args
+from trident.launch import Launcher, StartupError, build_parser, server_args_from_cli
+from trident.model_source import ModelNotFound, resolve_model
+from trident.wire.server_args import write_server_args
 
 CHILD_CHECK_INTERVAL_S = 0.5
 """While waiting for outputs, how often the Engine checks that its processes are alive."""

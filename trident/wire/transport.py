@@ -14,8 +14,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from wire.codec import FrameDecoder, FrameEncoder
-from wire.signing import FrameSigner
+from trident.wire.codec import FrameDecoder, FrameEncoder
+from trident.wire.signing import FrameSigner
 
 HIGH_WATER_MARK = 100_000
 

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from wire.signing import FrameSigner
+from trident.wire.signing import FrameSigner
 
 if TYPE_CHECKING:
-    from wire.server_args import ServerArgs
+    from trident.wire.server_args import ServerArgs
 
 
 class ClusterError(ValueError):

@@ -26,10 +26,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import zmq
 
-from supervisor import Launcher
-from wire.cluster import ClusterMessage, NodeHello, StartWorkerGroup, StopNode, WorkerGroupDied, signer_of
-from wire.control import PROTOCOL_VERSION, ProcessFailed, ProcessReady
-from wire.transport import PeerConnection, node_peer_id
+from trident.supervisor import Launcher
+from trident.wire.cluster import ClusterMessage, NodeHello, StartWorkerGroup, StopNode, WorkerGroupDied, signer_of
+from trident.wire.control import PROTOCOL_VERSION, ProcessFailed, ProcessReady
+from trident.wire.transport import PeerConnection, node_peer_id
 
 logger = logging.getLogger("trident.node")
 HELLO_INTERVAL_S = 2.0

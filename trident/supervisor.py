@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import site
 import socket
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from wire.cluster import (
+from trident.wire.cluster import (
     ClusterMessage,
     NodeHello,
     StartWorkerGroup,
@@ -39,7 +40,7 @@ from wire.cluster import (
     layout_of,
     signer_of,
 )
-from wire.control import (
+from trident.wire.control import (
     LauncherMessage,
     ProcessFailed,
     ProcessReady,
@@ -47,9 +48,9 @@ from wire.control import (
     check_protocol_version,
     process_name,
 )
-from wire.frontend import ServerHealth, WorkerGroupLost
-from wire.server_args import ServerArgs
-from wire.transport import (
+from trident.wire.frontend import ServerHealth, WorkerGroupLost
+from trident.wire.server_args import ServerArgs
+from trident.wire.transport import (
     ENDPOINT_LAUNCHER,
     ENDPOINT_TOKENIZER_IN,
     PeerSender,
@@ -61,11 +62,21 @@ from wire.transport import (
 )
 
 logger = logging.getLogger("trident.launch")
-REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
+PACKAGES_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The folder that holds `trident/` and the process packages: a checkout, or site-packages."""
 STOP_GRACE_S = 5.0
 MODULE_OF_ROLE = {"worker": "gpu_worker", "scheduler": "scheduler_proc", "tokenizer": "tokenizer_proc"}
 DIST_PORT_ENV = "TRIDENT_DIST_INIT_PORT"
 """The worker group's torch.distributed rendezvous port, fresh for every generation."""
+
+
+def child_cwd(run_dir: str) -> str:
+    """Where a child starts. `python -m` puts its working directory first on sys.path, so an
+    installed server starts its children in the private run directory (nothing importable
+    there), and only a checkout that was never installed starts them in the checkout, which
+    is then the one place its packages can be found."""
+    installed = {os.path.realpath(p) for p in (*site.getsitepackages(), site.getusersitepackages())}
+    return run_dir if os.path.realpath(PACKAGES_ROOT) in installed else PACKAGES_ROOT
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -135,12 +146,7 @@ class Launcher:
             "--dp-rank",
             str(dp_rank),
         ]
-        env = dict(
-            os.environ,
-            PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
-            **(env or {}),
-        )
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
+        proc = subprocess.Popen(cmd, cwd=child_cwd(self.args.run_dir), env=dict(os.environ, **(env or {})))
         name = process_name(role, rank, dp_rank, self.args.dp_size)
         child = Child(role, rank, dp_rank, proc, os.pidfd_open(proc.pid), name)
         self.children.append(child)

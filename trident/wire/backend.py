@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 import msgspec
 import numpy as np
 
-from wire.codec import pack_int32
-from wire.frontend import SamplingParams
+from trident.wire.codec import pack_int32
+from trident.wire.frontend import SamplingParams
 
 
 class ForwardMode(enum.IntEnum):

@@ -19,9 +19,9 @@ import time
 import setproctitle
 import zmq
 
-from wire.control import PROTOCOL_VERSION, ProcessFailed, ProcessReady, RestartWorkers, process_name
-from wire.server_args import ServerArgs, load_server_args
-from wire.transport import ENDPOINT_LAUNCHER, PushSocket, endpoint
+from trident.wire.control import PROTOCOL_VERSION, ProcessFailed, ProcessReady, RestartWorkers, process_name
+from trident.wire.server_args import ServerArgs, load_server_args
+from trident.wire.transport import ENDPOINT_LAUNCHER, PushSocket, endpoint
 
 PR_SET_PDEATHSIG = 1
 PARENT_CHECK_INTERVAL_S = 0.5

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from wire.codec import decode_plain, encode_plain
+from trident.wire.codec import decode_plain, encode_plain
 
 
 class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
