@@ -6,8 +6,9 @@
         outs = engine.generate(["The capital of France is"], {"temperature": 0, "max_new_tokens": 16})
         print(outs[0]["text"])
 
-`Engine(model=None, **server_flags)` takes the flags of `launch.py` as keyword arguments
-(`max_total_tokens=16384`, `disable_radix_cache=True`...) and starts the same worker and
+`Engine(model=None, **server_flags)` takes the flags of `trident serve` as keyword arguments
+named as the `ServerArgs` fields (`max_total_tokens=16384`, `disable_radix_cache=True`,
+`compile_decode="on"`, `startup_timeout_s=60`...) and starts the same worker and
 scheduler processes through launch.py's `Launcher`, in a private run directory. The Engine
 itself plays the tokenizer process's part, with that process's own code: the tokenizer
 loading, the `RequestManager` (sockets, handshake, per-request detokenizer and stop
@@ -23,6 +24,7 @@ out-of-range value raises ValueError before anything is sent.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import shutil
@@ -43,7 +45,8 @@ from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import ModelLimits, check_prompt_ids, native_sampling_params
 from tokenizer_proc.serving import collect
 from tokenizer_proc.tokenization import encode_text, load_tokenizer
-from trident.launch import Launcher, StartupError, build_parser, server_args_from_cli
+from trident.flags import argv_of, build_parser
+from trident.launch import Launcher, StartupError, server_args_from_cli
 from trident.model_source import ModelNotFound, resolve_model
 from trident.wire.server_args import write_server_args
 
@@ -51,19 +54,19 @@ CHILD_CHECK_INTERVAL_S = 0.5
 """While waiting for outputs, how often the Engine checks that its processes are alive."""
 
 
-def _server_argv(model: str | None, flags: Mapping[str, Any]) -> list[str]:
-    """launch.py's command line for these keyword flags (`max_total_tokens=8` -> `--max-total-tokens 8`)."""
-    defaults = vars(build_parser().parse_args([]))
-    argv = [] if model is None else ["--model", str(model)]
-    for name, value in flags.items():
-        if name not in defaults or name == "model":
-            raise TypeError(f"Engine() got an unknown server flag {name!r}")
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is not None and value is not False:
-            argv += [flag, str(value)]
-    return argv
+def parse_engine_flags(model: str | None, server_flags: Mapping[str, Any]) -> argparse.Namespace:
+    """The command line of `trident serve` that these keyword flags spell, parsed by its parser.
+
+    Raises TypeError for a name that is not a ServerArgs flag field, ValueError for a value
+    the command line would refuse.
+    """
+    if "model_path" in server_flags:
+        raise TypeError("Engine() takes the model as `model`")
+    argv = argv_of({"model_path": model, **server_flags})
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse already printed why
+        raise ValueError(f"invalid Engine flags: {dict(server_flags)}") from e
 
 
 class _Processes:
@@ -114,13 +117,9 @@ class Engine:
     """Runs trident's worker and scheduler processes and plays the tokenizer's part in-process."""
 
     def __init__(self, model: str | None = None, **server_flags: Any) -> None:
-        parser = build_parser()
+        ns = parse_engine_flags(model, server_flags)
         try:
-            ns = parser.parse_args(_server_argv(model, server_flags))
-        except SystemExit as e:  # argparse already printed why
-            raise ValueError(f"invalid Engine flags: {server_flags}") from e
-        try:
-            model_path, served_name = resolve_model(ns.model)
+            model_path, served_name = resolve_model(ns.model_path)
         except ModelNotFound as e:
             raise ValueError(str(e)) from None
         self._procs = _Processes(tempfile.mkdtemp(prefix="trident-engine-"))  # mode 0700

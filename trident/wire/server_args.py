@@ -1,111 +1,312 @@
-"""The server arguments every process receives, written once by launch.py.
+"""The server arguments every process receives, and the one place each CLI flag is defined.
 
 launch.py parses the command line into a `ServerArgs`, writes it as MessagePack into the
 private run directory, and each child reads it back with `load_server_args`. Nothing
 mutates it after launch: it is configuration, not state.
+
+Every field is a flag. Its `Flag` (in the field's `Annotated[...]`) carries the topic group,
+help text, choices and CLI names; trident/flags.py derives from it the argparse parser of
+`trident serve` (grouped `--help`), the copy from the command line into `ServerArgs`, the
+keyword arguments of the offline `Engine` and the README's flag table. A field that launch
+computes from other flags instead (the run directory, the parsed `--dist-init-addr`) is
+marked `Derived` and is not a flag.
+
+To add a flag, add one field here:
+
+    my_option: Annotated[int, Flag(SCHEDULING, "what it does, in one line")] = 4
+
+then run `python -m trident.flags --write-readme` to regenerate the README table
+(tests/test_flags.py fails until you do). The CLI name is `--my-option`; pass `names=` for
+another spelling, `choices=` to restrict the value. A bool field is a switch that flips its
+default (`--disable-overlap` sets True; `--sim-exact-steps` sets sim_step_spread False).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
 
 from trident.wire.codec import decode_plain, encode_plain
 
+MODEL = "model"
+HTTP = "HTTP"
+SCHEDULING = "scheduling and memory"
+SPECULATIVE = "speculative decoding"
+PARALLELISM = "parallelism"
+SIMULATION = "simulation"
+PROCESSES = "processes"
+MEASUREMENT = "measurement"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a ServerArgs field appears on the command line."""
+
+    group: str
+    """The topic the flag is listed under in `--help` and the README."""
+    help: str
+    """One line on what the flag does; the default is appended in `--help`."""
+    names: tuple[str, ...] = ()
+    """CLI spellings; empty means `--field-name`."""
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    switches: Mapping[str, Any] | None = None
+    """Instead of one flag taking a value: flags that each store a constant (`--compile` -> "on")."""
+    env: str | None = None
+    """An environment variable that supplies the default."""
+    default_text: str | None = None
+    """When set, the flag defaults to unset and launch fills the value in; this text says with what."""
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A field launch computes rather than parses: not a flag."""
+
+    source: str
+    """Where the value comes from, e.g. the flag it is parsed out of."""
+
 
 class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     """Configuration shared by the tokenizer, the scheduler and the workers."""
 
-    # Model
-    model_path: str
+    model_path: Annotated[
+        str,
+        Flag(
+            MODEL,
+            "a .gguf file or a Hugging Face-style directory",
+            names=("--model", "--model-path"),
+            default_text="the bundled SmolLM2-135M-Instruct",
+        ),
+    ]
     """Resolved model location: a `.gguf` file or a Hugging Face-style directory."""
-    served_model_name: str = "smollm2-135m"
-    """The name clients pass as `model`; other names get a 404."""
-    device: str = "cpu"
-    dtype: str = "auto"
-    """auto | float32 | bfloat16 | float16; the worker resolves auto per device."""
-    weight_dtype: str = "auto"
-    """auto (the same as dtype) | int8 (weight-only int8 linear layers, CPU)."""
-    linear_weights: str = "auto"
-    """auto | packed | plain: CPU linear weights pre-packed for oneDNN (auto: in bf16 and
-    float32 on CPU) or kept plain for torch's F.linear (gpu_worker/packed_linear.py)."""
-    compile_decode: str = "auto"
-    """auto | on | off: torch.compile of decode steps (gpu_worker/compiled_decode.py)."""
-    decode_attention: str = "auto"
-    """auto | kernel | torch: decode attention through the C++ kernel on CPU (auto: when it
-    builds; kernel: fail at start-up if it does not) or through torch ops (attention.py)."""
-    context_length: int = 0
-    """Maximum prompt + output tokens per request; 0 means the model's own limit."""
-    seed: int = 0
+    served_model_name: Annotated[
+        str, Flag(MODEL, "the name clients pass as `model`; other names get a 404", default_text="the model's name")
+    ] = "smollm2-135m"
+    device: Annotated[str, Flag(MODEL, "where the workers run", choices=("cpu", "cuda"))] = "cpu"
+    dtype: Annotated[
+        str,
+        Flag(
+            MODEL,
+            "weight and KV dtype; auto: bfloat16 on CUDA and on CPUs with AVX-512 or AVX2, else float32",
+            choices=("auto", "float32", "bfloat16", "float16"),
+        ),
+    ] = "auto"
+    weight_dtype: Annotated[
+        str,
+        Flag(
+            MODEL,
+            "int8: linear layers as weight-only int8 with per-channel scales (CPU; faster at batch 1, "
+            "slower from ~8 running requests); auto: the same as --dtype",
+            choices=("auto", "int8"),
+        ),
+    ] = "auto"
+    linear_weights: Annotated[
+        str,
+        Flag(
+            MODEL,
+            "CPU linear layers: packed once at load for oneDNN and, in bf16, for our C++ decode kernel "
+            "(auto: packed for bf16 and float32 on CPU) or plain, re-packed by F.linear on every call "
+            "(gpu_worker/packed_linear.py)",
+            choices=("auto", "packed", "plain"),
+        ),
+    ] = "auto"
+    compile_decode: Annotated[
+        str,
+        Flag(
+            MODEL,
+            "--compile: torch.compile the decoder layer for decode steps (tp 1; ~25 s of compiling at "
+            "start-up); --disable-compile: every step eager (gpu_worker/compiled_decode.py)",
+            choices=("auto", "on", "off"),
+            switches={"--compile": "on", "--disable-compile": "off"},
+        ),
+    ] = "auto"
+    decode_attention: Annotated[
+        str,
+        Flag(
+            MODEL,
+            "decode attention on CPU: a C++ kernel reading the paged KV pool in place (built on first use, "
+            "then cached; auto: the kernel wherever the CPU has the instructions for it) or torch ops",
+            choices=("auto", "kernel", "torch"),
+        ),
+    ] = "auto"
+    context_length: Annotated[int, Flag(MODEL, "max prompt + output tokens per request; 0: the model's own")] = 0
+    seed: Annotated[int, Flag(MODEL, "seed of requests that give none")] = 0
 
-    # HTTP front door
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    max_queued_requests: int = 1024
-    max_request_body_bytes: int = 4 * 1024 * 1024
+    host: Annotated[str, Flag(HTTP, "address the HTTP server binds")] = "127.0.0.1"
+    port: Annotated[int, Flag(HTTP, "HTTP port")] = 30000
+    api_key: Annotated[
+        str | None, Flag(HTTP, "require `Authorization: Bearer KEY`", env="TRIDENT_API_KEY", metavar="KEY")
+    ] = None
+    max_queued_requests: Annotated[int, Flag(HTTP, "waiting requests beyond which new ones get 503")] = 1024
+    max_request_body_bytes: Annotated[int, Flag(HTTP, "larger request bodies get 413")] = 4 * 1024 * 1024
 
-    # Scheduling and memory
-    max_running_requests: int = 64
-    max_total_tokens: int = 0
-    """KV pool size in tokens; 0 derives it from mem_fraction."""
-    mem_fraction: float = 0.1
-    """Fraction of free host (cpu) or device (cuda) memory given to the KV pool."""
-    page_size: int = 1
-    chunked_prefill_size: int = 512
-    max_prefill_tokens: int = 2048
-    schedule_policy: str = "fcfs"
-    disable_radix_cache: bool = False
-    disable_overlap: bool = False
-    check_seq_lens: bool = False
-    speculative_algorithm: str | None = None
-    """None, or "ngram" (prompt-lookup drafts verified in one forward)."""
-    speculative_num_draft_tokens: int = 4
+    max_running_requests: Annotated[int, Flag(SCHEDULING, "requests in the batch at once")] = 64
+    max_total_tokens: Annotated[int, Flag(SCHEDULING, "KV pool size in tokens; 0: from --mem-fraction")] = 0
+    mem_fraction: Annotated[
+        float, Flag(SCHEDULING, "fraction of free host (cpu) or GPU (cuda) memory for the KV pool")
+    ] = 0.1
+    page_size: Annotated[int, Flag(SCHEDULING, "tokens per KV page")] = 1
+    chunked_prefill_size: Annotated[int, Flag(SCHEDULING, "max prompt tokens of one request per step")] = 512
+    max_prefill_tokens: Annotated[int, Flag(SCHEDULING, "max prompt tokens per step")] = 2048
+    schedule_policy: Annotated[
+        str,
+        Flag(
+            SCHEDULING,
+            "queue order: first come first served, or longest cached prefix first",
+            choices=("fcfs", "lpm"),
+        ),
+    ] = "fcfs"
+    disable_radix_cache: Annotated[bool, Flag(SCHEDULING, "do not reuse the KV of shared prefixes")] = False
+    disable_overlap: Annotated[
+        bool, Flag(SCHEDULING, "plain loop: build step N+1 only after step N's results are processed")
+    ] = False
+    check_seq_lens: Annotated[
+        bool, Flag(SCHEDULING, "debug: assert the scheduler's seq_lens mirror against the worker's every step")
+    ] = False
 
-    # Parallelism (wire/cluster.py lays the processes out over nodes)
-    tp_size: int = 1
-    dp_size: int = 1
-    """Independent scheduler + TP-group replicas behind the one tokenizer."""
-    load_balance_method: str = "round_robin"
-    """How the tokenizer picks a replica: round_robin | shortest_queue | longest_prefix."""
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_host: str = "127.0.0.1"
-    dist_init_port: int = 0
-    """--dist-init-addr: the base of every cross-node port; 0 (single node, no address given)
-    means each worker group rendezvous on a free loopback port chosen by the supervisor."""
-    cluster_secret: str = ""
+    speculative_algorithm: Annotated[
+        str | None,
+        Flag(
+            SPECULATIVE,
+            "ngram: draft from the request's own history (prompt lookup), verify in one forward (greedy requests)",
+            choices=("ngram",),
+        ),
+    ] = None
+    speculative_num_draft_tokens: Annotated[int, Flag(SPECULATIVE, "draft tokens per step (K)")] = 4
+
+    tp_size: Annotated[
+        int, Flag(PARALLELISM, "tensor-parallel ranks, one worker process each (gloo on CPU, NCCL on CUDA)")
+    ] = 1
+    dp_size: Annotated[
+        int, Flag(PARALLELISM, "data-parallel replicas, each its own scheduler and TP group, behind one tokenizer")
+    ] = 1
+    load_balance_method: Annotated[
+        str,
+        Flag(
+            PARALLELISM,
+            "how the tokenizer picks a replica for each request (with --dp-size > 1)",
+            choices=("round_robin", "shortest_queue", "longest_prefix"),
+        ),
+    ] = "round_robin"
+    base_gpu_id: Annotated[
+        int, Flag(PARALLELISM, "with --device cuda, rank r of this node runs on cuda:(base + r)")
+    ] = 0
+    nnodes: Annotated[int, Flag(PARALLELISM, "nodes the server spans")] = 1
+    node_rank: Annotated[
+        int, Flag(PARALLELISM, "this node: 0 runs HTTP, tokenizer and schedulers; others only worker ranks")
+    ] = 0
+    dist_init_addr: Annotated[
+        str | None,
+        Flag(
+            PARALLELISM,
+            "node 0's address: torch.distributed rendezvous and every cross-node port from PORT up",
+            metavar="HOST:PORT",
+        ),
+    ] = None
+    dist_init_host: Annotated[str, Derived("--dist-init-addr")] = "127.0.0.1"
+    dist_init_port: Annotated[int, Derived("--dist-init-addr")] = 0
+    """0 (single node, no address given) means each worker group rendezvous on a free
+    loopback port chosen by the supervisor."""
+    cluster_secret_file: Annotated[
+        str | None,
+        Flag(
+            PARALLELISM,
+            "hex key signing cross-node frames (HMAC-SHA256); node 0 makes and prints one if absent",
+            metavar="FILE",
+        ),
+    ] = None
+    cluster_secret: Annotated[str, Derived("--cluster-secret-file, or made by node 0")] = ""
     """Hex HMAC key that signs every cross-node frame; empty on a single node."""
-    base_gpu_id: int = 0
-    """With device cuda, rank r runs on cuda:{base_gpu_id + r} (per node)."""
 
-    # Simulation
-    worker: str = "model"
-    """model: workers run the model; simulated: workers sleep for the step time sim_profile
-    predicts and produce pseudo-tokens (gpu_worker/simulated.py)."""
-    sim_profile: str | None = None
-    """Step-time profile JSON of the simulated workers (profiles/, gpu_worker.fit_profile)."""
-    sim_step_spread: bool = True
-    """Scale each simulated step by a draw from the profile's measured spread of step times
-    (StepProfile.step_time_ratios); False: every step takes the prediction exactly."""
+    worker: Annotated[
+        str,
+        Flag(
+            SIMULATION,
+            "simulated: workers load no model, sleep for the profile's step time and emit pseudo-tokens "
+            "(gpu_worker/simulated.py)",
+            choices=("model", "simulated"),
+        ),
+    ] = "model"
+    sim_profile: Annotated[
+        str | None,
+        Flag(
+            SIMULATION,
+            "step-time profile of simulated workers: a JSON file (python -m gpu_worker.fit_profile) or the "
+            "name of one in trident/profiles/",
+            metavar="PROFILE",
+        ),
+    ] = None
+    sim_step_spread: Annotated[
+        bool,
+        Flag(
+            SIMULATION,
+            "simulated steps take exactly the predicted time, without the spread a fitted profile measured",
+            names=("--sim-exact-steps",),
+        ),
+    ] = True
 
-    # Processes
-    run_dir: str = ""
+    run_dir: Annotated[str, Derived("launch makes it")] = ""
     """Private (0700) directory holding the ipc:// endpoints of this run."""
-    log_level: str = "info"
-    startup_timeout_s: float = 300.0
-    watchdog_timeout_s: float = 60.0
-    """A step that does not finish within this long counts as a hung worker."""
-    max_restarts: int = 5
-    restart_window_s: float = 300.0
-    """More than max_restarts within this window: stop restarting, report unhealthy."""
-    shutdown_timeout_s: float = 10.0
-    """On SIGTERM, how long open requests may run before they are aborted."""
+    log_level: Annotated[str, Flag(PROCESSES, "log level", choices=("debug", "info", "warning", "error"))] = "info"
+    startup_timeout_s: Annotated[
+        float, Flag(PROCESSES, "seconds each process may take to be ready", names=("--startup-timeout",))
+    ] = 300.0
+    watchdog_timeout_s: Annotated[
+        float,
+        Flag(
+            PROCESSES,
+            "a step with no result for this many seconds counts as a hung worker, which is restarted",
+            names=("--watchdog-timeout",),
+        ),
+    ] = 60.0
+    max_restarts: Annotated[
+        int,
+        Flag(
+            PROCESSES,
+            "quick failures (a process dying before it is ready or within 10 s of it) allowed within "
+            "--restart-window; a process that served longer is restarted without counting",
+        ),
+    ] = 5
+    restart_window_s: Annotated[
+        float,
+        Flag(
+            PROCESSES,
+            "seconds over which quick failures are counted; past --max-restarts, see --on-give-up",
+            names=("--restart-window",),
+        ),
+    ] = 300.0
+    on_give_up: Annotated[
+        str,
+        Flag(
+            PROCESSES,
+            "past the restart budget, open requests fail with a clear error, then: exit (code 3, for "
+            "systemd, Kubernetes or a shell loop to restart the server) or stay up answering 503",
+            choices=("exit", "stay"),
+        ),
+    ] = "exit"
+    shutdown_timeout_s: Annotated[
+        float,
+        Flag(
+            PROCESSES,
+            "on SIGTERM/Ctrl-C, seconds open requests may finish before they are aborted",
+            names=("--shutdown-timeout",),
+        ),
+    ] = 10.0
 
-    # Measurement
-    record_batches: str | None = None
-    """Append every frame sent to the workers, and every result, to this file."""
-    profile_steps: bool = False
-    """Log scheduler, wire, forward and worker idle time of every step."""
+    record_batches: Annotated[
+        str | None,
+        Flag(
+            MEASUREMENT,
+            "append every descriptor and step result to FILE (replay: python -m gpu_worker.replay FILE)",
+            metavar="FILE",
+        ),
+    ] = None
+    profile_steps: Annotated[
+        bool, Flag(MEASUREMENT, "log scheduler, wire, forward and worker idle time of every step")
+    ] = False
 
 
 def write_server_args(args: ServerArgs, path: str) -> None:

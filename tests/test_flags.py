@@ -1,0 +1,77 @@
+"""Every flag is defined once, on its ServerArgs field, and everything else is derived from it."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import pytest
+
+from tests.helpers import REPO_ROOT
+from trident.engine import parse_engine_flags
+from trident.flags import build_parser, derived_fields, flag_fields, readme_table
+from trident.launch import server_args_from_cli
+from trident.wire.server_args import ServerArgs
+
+
+def a_value_other_than_the_default(field) -> object:
+    if field.flag.choices:
+        return next(c for c in reversed(field.flag.choices) if c != field.default)
+    if field.type is bool:
+        return not field.default
+    if field.type is int:
+        return (field.default or 0) + 3
+    if field.type is float:
+        return (field.default or 0.0) + 0.25
+    return "value-" + field.name
+
+
+def test_every_server_args_field_is_a_flag_with_help_or_derived_by_launch():
+    flags = {f.name for f in flag_fields()}
+    derived = set(derived_fields())
+    every_field = {f.name for f in msgspec.structs.fields(ServerArgs)}
+    assert flags | derived == every_field and not flags & derived
+    # Launch computes these four; a new field must be a flag unless it is one of them.
+    assert derived == {"run_dir", "dist_init_host", "dist_init_port", "cluster_secret"}
+    help_text = build_parser().format_help()
+    for f in flag_fields():
+        assert f.flag.help.strip(), f.name
+        for name in f.names:
+            assert name in help_text, name
+
+
+def test_readme_flag_table_is_the_generated_one():
+    with open(os.path.join(REPO_ROOT, "README.md")) as fh:
+        readme = fh.read()
+    assert readme_table() in readme, "run `python -m trident.flags --write-readme`"
+    for f in flag_fields():
+        assert f"`{f.names[0]}`" in readme_table()
+
+
+@pytest.mark.parametrize("field", flag_fields(), ids=lambda f: f.name)
+def test_engine_accepts_every_flag_by_its_field_name(field):
+    value = a_value_other_than_the_default(field)
+    if field.name == "model_path":
+        ns = parse_engine_flags(str(value), {})
+    else:
+        ns = parse_engine_flags(None, {field.name: value})
+    assert getattr(ns, field.name) == value
+
+
+def test_cli_spellings_and_defaults_are_unchanged(tmp_path):
+    parser = build_parser()
+    assert parser.parse_args(["--model-path", "m.gguf"]).model_path == "m.gguf"
+    assert parser.parse_args(["--compile"]).compile_decode == "on"
+    assert parser.parse_args(["--disable-compile"]).compile_decode == "off"
+    assert parser.parse_args(["--sim-exact-steps"]).sim_step_spread is False
+    assert parser.parse_args(["--startup-timeout", "7"]).startup_timeout_s == 7.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--compile", "--disable-compile"])
+    ns = parser.parse_args(["--dist-init-addr", "10.0.0.1:5000", "--record-batches", "rec.bin"])
+    args = server_args_from_cli(ns, "/m.gguf", "m", str(tmp_path))
+    assert (args.dist_init_host, args.dist_init_port) == ("10.0.0.1", 5000)
+    assert args.record_batches == os.path.abspath("rec.bin") and args.served_model_name == "m"
+    defaults = server_args_from_cli(parser.parse_args([]), "/m.gguf", "m", str(tmp_path))
+    for f in flag_fields():
+        if f.flag.default_text is None and f.flag.env is None:
+            assert getattr(defaults, f.name) == f.default, f.name
