@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -82,7 +83,10 @@ def create_app(state: FrontendState) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> Response:
         health = get_state(request).manager.health
-        return Response(status_code=200 if health.healthy else 503)
+        if health.healthy:
+            return Response(status_code=200)
+        # Why it is down (a missing node, a spent restart budget), for the operator's probe.
+        return JSONResponse({"status": "unavailable", "reason": health.last_cause}, status_code=503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -174,7 +174,7 @@ class RequestManager:
             raise APIError("the server is shutting down", 503, type_=SERVER_ERROR, headers={"Retry-After": "5"})
         if not self.health.healthy:
             raise APIError(
-                f"{SERVER_UNAVAILABLE}: too many restarts ({self.health.last_cause})", 503, type_=SERVER_ERROR
+                f"{SERVER_UNAVAILABLE}: {self.health.last_cause}", 503, type_=SERVER_ERROR, headers={"Retry-After": "5"}
             )
         params = [sampling] if isinstance(sampling, SamplingParams) else list(sampling)
         rids = list(rids) if rids is not None else [self.new_rid() for _ in params]
@@ -296,13 +296,14 @@ class RequestManager:
             self._on_health(msg)
 
     def _on_health(self, health: ServerHealth) -> None:
-        """launch.py's word after a restart; past the restart limit, fail everything with 503."""
+        """launch.py's word after a restart; while unhealthy (restart budget spent, a node
+        missing) fail every open request with 503, and answer new ones so until healthy again."""
         self.metrics.restarts.inc(max(0, health.restarts - self.health.restarts))
         self.health = health
         if health.healthy:
             return
         logger.error(
-            "server unhealthy after %d restarts (%s): failing %d open requests",
+            "server unavailable after %d restarts (%s): failing %d open requests",
             health.restarts,
             health.last_cause,
             len(self._open),

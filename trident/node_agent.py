@@ -9,6 +9,8 @@ obeys over the signed control link and reports deaths:
     one of our ranks of replica d dies -> SIGKILL its siblings here, tell node 0 (which
                                        restarts the whole group on every node)
     StopNode from node 0, SIGTERM    -> stop the workers and exit
+    every HEARTBEAT_INTERVAL_S       -> NodeHello to node 0 (node_watch.py: silence means
+                                       this node is missing; a new pid means it restarted)
 
 GET /health on --host:--port answers 200 while every rank node 0 started here is alive,
 else 503, with the counts (and the rejected-frame count of the control link) as JSON.
@@ -26,13 +28,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import zmq
 
+from trident.node_watch import HEARTBEAT_INTERVAL_S
 from trident.supervisor import Launcher
 from trident.wire.cluster import ClusterMessage, NodeHello, StartWorkerGroup, StopNode, WorkerGroupDied, signer_of
 from trident.wire.control import PROTOCOL_VERSION, ProcessFailed, ProcessReady
 from trident.wire.transport import PeerConnection, node_peer_id
 
 logger = logging.getLogger("trident.node")
-HELLO_INTERVAL_S = 2.0
 
 
 class NodeAgent:
@@ -85,10 +87,10 @@ class NodeAgent:
         return f"http://{self.args.host}:{self.args.port}/health"
 
     def run(self, stop_requested: Callable[[], bool]) -> int:
-        """The node's loop: say hello until node 0 answers, then start, watch and report."""
+        """The node's loop: say hello (and keep saying it), start what node 0 says, watch and report."""
         last_hello = 0.0
         while not stop_requested():
-            if not self.generations and time.monotonic() - last_hello > HELLO_INTERVAL_S:
+            if time.monotonic() - last_hello > HEARTBEAT_INTERVAL_S:
                 self.node0.send(NodeHello(self.args.node_rank, os.getpid(), PROTOCOL_VERSION))
                 last_hello = time.monotonic()
             poller = zmq.Poller()

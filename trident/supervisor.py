@@ -12,8 +12,16 @@ never polls with sleeps. What a death costs:
     tokenizer dies -> start it again; its HTTP connections are lost, the scheduler frees
            their work when the new tokenizer says hello
 
-More than `max_restarts` restarts within `restart_window_s` stop the restarting: the
-tokenizer is told the server is unhealthy and answers 503 from then on.
+restart_policy.py decides what a death costs: a process that served for a while is
+restarted at once, one that dies before or soon after it is ready waits (backoff) and
+counts against the budget. Past the budget the supervisor gives up: the tokenizer fails
+open requests with a clear error, then (`--on-give-up exit`, the default) the launcher
+exits with EXIT_GAVE_UP so that systemd, Kubernetes or a shell loop starts it afresh, or
+(`stay`) it stays up answering 503.
+
+Across nodes, node_watch.py notices a node whose launcher went silent: while it is missing
+no worker group is started (its ranks cannot come), the tokenizer answers 503 naming it,
+and when its launcher says hello again every group is started anew.
 """
 
 from __future__ import annotations
@@ -25,12 +33,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 
+from trident.node_watch import NodeWatch
+from trident.restart_policy import RestartPolicy, Unit
 from trident.wire.cluster import (
     ClusterMessage,
     NodeHello,
@@ -66,6 +75,8 @@ PACKAGES_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 """The folder that holds `trident/` and the process packages: a checkout, or site-packages."""
 STOP_GRACE_S = 5.0
 MODULE_OF_ROLE = {"worker": "gpu_worker", "scheduler": "scheduler_proc", "tokenizer": "tokenizer_proc"}
+EXIT_GAVE_UP = 3
+"""launch.py's exit code after the restart budget ran out (--on-give-up exit)."""
 DIST_PORT_ENV = "TRIDENT_DIST_INIT_PORT"
 """The worker group's torch.distributed rendezvous port, fresh for every generation."""
 
@@ -123,9 +134,12 @@ class Launcher:
         self.to_tokenizer: PushSocket | None = None
         self.nodes: PeerSender | None = None
         """Node 0's line to the other nodes' launchers (multi-node only)."""
-        self.restart_times: deque[float] = deque()
-        self.restarts = 0
-        self.healthy = True
+        self.policy = RestartPolicy(args.max_restarts, args.restart_window_s)
+        self.pending_starts: dict[Unit, tuple[float, Callable[[], None]]] = {}
+        """Restarts waiting out their backoff: when each is due, and what starts it."""
+        self.gave_up = False
+        """The restart budget ran out: nothing is restarted any more."""
+        self.node_watch = NodeWatch(args.nnodes)
         self.worker_generations = [0] * args.dp_size
         self.stop_requested: Callable[[], bool] = lambda: False
         """Set by launch.py to its signal flag: a start-up wait gives up when it turns true."""
@@ -150,6 +164,7 @@ class Launcher:
         name = process_name(role, rank, dp_rank, self.args.dp_size)
         child = Child(role, rank, dp_rank, proc, os.pidfd_open(proc.pid), name)
         self.children.append(child)
+        self.policy.started((role, dp_rank))
         return child
 
     def next_store_port(self, dp_rank: int) -> int:
@@ -208,7 +223,9 @@ class Launcher:
             for _, msg in self.nodes.recv_nowait():
                 if isinstance(msg, NodeHello):
                     check_protocol_version(f"node {msg.node_rank}", msg.protocol_version)
-                    logger.info("node %d connected (launcher pid %d)", msg.node_rank, msg.pid)
+                    if msg.node_rank in waiting:
+                        logger.info("node %d connected (launcher pid %d)", msg.node_rank, msg.pid)
+                    self.node_watch.hello(msg.node_rank, msg.pid)
                     waiting.discard(msg.node_rank)
 
     def tell_nodes(self, msg: StartWorkerGroup | StopNode) -> None:
@@ -246,6 +263,7 @@ class Launcher:
         check_protocol_version(msg.role, msg.protocol_version)
         name = process_name(msg.role, msg.rank, msg.dp_rank, self.args.dp_size)
         logger.info("%s ready (pid %d) %s", name, msg.pid, msg.detail)
+        self.policy.ready((msg.role, msg.dp_rank))
 
     # ------------------------------------------------------------------ supervise
 
@@ -258,19 +276,41 @@ class Launcher:
                 poller.register(self.nodes.sock, zmq.POLLIN)
             for child in self.children:
                 poller.register(child.sentinel, zmq.POLLIN)
-            events = dict(poller.poll(500))
+            events = dict(poller.poll(self._poll_ms()))
             if stop_requested():
                 break  # children dying now are being stopped, not failing
             if self.control.sock in events:
                 for msg in self.control.recv_nowait():
                     self._on_control(msg)
-            if self.nodes is not None and self.nodes.sock in events:
-                for _, msg in self.nodes.recv_nowait():
-                    self._on_node_message(msg)
+            if self.nodes is not None:
+                for peer, msg in self.nodes.recv_nowait() if self.nodes.sock in events else []:
+                    self._on_node_message(peer, msg)
+                for node in self.node_watch.newly_missing():
+                    self._on_node_missing(node)
             for child in [c for c in self.children if c.sentinel in events]:
-                if child in self.children and not self._on_death(child):
-                    return 1
+                if child in self.children:
+                    self._on_death(child)
+            self._start_due()
+            if self.gave_up and (self.args.on_give_up == "exit" or not self._has("tokenizer")):
+                return EXIT_GAVE_UP  # nothing is left to answer HTTP, or the operator asked to exit
         return 0
+
+    def _poll_ms(self) -> int:
+        """Until the next backoff ends, at most half a second (node silence is checked as often)."""
+        due = min((at for at, _ in self.pending_starts.values()), default=None)
+        if due is None:
+            return 500
+        return max(0, min(500, int((due - time.monotonic()) * 1000) + 1))
+
+    def _start_due(self) -> None:
+        now = time.monotonic()
+        for unit, (at, start) in list(self.pending_starts.items()):
+            if at <= now and not self.gave_up:
+                del self.pending_starts[unit]
+                start()
+
+    def _has(self, role: str) -> bool:
+        return any(c.role == role for c in self.children)
 
     def _on_control(self, msg) -> None:
         if isinstance(msg, ProcessReady):
@@ -281,32 +321,52 @@ class Launcher:
             logger.error("scheduler of replica %d asks for a worker restart: %s", msg.dp_rank, msg.reason)
             self._restart_workers(msg.dp_rank, msg.reason, scheduler_knows=True)
 
-    def _on_node_message(self, msg) -> None:
-        if isinstance(msg, WorkerGroupDied):
+    def _on_node_message(self, peer: bytes, msg) -> None:
+        if isinstance(msg, NodeHello):
+            if node_peer_id(msg.node_rank) != peer:
+                return  # one node speaking for another: a misconfigured --node-rank
+            was_missing = msg.node_rank in self.node_watch.missing
+            if self.node_watch.hello(msg.node_rank, msg.pid):
+                self._on_node_rejoined(msg.node_rank, was_missing)
+        elif isinstance(msg, WorkerGroupDied):
+            self.node_watch.heard(msg.node_rank)
             if msg.generation != self.worker_generations[msg.dp_rank]:
                 return  # a rank of a group already being replaced, dying with its peers
             self._restart_workers(msg.dp_rank, f"node {msg.node_rank}: {msg.cause}", scheduler_knows=False)
-        elif isinstance(msg, NodeHello):  # a restarted node agent: its ranks are gone
-            for d in range(self.args.dp_size):
-                self._restart_workers(d, f"node {msg.node_rank} rejoined", scheduler_knows=False)
 
-    def _on_death(self, child: Child) -> bool:
-        """Handles an exited child; False when the server cannot go on."""
+    def _on_node_missing(self, node: int) -> None:
+        """Stop every group (each spans all nodes) and answer 503 until the node is back."""
+        cause = self.node_watch.describe_missing()
+        logger.error("%s: stopping the worker groups until it rejoins", cause)
+        for d in range(self.args.dp_size):
+            self.pending_starts.pop(("worker", d), None)
+            self.stop_workers(d)
+            self.to_schedulers[d].send(WorkerGroupLost(cause))
+        self._tell_tokenizer(cause)
+
+    def _on_node_rejoined(self, node: int, was_missing: bool) -> None:
+        """A node's launcher (re)started, or a missing node is heard again: its ranks are gone,
+        so every group starts anew, once no node is missing any more."""
+        cause = f"node {node} rejoined" if was_missing else f"node {node}'s launcher restarted"
+        logger.warning("%s", cause)
+        if self.node_watch.missing or self.gave_up:
+            return
+        for d in range(self.args.dp_size):
+            self.pending_starts.pop(("worker", d), None)
+            self.stop_workers(d)
+            self.to_schedulers[d].send(WorkerGroupLost(cause))
+            self.spawn_workers(d)
+        self._tell_tokenizer(cause)
+
+    def _on_death(self, child: Child) -> None:
         child.proc.poll()
         cause = f"{child.name} (pid {child.proc.pid}) exited with code {child.proc.returncode}"
         logger.error("%s", cause)
         if child.role == "worker":
             self._restart_workers(child.dp_rank, cause, scheduler_knows=False)
-        elif child.role == "scheduler":
-            self._forget(child)
-            if self._may_restart(cause):
-                self.spawn("scheduler", 0, child.dp_rank)
-        else:
-            self._forget(child)
-            if not self._may_restart(cause):
-                return False  # nothing is left to answer HTTP
-            self.spawn("tokenizer")
-        return True
+            return
+        self._forget(child)
+        self._restart((child.role, child.dp_rank), cause, lambda: self.spawn(child.role, 0, child.dp_rank))
 
     def stop_workers(self, dp_rank: int) -> None:
         """SIGKILL this node's ranks of one replica and wait for them."""
@@ -318,30 +378,44 @@ class Launcher:
 
     def _restart_workers(self, dp_rank: int, cause: str, scheduler_knows: bool) -> None:
         self.stop_workers(dp_rank)
-        if not self._may_restart(cause):
-            return
-        if not scheduler_knows:
+        if self.node_watch.missing:
+            return  # the group cannot form without the missing node; its rejoin starts it
+        if self._restart(("worker", dp_rank), cause, lambda: self.spawn_workers(dp_rank)) and not scheduler_knows:
             self.to_schedulers[dp_rank].send(WorkerGroupLost(cause))
-        self.spawn_workers(dp_rank)
 
-    def _may_restart(self, cause: str) -> bool:
-        now = time.monotonic()
-        self.restart_times.append(now)
-        while self.restart_times and now - self.restart_times[0] > self.args.restart_window_s:
-            self.restart_times.popleft()
-        self.restarts += 1
-        self.healthy = len(self.restart_times) <= self.args.max_restarts
-        if not self.healthy:
-            logger.error(
-                "%d restarts within %.0f s: giving up; the server reports unhealthy",
-                len(self.restart_times),
-                self.args.restart_window_s,
-            )
+    def _restart(self, unit: Unit, cause: str, start: Callable[[], None]) -> bool:
+        """Starts `unit` again now or after its backoff, or gives up; False when it will not restart."""
+        if self.gave_up:
+            return False
+        if unit in self.pending_starts:
+            return True  # already waiting out its backoff
+        decision = self.policy.on_death(unit)
+        if not decision.restart:
+            self._give_up(cause, decision.why)
+            return False
+        wait = f", in {decision.delay_s:.1f} s" if decision.delay_s else ""
+        logger.warning("restarting after: %s (restart %d: %s%s)", cause, self.policy.restarts, decision.why, wait)
+        self._tell_tokenizer(cause)
+        if decision.delay_s:
+            self.pending_starts[unit] = (time.monotonic() + decision.delay_s, start)
         else:
-            logger.warning("restarting after: %s (restart %d)", cause, self.restarts)
+            start()
+        return True
+
+    def _give_up(self, cause: str, why: str) -> None:
+        self.gave_up = True
+        self.pending_starts.clear()
+        then = "exiting" if self.args.on_give_up == "exit" else "staying up, answering 503"
+        logger.error("giving up restarting after %s (%s); %s", cause, why, then)
+        self._tell_tokenizer(f"gave up restarting after {cause} ({why})")
+
+    def _tell_tokenizer(self, cause: str) -> None:
+        """The server's health after a restart, a give-up or a node's loss or return."""
+        healthy = not self.gave_up and not self.node_watch.missing
+        if not self.gave_up and self.node_watch.missing:
+            cause = self.node_watch.describe_missing()
         if self.to_tokenizer is not None:
-            self.to_tokenizer.send(ServerHealth(self.healthy, self.restarts, cause))
-        return self.healthy
+            self.to_tokenizer.send(ServerHealth(healthy, self.policy.restarts, cause))
 
     def _forget(self, child: Child) -> None:
         self.children.remove(child)
