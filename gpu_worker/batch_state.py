@@ -1,6 +1,6 @@
 """The worker's persistent batch: rows, page tables, seq_lens, last sampled tokens.
 
-The worker owns the device `seq_lens` (DESIGN.md §4). `row_lens_host` is the worker's
+The worker owns the device `seq_lens` (docs/design.md §4). `row_lens_host` is the worker's
 own host-side bookkeeping of the same lengths, advanced by the token counts the worker
 itself decides each step, so building attention indices never reads the device copy.
 The only device-to-host copy of `seq_lens` is `copy_seq_lens_to_host`, which counts

@@ -1,4 +1,4 @@
-"""The running batch as the scheduler sees it, and the seq_lens mirror (DESIGN.md §4).
+"""The running batch as the scheduler sees it, and the seq_lens mirror (docs/design.md §4).
 
 The worker owns the device `seq_lens`. `ScheduleBatch.seq_lens_cpu` is this process's
 mirror of it, row for row in batch order, holding each row's KV length *after* the step

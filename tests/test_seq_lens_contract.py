@@ -1,4 +1,4 @@
-"""The seq_lens rules of DESIGN.md §4, on the real ScheduleBatch and the real worker BatchState.
+"""The seq_lens rules of docs/design.md §4, on the real ScheduleBatch and the real worker BatchState.
 
 Descriptors travel through the real MessagePack codec between the two, the way they do
 between the processes; only the model forward is left out (tokens are made up).

@@ -1,7 +1,7 @@
 """Messages between the scheduler and the worker ranks.
 
 scheduler -> every worker rank: `WorkerInput`, above all the `BatchDescriptor`, a *delta*
-against the persistent batch the worker keeps (DESIGN.md §3). The batch order is the
+against the persistent batch the worker keeps (docs/design.md §3). The batch order is the
 contract both sides keep: `removed_slots` filter it (order preserved), `added` requests
 are appended in order. Each step every *decoding* row computes one token; a *prefilling*
 row computes only when an `ExtendChunk` names it. Rows that sample (decoding rows, and
@@ -193,7 +193,7 @@ class StepResult(msgspec.Struct, array_like=True, tag="result"):
 
 
 class SeqLensSync(msgspec.Struct, array_like=True, tag="seq_lens_sync"):
-    """The one device-to-host copy of seq_lens on the overlapped path (DESIGN.md §4)."""
+    """The one device-to-host copy of seq_lens on the overlapped path (docs/design.md §4)."""
 
     step_id: int
     seq_lens: bytes
