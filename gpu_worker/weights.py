@@ -1,100 +1,21 @@
-"""Reading weights into Hugging Face LLaMA names: from a GGUF file or safetensors.
-
-GGUF stores q/k projections permuted for llama.cpp's interleaved RoPE; `_unpermute_qk`
-puts them back into the half-split layout the Hugging Face checkpoints (and our model)
-use, so both sources feed one model definition.
-"""
+"""Reading weights under Hugging Face names: from a GGUF file (gguf_weights.py) or safetensors."""
 
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
+from gpu_worker.gguf_weights import gguf_config, iter_gguf_weights
 from gpu_worker.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
-def _gguf_field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def gguf_config(path: str) -> ModelConfig:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"{path}: architecture {arch!r} is not a LLaMA-family decoder")
-    hidden = int(_gguf_field(reader, f"{arch}.embedding_length"))
-    heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
-    names = {t.name for t in reader.tensors}
-    vocab = _gguf_field(reader, f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_gguf_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_gguf_field(reader, f"{arch}.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_gguf_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position=int(_gguf_field(reader, f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        eos_token_ids=(int(eos),) if eos is not None else (),
-    )
-
-
-def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def iter_gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    for t in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", leave=False):
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        if t.name in _GGUF_GLOBAL_NAMES:
-            name = _GGUF_GLOBAL_NAMES[t.name]
-        else:
-            _, layer, kind, suffix = t.name.split(".")
-            name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-            if kind == "attn_q":
-                data = _unpermute_qk(data, cfg.num_heads)
-            elif kind == "attn_k":
-                data = _unpermute_qk(data, cfg.num_kv_heads)
-        yield name, torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
 
 
 def iter_safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -112,7 +33,20 @@ def iter_safetensors_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def load_config(model_path: str) -> ModelConfig:
     if model_path.endswith(".gguf"):
         return gguf_config(model_path)
-    return ModelConfig.from_hf_dir(model_path)
+    cfg = ModelConfig.from_hf_dir(model_path)
+    stops = set(cfg.eos_token_ids) | _generation_eos_ids(model_path)
+    return replace(cfg, eos_token_ids=tuple(sorted(stops)))
+
+
+def _generation_eos_ids(path: str) -> set[int]:
+    """generation_config.json's eos ids: chat models list their end-of-turn token there
+    (Gemma 3: <eos> and <end_of_turn>), not in config.json."""
+    try:
+        with open(os.path.join(path, "generation_config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError):
+        return set()
+    return set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
 
 
 def iter_weights(model_path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,200 @@
+"""A GGUF file as a Hugging Face checkpoint: its header as a config.json, its tensors under
+Hugging Face names with Hugging Face values, so both sources feed one model definition.
+
+Where llama.cpp's converter changed a tensor, it is changed back, as transformers' GGUF
+loader does (transformers loads these files and is our reference):
+- q/k projections of the `llama` arch are permuted for llama.cpp's interleaved rotary;
+  `_unpermute_qk` restores the half-split layout. Only `llama` (and Mistral, written as
+  `llama`) is permuted: qwen2, qwen3, gemma3 and phi3 use the half-split (NeoX) rotary.
+- Gemma norms are stored as 1 + w (llama.cpp's norm_shift); Hugging Face stores w.
+- Phi-3's `attn_qkv` and `ffn_up` are already the fused qkv_proj and gate_up_proj.
+
+What the header does not say, llama.cpp fixes per arch and so do we: Gemma 3 makes every
+sixth layer global and the rest local with rope base 10k, and scales attention by
+head_dim**-0.5 (hidden/heads for the 62-layer 27B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from gpu_worker.families import UnsupportedModelError
+from gpu_worker.gguf_header import GGUFHeader, read_gguf_header, tensor_bytes
+from gpu_worker.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+GGUF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+}
+"""GGUF general.architecture -> config.json model_type (families.py)."""
+
+_PERMUTED_QK_ARCHS = ("llama", "mistral")
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_ARCH_LAYER_NAMES = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+END_OF_TURN_MARKERS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
+"""Control tokens that end a turn, so stop generation, whether or not the header names them
+(llama.cpp treats them alike): Gemma's <end_of_turn> is not its eos."""
+
+_CONTROL_TOKEN = 3
+"""tokenizer.ggml.token_type of a control (special) token."""
+
+
+def gguf_arch(header: GGUFHeader, path: str) -> str:
+    arch = header.get("general.architecture")
+    if arch not in GGUF_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_MODEL_TYPES)}"
+        )
+    return arch
+
+
+def hf_name(arch: str, gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for one the decoder has no use for."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk":
+        return None
+    _, layer, kind, suffix = parts
+    name = _ARCH_LAYER_NAMES.get(arch, {}).get(kind) or _LAYER_NAMES.get(kind)
+    return None if name is None else f"model.layers.{layer}.{name}.{suffix}"
+
+
+def stop_token_ids(header: GGUFHeader) -> list[int]:
+    """eos, eot and eom ids from the header, and every control token that ends a turn."""
+    ids = [header.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    control = _control_tokens(header)
+    found = {int(i) for i in ids if i is not None} | {control[m] for m in END_OF_TURN_MARKERS if m in control}
+    return sorted(found)
+
+
+def _control_tokens(header: GGUFHeader) -> dict[str, int]:
+    """Text -> id of each control token (a few hundred of Gemma's 262k tokens)."""
+    tokens, types = header.get("tokenizer.ggml.tokens"), header.get("tokenizer.ggml.token_type")
+    if tokens is None or types is None:
+        return {}
+    return {tokens[i].decode(errors="replace"): int(i) for i in np.flatnonzero(types == _CONTROL_TOKEN)}
+
+
+def hf_config_dict(header: GGUFHeader, path: str) -> dict:
+    """The header as the config.json a Hugging Face checkpoint of this model would carry."""
+    arch = gguf_arch(header, path)
+    names = {t.name for t in header.tensors}
+    for odd in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        if odd in names:
+            raise UnsupportedModelError(f"{path}: rope frequency factors ({odd}) in a GGUF are not supported")
+    hidden = int(header.get(f"{arch}.embedding_length"))
+    heads = int(header.get(f"{arch}.attention.head_count"))
+    head_dim = header.get(f"{arch}.attention.key_length") or header.get(f"{arch}.rope.dimension_count")
+    vocab = header.get(f"{arch}.vocab_size") or len(header.get("tokenizer.ggml.tokens", ()))
+    cfg = {
+        "model_type": GGUF_MODEL_TYPES[arch],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(header.get(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(header.get(f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(header.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(head_dim or hidden // heads),
+        "rms_norm_eps": float(header.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(header.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(header.get(f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
+        "sliding_window": header.get(f"{arch}.attention.sliding_window"),
+        "eos_token_id": stop_token_ids(header),
+    }
+    scaling = _rope_scaling(header, arch)
+    if scaling is not None:
+        cfg["rope_scaling"] = scaling
+    if arch == "gemma3":
+        cfg.update(
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window_pattern=int(header.get(f"{arch}.attention.sliding_window_pattern", 6)),
+            rope_local_base_freq=float(header.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+            query_pre_attn_scalar=hidden // heads if cfg["num_hidden_layers"] == 62 else cfg["head_dim"],
+        )
+    return cfg
+
+
+def _rope_scaling(header: GGUFHeader, arch: str) -> dict | None:
+    kind = header.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = float(header.get(f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        original = header.get(f"{arch}.rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(original)}
+    raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported (linear, yarn are)")
+
+
+def gguf_config(path: str) -> ModelConfig:
+    return ModelConfig.from_hf_dict(hf_config_dict(read_gguf_header(path), path))
+
+
+def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) of every tensor, dequantized (K-quants included)."""
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    header = read_gguf_header(path)
+    arch = gguf_arch(header, path)
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in tqdm(header.tensors, desc="Loading GGUF weights", unit="tensor", leave=False):
+        name = hf_name(arch, t.name)
+        if name is None:
+            raise UnsupportedModelError(f"{path}: tensor {t.name} has no place in the decoder")
+        data = dequantize(tensor_bytes(file, t), GGMLQuantizationType(t.ggml_type))
+        if arch in _PERMUTED_QK_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = _unpermute_qk(data, cfg.num_heads)
+        elif arch in _PERMUTED_QK_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = _unpermute_qk(data, cfg.num_kv_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            data = data - 1.0
+        yield name, torch.from_numpy(np.array(data, dtype=np.float32, copy=True))

@@ -1,0 +1,165 @@
+"""Refusing, before any child starts, a model that the decoder cannot serve correctly.
+
+The launcher reads what the worker would read (config.json or the GGUF header, through the
+same `ModelConfig` parser, which refuses unsupported families and features) and compares the
+tensors the checkpoint holds, by name and shape, with those its config implies: read from
+safetensors headers and the GGUF tensor table, no weight is loaded. A file cut short is
+caught here too. Each problem is one `UnservableModel` line; launch.py prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+
+from gpu_worker.families import UnsupportedModelError
+from gpu_worker.gguf_header import GGUFFormatError, read_gguf_header
+from gpu_worker.gguf_weights import hf_config_dict, hf_name
+from gpu_worker.model_config import ModelConfig
+
+Shapes = dict[str, tuple[int, ...]]
+
+_MULTIMODAL_PREFIXES = {
+    "model.language_model.": "model.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+"""Where a Gemma 3 multimodal checkpoint keeps its text decoder -> the text-only names."""
+
+
+class UnservableModel(ValueError):
+    pass
+
+
+def check_model(path: str) -> None:
+    if os.path.isdir(path):
+        cfg = _dir_config(path)
+        _compare(_safetensors_shapes(path), expected_shapes(cfg), "the checkpoint")
+    elif path.endswith(".gguf"):
+        _check_gguf(path)
+    else:
+        raise UnservableModel("expected a .gguf file or a Hugging Face-style directory")
+
+
+def _dir_config(path: str) -> ModelConfig:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise UnservableModel("a model directory needs config.json (and *.safetensors)")
+    try:
+        with open(config_path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UnservableModel(f"config.json is unreadable: {e}") from None
+    if not isinstance(raw, dict):
+        raise UnservableModel("config.json does not hold an object")
+    try:
+        return ModelConfig.from_hf_dict(raw)
+    except UnsupportedModelError as e:
+        raise UnservableModel(str(e)) from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise UnservableModel(f"config.json lacks or garbles a field the decoder needs: {e!r}") from None
+
+
+def _check_gguf(path: str) -> None:
+    try:
+        header = read_gguf_header(path)
+    except GGUFFormatError as e:
+        raise UnservableModel(str(e)) from None
+    if header.file_size < header.data_end:
+        raise UnservableModel(
+            f"the GGUF file is truncated: {header.file_size} bytes of the {header.data_end} its tensor table needs"
+        )
+    try:
+        cfg = ModelConfig.from_hf_dict(hf_config_dict(header, os.path.basename(path)))
+    except UnsupportedModelError as e:
+        raise UnservableModel(str(e)) from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise UnservableModel(f"the GGUF header lacks or garbles a field the decoder needs: {e!r}") from None
+    arch = header.get("general.architecture")
+    held: Shapes = {}
+    for t in header.tensors:
+        name = hf_name(arch, t.name)
+        if name is None:
+            raise UnservableModel(f"tensor {t.name} has no place in the {arch} decoder")
+        held[name] = t.shape
+    _compare(held, expected_shapes(cfg), "the GGUF file")
+
+
+def expected_shapes(cfg: ModelConfig) -> Shapes:
+    """Every tensor the config implies, under Hugging Face names (lm_head only when untied)."""
+    family = cfg.quirks
+    hidden, head_dim = cfg.hidden_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
+    out: Shapes = {"model.embed_tokens.weight": (cfg.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, hidden)
+    for i in range(cfg.num_layers):
+        attn, mlp, layer = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
+        projections = {"o_proj": (hidden, q_rows)}
+        if family.fused_checkpoint:
+            projections["qkv_proj"] = (q_rows + 2 * kv_rows, hidden)
+            out[mlp + "gate_up_proj.weight"] = (2 * cfg.intermediate_size, hidden)
+        else:
+            projections.update(q_proj=(q_rows, hidden), k_proj=(kv_rows, hidden), v_proj=(kv_rows, hidden))
+            out[mlp + "gate_proj.weight"] = out[mlp + "up_proj.weight"] = (cfg.intermediate_size, hidden)
+        out[mlp + "down_proj.weight"] = (hidden, cfg.intermediate_size)
+        for proj, shape in projections.items():
+            out[attn + proj + ".weight"] = shape
+            if proj != "o_proj" and cfg.attention_bias or proj == "o_proj" and cfg.o_bias:
+                out[attn + proj + ".bias"] = shape[:1]
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if family.sandwich_norms:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for norm in norms:
+            out[layer + norm + ".weight"] = (hidden,)
+        if family.qk_norm:
+            out[attn + "q_norm.weight"] = out[attn + "k_norm.weight"] = (head_dim,)
+    return out
+
+
+def _compare(held: Shapes, expected: Shapes, source: str) -> None:
+    missing = [name for name in expected if name not in held]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UnservableModel(f"{source} does not match its config: {missing[0]}{more} missing")
+    for name, shape in expected.items():
+        if tuple(held[name]) != shape:
+            raise UnservableModel(
+                f"{source} does not match its config: {name} has shape {list(held[name])}, "
+                f"the config implies {list(shape)}"
+            )
+
+
+def _safetensors_shapes(path: str) -> Shapes:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise UnservableModel("no *.safetensors weights in the directory")
+    shapes: Shapes = {}
+    for file in files:
+        for name, shape in _safetensors_header(file).items():
+            for prefix, text_prefix in _MULTIMODAL_PREFIXES.items():
+                if name.startswith(prefix):
+                    name = text_prefix + name[len(prefix) :]
+            shapes[name] = shape
+    return shapes
+
+
+def _safetensors_header(file: str) -> Shapes:
+    """Tensor shapes from a safetensors file's JSON header; also checks the file is whole."""
+    name = os.path.basename(file)
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise UnservableModel(f"{name} is truncated or not safetensors")
+            header = json.loads(f.read(length))
+    except (struct.error, ValueError) as e:
+        raise UnservableModel(f"{name} is not a readable safetensors file: {e}") from None
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = max((v["data_offsets"][1] for v in entries.values()), default=0)
+    if 8 + length + end > size:
+        raise UnservableModel(f"{name} is truncated: {size} bytes of the {8 + length + end} its header needs")
+    return {k: tuple(v["shape"]) for k, v in entries.items()}
