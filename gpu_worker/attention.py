@@ -16,6 +16,11 @@ layer gathers both, already in the [row, kv head, position, dim] layout the matm
 The gather index of each group is built once per forward (`prepare_gather`) and shared by
 every layer.
 
+A layer with a sliding window of w keys (Mistral, Gemma 3's local layers) lets a query at
+position p see keys p - w + 1 .. p. Its masks (`window_bias`, `window_masks`) are built
+once per forward by `prepare_windows` and shared by every layer of that window; the C++
+kernel takes the window itself. The pool keeps every key: only the masks change.
+
 On CPU, groups of one query per row go instead to a C++ kernel that reads each row's keys
 where the pool has them (csrc/paged_decode_attention.cpp, `--decode-attention`): no copy,
 no padding; 3-4x faster per layer than the gather and matmuls in bfloat16 (measured).
@@ -23,7 +28,7 @@ no padding; 3-4x faster per layer than the gather and matmuls in bfloat16 (measu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +47,9 @@ class ExtendRow:
     """Pool indices of all prefix_len + q_len tokens of the row."""
     causal_mask: torch.Tensor | None
     """None when prefix_len == 0 (plain causal)."""
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    """window -> the causal mask cut to the window, bool [q_len, prefix_len + q_len]; set by
+    prepare_windows."""
 
 
 @dataclass
@@ -66,6 +74,9 @@ class DecodeGroup:
     gather_index: torch.Tensor | None = None
     """Rows of the pool viewed as [tokens * 2 * kv_heads, dim], [2, rows, heads', max_kv_len];
     set by prepare_gather."""
+    window_bias: dict[int, torch.Tensor] = field(default_factory=dict)
+    """window -> `bias` with the keys before each query's window also -inf; set by
+    prepare_windows for the groups the torch path computes."""
 
 
 @dataclass
@@ -95,6 +106,17 @@ class AttentionMetadata:
             token = g.kv_indices[None, :, None, :]
             g.gather_index = (token * 2 + kv_or_v) * num_kv_heads + kv_head_of[None, None, :, None]
 
+    def prepare_windows(self, windows: set[int], kernel: DecodeKernel | None = None) -> None:
+        """Builds, once per forward, the masks of each sliding window (in keys) some layer uses."""
+        for window in windows:
+            for g in self.decode_groups:
+                if kernel is None or not kernel_serves(g):
+                    g.window_bias[window] = _window_bias(g.bias, window)
+            for row in self.extend_rows:
+                row.window_masks[window] = windowed_causal_mask(
+                    row.q_len, row.prefix_len, window, row.kv_indices.device
+                )
+
 
 def kernel_serves(g: DecodeGroup) -> bool:
     """The decode kernel computes groups of one query per row (no draft to verify)."""
@@ -109,6 +131,8 @@ def paged_attention(
     meta: AttentionMetadata,
     kv_head_map: torch.Tensor | None = None,
     kernel: DecodeKernel | None = None,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, dim], this step's k/v: [num_tokens, kv_heads, dim] (already in
     kv_cache [pool tokens, 2, kv_heads, dim]; None in a step without extend rows, which
@@ -117,16 +141,21 @@ def paged_attention(
     Query head h reads KV head h // (heads // kv_heads) (SDPA's GQA grouping), unless
     `kv_head_map` gives each query head's KV head: a tensor-parallel rank whose heads
     straddle KV groups (parallel.py); prepare_gather must then have been given the same map.
-    `kernel` (the C++ decode kernel; never with a kv_head_map) serves the groups it can."""
+    `kernel` (the C++ decode kernel; never with a kv_head_map) serves the groups it can.
+    `window`: the layer's sliding window in keys (0: none; prepare_windows must have been
+    given it); `scale`: the score scale (None: dim ** -0.5)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if len(meta.decode_groups) == 1 and meta.decode_groups[0].covers_batch:
         g = meta.decode_groups[0]
-        return _kernel_group(q, kv_cache, g, kernel) if kernel is not None else _decode_group(q, kv_cache, g)
+        if kernel is not None:
+            return _kernel_group(q, kv_cache, g, kernel, scale, window)
+        return _decode_group(q, kv_cache, g, scale, window)
     out = torch.empty_like(q)
     for g in meta.decode_groups:
         if kernel is not None and kernel_serves(g):
-            out.index_copy_(0, g.token_idx[:, 0], _kernel_group(q, kv_cache, g, kernel))
+            out.index_copy_(0, g.token_idx[:, 0], _kernel_group(q, kv_cache, g, kernel, scale, window))
             continue
-        rows = _decode_group(q, kv_cache, g)  # [rows, max_q, heads, dim]
+        rows = _decode_group(q, kv_cache, g, scale, window)  # [rows, max_q, heads, dim]
         if g.token_idx.shape[1] == 1:
             out.index_copy_(0, g.token_idx[:, 0], rows[:, 0])
         else:
@@ -134,17 +163,19 @@ def paged_attention(
     for row in meta.extend_rows:
         assert k is not None and v is not None, "extend rows attend to this step's k and v"
         sl = slice(row.q_start, row.q_start + row.q_len)
-        out[sl] = _extend_row(q[sl], k[sl], v[sl], kv_cache, row, kv_head_map)
+        out[sl] = _extend_row(q[sl], k[sl], v[sl], kv_cache, row, kv_head_map, scale, window)
     return out
 
 
-def _kernel_group(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup, kernel: DecodeKernel) -> torch.Tensor:
+def _kernel_group(
+    q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup, kernel: DecodeKernel, scale: float, window: int
+) -> torch.Tensor:
     """[rows, heads, dim] of a group of one query per row."""
     qs = q if g.covers_batch else q.index_select(0, g.token_idx[:, 0])
-    return kernel(qs, kv_cache, g.kv_indices, g.kv_lens, q.shape[-1] ** -0.5)
+    return kernel(qs, kv_cache, g.kv_indices, g.kv_lens, scale, window)
 
 
-def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup) -> torch.Tensor:
+def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup, scale: float, window: int) -> torch.Tensor:
     """[rows, heads, dim] when the group covers the batch, else [rows, max_q, heads, dim]."""
     assert g.gather_index is not None, "prepare_gather was not called"
     _, rows, heads_kv, max_kv = g.gather_index.shape
@@ -158,7 +189,8 @@ def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup) -> to
     qs = qs.view(rows, max_q, heads_kv, group, dim).transpose(1, 2).reshape(rows, heads_kv, max_q * group, dim)
     scores = torch.matmul(qs, kv[0].transpose(-1, -2)).view(rows, heads_kv, max_q, group, max_kv)
     # bias + scale * scores in one op, in float32 whatever the model's dtype (as the reference does).
-    probs = torch.add(g.bias, scores, alpha=dim**-0.5).softmax(dim=-1).to(q.dtype)
+    bias = g.window_bias[window] if window else g.bias
+    probs = torch.add(bias, scores, alpha=scale).softmax(dim=-1).to(q.dtype)
     out = torch.matmul(probs.view(rows, heads_kv, max_q * group, max_kv), kv[1])
     out = out.view(rows, heads_kv, max_q, group, dim).transpose(1, 2)
     return out.reshape(rows, heads, dim) if g.covers_batch else out.reshape(rows, max_q, heads, dim)
@@ -171,6 +203,8 @@ def _extend_row(
     kv_cache: torch.Tensor,
     row: ExtendRow,
     kv_head_map: torch.Tensor | None,
+    scale: float,
+    window: int,
 ) -> torch.Tensor:
     if row.prefix_len:
         kv = kv_cache.index_select(0, row.kv_indices)  # [n, 2, kv_heads, dim]
@@ -178,10 +212,26 @@ def _extend_row(
     if kv_head_map is not None:
         k, v = k.index_select(1, kv_head_map), v.index_select(1, kv_head_map)
     qe, ke, ve = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    mask = row.window_masks[window] if window else row.causal_mask
     oe = F.scaled_dot_product_attention(
-        qe, ke, ve, attn_mask=row.causal_mask, is_causal=row.causal_mask is None, enable_gqa=True
+        qe, ke, ve, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
     )
     return oe.squeeze(0).transpose(0, 1)
+
+
+def _window_bias(bias: torch.Tensor, window: int) -> torch.Tensor:
+    """`bias` ([rows, 1, max_q, 1, max_kv]) with keys j < visible - window also -inf, where
+    `visible` counts the keys a query sees (j <= prefix + i: its 0 entries)."""
+    visible = (bias == 0).sum(dim=-1, keepdim=True)
+    before_window = torch.arange(bias.shape[-1], device=bias.device) < visible - window
+    return bias.masked_fill(before_window, float("-inf"))
+
+
+def windowed_causal_mask(q_len: int, prefix_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """Query i (at position prefix_len + i) sees keys prefix_len + i - window + 1 .. prefix_len + i."""
+    kv = torch.arange(prefix_len + q_len, device=device)
+    qpos = torch.arange(q_len, device=device)[:, None] + prefix_len
+    return (kv[None, :] <= qpos) & (kv[None, :] > qpos - window)
 
 
 def shifted_causal_mask(q_len: int, prefix_len: int, device: torch.device) -> torch.Tensor:

@@ -6,15 +6,18 @@
   batches on weights packed for AVX512-BF16 (packed_linear.py uses it);
 - the elementwise steps of a layer, one op each (model.py, `ElementwiseKernels`):
   `torch.ops.trident.rms_norm` and `.add_rms_norm` (csrc/rms_norm.cpp: RMSNorm in one
-  pass, after the residual add), `.silu_and_mul`, `.rotary` and `.rotary_write_kv`
+  pass, after the residual add; LLaMA's x*w or Gemma's x*(1+w)), `.silu_and_mul` and
+  `.gelu_tanh_and_mul` (SwiGLU, GeGLU), `.rotary` and `.rotary_write_kv`
   (csrc/layer_elementwise.cpp);
 - `torch.ops.trident.greedy_argmax` (csrc/greedy_argmax.cpp): each row's greedy token from
   bf16 logits (sampler.py, `SamplingTable.argmax`).
 
 The first use compiles the files with torch's extension builder (~30 s on two cores; the
-result is cached under ~/.cache/torch_extensions, keyed by the sources, so later starts
-take well under a second). Without a compiler the loaders return None and the worker
-keeps its torch paths, and says so.
+result is cached under ~/.cache/trident/cpu_kernels (XDG_CACHE_HOME), so later starts take
+well under a second, from a checkout or an installed wheel alike). On a CPU the kernels are
+made for (AVX2, AVX-512) a failed build is an error at start-up; only `--decode-attention
+torch` (require_kernels) turns it into a warning and the worker's torch paths. Elsewhere
+the loaders return None.
 
 The build targets the instruction set torch itself dispatches to on this CPU (AVX-512,
 AVX2 or none), and the cache entry is named after it: a cache shared by machines of
@@ -27,6 +30,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,7 +63,8 @@ ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
+"""(q, kv_cache, kv_indices, kv_lens, scale, window) -> out; window 0: every key of the row."""
 
 
 @dataclass(frozen=True)
@@ -76,12 +83,15 @@ class ElementwiseKernels:
     """The C++ ops for the elementwise steps of a decoder layer; model.py runs them in eager
     steps (compiled graphs fuse the torch ops themselves)."""
 
-    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    """(x, weight, eps) -> RMSNorm(x), in the reference's rounding order."""
-    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
-    """(x, delta, weight, eps) -> (x + delta, RMSNorm(x + delta))."""
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]
+    """(x, weight, eps, unit_offset) -> RMSNorm(x), in the reference's rounding order;
+    unit_offset: scaled by (1 + weight) in float32 (Gemma)."""
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, bool], tuple[torch.Tensor, torch.Tensor]]
+    """(x, delta, weight, eps, unit_offset) -> (x + delta, RMSNorm(x + delta))."""
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     """gate_up [rows, 2 * inter] -> silu(gate) * up [rows, inter]."""
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    """gate_up [rows, 2 * inter] -> gelu_tanh(gate) * up [rows, inter] (GeGLU)."""
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     """(x [tokens, heads, dim], cos, signed_sin [tokens, 1, dim]) -> the rotated x, contiguous."""
     rotary_write_kv: Callable[..., torch.Tensor]
@@ -91,9 +101,11 @@ class ElementwiseKernels:
 
 _built: bool | None = None
 """None: not tried in this process; False: the build failed."""
+_required = True
+"""A failed build on an AVX2 or AVX-512 CPU raises KernelBuildError (require_kernels)."""
 
 
-def _decode_attention_fake(q, kv_cache, kv_indices, kv_lens, scale):
+def _decode_attention_fake(q, kv_cache, kv_indices, kv_lens, scale, window=0):
     return torch.empty_like(q)
 
 
@@ -113,15 +125,15 @@ def _greedy_argmax_fake(logits):
     return logits.new_empty(logits.shape[0], dtype=torch.long)
 
 
-def _rms_norm_fake(x, weight, eps):
+def _rms_norm_fake(x, weight, eps, unit_offset=False):
     return torch.empty_like(x)
 
 
-def _add_rms_norm_fake(x, delta, weight, eps):
+def _add_rms_norm_fake(x, delta, weight, eps, unit_offset=False):
     return torch.empty_like(x), torch.empty_like(x)
 
 
-def _silu_and_mul_fake(gate_up):
+def _gated_activation_fake(gate_up):
     return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
 
@@ -139,6 +151,44 @@ def wants_decode_kernel(setting: str, device: torch.device) -> bool:
     return setting != "torch" and device.type == "cpu"
 
 
+class KernelBuildError(RuntimeError):
+    """The C++ kernels failed to build on a CPU they are made for: a start-up error."""
+
+
+def require_kernels(required: bool) -> None:
+    """Whether a failed build is an error (the default) or falls back to torch ops with a
+    warning; the worker passes False only for `--decode-attention torch`, the opt-out."""
+    global _required
+    _required = required
+
+
+def kernel_cache_dir(isa: str) -> str:
+    """The build directory in the user's cache (never site-packages), one per torch version
+    and ISA: a checkout and an installed wheel share it, and ninja rebuilds what changed."""
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "trident", "cpu_kernels", f"torch{torch.__version__}-{isa.lower()}")
+
+
+def _copy_sources(build_dir: str) -> list[str]:
+    """The sources copied into the build directory where their contents differ (atomically),
+    so ninja sees the same paths whichever copy of the package asked for the build."""
+    src = os.path.join(build_dir, "src")
+    os.makedirs(src, exist_ok=True)
+    for name in os.listdir(CSRC):
+        with open(os.path.join(CSRC, name), "rb") as f:
+            content = f.read()
+        target = os.path.join(src, name)
+        if os.path.exists(target):
+            with open(target, "rb") as f:
+                if f.read() == content:
+                    continue
+        fd, tmp = tempfile.mkstemp(dir=src)
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+        os.replace(tmp, target)
+    return [os.path.join(src, os.path.basename(path)) for path in SOURCES]
+
+
 def _build() -> bool:
     global _built
     if _built is not None:
@@ -146,19 +196,32 @@ def _build() -> bool:
     from torch.utils import cpp_extension
 
     isa = torch.backends.cpu.get_cpu_capability()
+    cflags = [*COMMON_FLAGS, *ISA_FLAGS.get(isa, [])]
     t0 = time.monotonic()
-    logger.info("loading the C++ CPU kernels (%s; the first build takes ~30 s)", isa)
     try:
+        build_dir = kernel_cache_dir(isa)
+        logger.info("loading the C++ CPU kernels (%s, %s; the first build takes ~30 s)", isa, build_dir)
+        sources = _copy_sources(build_dir)
+        if shutil.which("ninja") is None:  # an installed venv run without activating it holds ninja in its bin/
+            os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         cpp_extension.load(
             name=f"trident_cpu_kernels_{isa.lower()}",
-            sources=SOURCES,
-            extra_include_paths=[CSRC],
-            extra_cflags=[*COMMON_FLAGS, *ISA_FLAGS.get(isa, [])],
+            sources=sources,
+            extra_include_paths=[os.path.dirname(sources[0])],
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
+            build_directory=build_dir,
             is_python_module=False,
             verbose=False,
         )
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, or a failed build
+        if _required and isa in ISA_FLAGS:
+            why = (str(e).strip().splitlines() or [repr(e)])[-1]
+            raise KernelBuildError(
+                f"the C++ CPU kernels failed to build ({why}); "
+                "install a C++ compiler with OpenMP (g++) and ninja, or pass --decode-attention torch to run "
+                "torch ops instead"
+            ) from e
         logger.warning("C++ CPU kernels unavailable (%s): the worker runs torch ops instead", e)
         _built = False
         return False
@@ -170,7 +233,8 @@ def _build() -> bool:
     torch.library.register_fake("trident::greedy_argmax")(_greedy_argmax_fake)
     torch.library.register_fake("trident::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("trident::add_rms_norm")(_add_rms_norm_fake)
-    torch.library.register_fake("trident::silu_and_mul")(_silu_and_mul_fake)
+    torch.library.register_fake("trident::silu_and_mul")(_gated_activation_fake)
+    torch.library.register_fake("trident::gelu_tanh_and_mul")(_gated_activation_fake)
     torch.library.register_fake("trident::rotary")(_rotary_fake)
     torch.library.register_fake("trident::rotary_write_kv")(_rotary_write_kv_fake)
     _built = True
@@ -215,4 +279,6 @@ def load_elementwise_kernels() -> ElementwiseKernels | None:
     if not _build():
         return None
     ops = torch.ops.trident
-    return ElementwiseKernels(ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.rotary, ops.rotary_write_kv)
+    return ElementwiseKernels(
+        ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.gelu_tanh_and_mul, ops.rotary, ops.rotary_write_kv
+    )

@@ -5,7 +5,8 @@ Python around ~300 C++ op calls. Most of that Python is the module tree, not the
 eight `nn.Module.__call__` and ~11 submodule lookups per layer, each a microsecond or more.
 Here each layer is a tuple of its weights' call targets, gathered once, and the loop calls
 the ops directly. The residual add at the end of a layer goes into the next layer's input
-norm (`add_rms_norm`), one op fewer per layer.
+norm (`add_rms_norm`), one op fewer per layer. The family's parts (q/k norms, GeGLU,
+sandwich norms, a rope and a window per layer) travel in the tuple.
 
 The ops and their order are the module path's (model.py), so the results are the same
 bits; tests/test_flat_decode.py checks the logits of both paths for equality.
@@ -40,25 +41,46 @@ def rows_linear(module: nn.Module) -> RowsLinear:
 
 
 class FlatLayer(NamedTuple):
-    """One decoder layer's weights and linear calls, gathered from its modules."""
+    """One decoder layer's weights and calls, gathered from its modules."""
 
     input_norm: torch.Tensor
     qkv_proj: RowsLinear
+    norm_qk: Callable[[torch.Tensor], torch.Tensor]
+    """Attention.norm_qk: per-head q/k norms where the family has them."""
     o_proj: RowsLinear
-    post_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    """LLaMA: the MLP's input norm; sandwich norms: the norm of the attention output."""
+    pre_feedforward_norm: torch.Tensor | None
+    """Sandwich norms only (Gemma 3): the MLP's input norm."""
     gate_up_proj: RowsLinear
+    activate: Callable[[torch.Tensor], torch.Tensor]
+    """MLP.activate: SwiGLU or GeGLU through the C++ op."""
     down_proj: RowsLinear
+    post_feedforward_norm: torch.Tensor | None
+    """Sandwich norms only: the norm of the MLP output."""
+    rope: int
+    """Index of the layer's rotary tables in the model's list."""
+    window: int
+    scale: float
 
     @classmethod
-    def of(cls, layer: DecoderLayer) -> FlatLayer:
+    def of(cls, layer: DecoderLayer, rope: int) -> FlatLayer:
         attn, mlp = layer.self_attn, layer.mlp
+        pre_ffn, post_ffn = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
         return cls(
             layer.input_layernorm.weight,
             rows_linear(attn.qkv_proj),
+            attn.norm_qk,
             rows_linear(attn.o_proj),
             layer.post_attention_layernorm.weight,
+            None if pre_ffn is None else pre_ffn.weight,
             rows_linear(mlp.gate_up_proj),
+            mlp.activate,
             rows_linear(mlp.down_proj),
+            None if post_ffn is None else post_ffn.weight,
+            rope,
+            attn.window,
+            attn.scale,
         )
 
 
@@ -69,15 +91,16 @@ class FlatDecodeLoop:
     def __init__(
         self,
         layers: Sequence[DecoderLayer],
+        rope_of_layer: Sequence[int],
         kernels: ElementwiseKernels,
         decode_kernel: DecodeKernel | None,
-        eps: float,
     ) -> None:
-        attn = layers[0].self_attn
-        self.layers = [FlatLayer.of(layer) for layer in layers]
+        attn, norm = layers[0].self_attn, layers[0].input_layernorm
+        self.layers = [FlatLayer.of(layer, rope) for layer, rope in zip(layers, rope_of_layer, strict=True)]
         self.kernels = kernels
         self.decode_kernel = decode_kernel
-        self.eps = eps
+        self.eps = norm.eps
+        self.unit_offset = norm.unit_offset
         self.num_heads = attn.num_heads
         self.num_kv_heads = attn.num_kv_heads
         self.q_size = attn.q_size
@@ -85,23 +108,30 @@ class FlatDecodeLoop:
     def run(
         self,
         x: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
+        rotary_tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
         kv_caches: Sequence[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """x [rows, hidden] after the embedding -> the residual stream after the last layer."""
-        ops, eps, loc = self.kernels, self.eps, meta.out_cache_loc
-        cos, signed_sin = rotary
+        ops, eps, unit, loc = self.kernels, self.eps, self.unit_offset, meta.out_cache_loc
         delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if delta is None:
-                h = ops.rms_norm(x, layer.input_norm, eps)
+                h = ops.rms_norm(x, layer.input_norm, eps, unit)
             else:
-                x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps)
-            qkv = layer.qkv_proj(h)
+                x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps, unit)
+            qkv = layer.norm_qk(layer.qkv_proj(h))
+            cos, signed_sin = rotary_tables[layer.rope]
             q = ops.rotary_write_kv(qkv, cos, signed_sin, kv_cache, loc, self.num_heads, self.num_kv_heads)
-            out = paged_attention(q, None, None, kv_cache, meta, None, self.decode_kernel)
-            x, h = ops.add_rms_norm(x, layer.o_proj(out.reshape(-1, self.q_size)), layer.post_norm, eps)
-            delta = layer.down_proj(ops.silu_and_mul(layer.gate_up_proj(h)))
+            out = paged_attention(q, None, None, kv_cache, meta, None, self.decode_kernel, layer.window, layer.scale)
+            attn = layer.o_proj(out.reshape(-1, self.q_size))
+            if layer.pre_feedforward_norm is None or layer.post_feedforward_norm is None:
+                x, h = ops.add_rms_norm(x, attn, layer.post_attention_norm, eps, unit)
+                delta = layer.down_proj(layer.activate(layer.gate_up_proj(h)))
+            else:
+                attn = ops.rms_norm(attn, layer.post_attention_norm, eps, unit)
+                x, h = ops.add_rms_norm(x, attn, layer.pre_feedforward_norm, eps, unit)
+                mlp_out = layer.down_proj(layer.activate(layer.gate_up_proj(h)))
+                delta = ops.rms_norm(mlp_out, layer.post_feedforward_norm, eps, unit)
         assert delta is not None, "a model has at least one layer"
         return x + delta

@@ -1,8 +1,10 @@
-"""A LLaMA-family decoder in plain torch, reading and writing the paged KV pool.
+"""The decoder of every family we serve, in plain torch, reading and writing the paged KV pool.
 
 RMSNorm, rotary embeddings (half-split, as Hugging Face checkpoints store q/k),
-grouped-query attention, SwiGLU MLP, optional q/k/v bias (Qwen2), tied or separate LM
-head. q/k/v and gate/up are fused into one matmul each. Attention itself lives in
+grouped-query attention, a gated MLP, tied or separate LM head; q/k/v and gate/up are
+fused into one matmul each. What a family switches on (Gemma's (1 + w) norms and four
+norms a layer, GeGLU, q/k norms, biases, embedding scale, a rope and a sliding window per
+layer) is described in families.py and read here from `cfg.quirks` and `ModelConfig`. Attention itself lives in
 `attention.py`; this file only says what a layer does. On CPU, plain decode steps run the
 same ops from one flat loop (`flat_decode.py`): keep the two in step (a test compares them).
 
@@ -26,6 +28,9 @@ from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.packed_linear import PackedLinear, WideningBf16Linear, replace_linear_layers
 from gpu_worker.parallel import ShardPlan, TPGroup
+from gpu_worker.rope import RotaryEmbedding
+
+__all__ = ["LlamaForCausalLM", "RMSNorm", "RotaryEmbedding", "apply_rotary"]
 
 
 def eager_kernels(kernels: ElementwiseKernels | None) -> ElementwiseKernels | None:
@@ -39,40 +44,29 @@ class RMSNorm(nn.Module):
     F.rms_norm is one fused kernel where the reference spells out six ops, and the C++ op
     (csrc/rms_norm.cpp) does all of it in one pass."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
+        """Scale by (1 + weight), multiplied in float32 before the cast (Gemma's order)."""
         self.kernels: ElementwiseKernels | None = None
         """The C++ ops (cpu_kernels.py), set by the model on CPU; None: torch ops."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels := eager_kernels(self.kernels):
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+            return kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta)): a residual add and the next sublayer's input."""
         if kernels := eager_kernels(self.kernels):
-            return kernels.add_rms_norm(x, delta, self.weight, self.eps)
+            return kernels.add_rms_norm(x, delta, self.weight, self.eps, self.unit_offset)
         x = x + delta
         return x, self(x)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables indexed by position; computed in float32 as the reference does."""
-
-    def __init__(self, head_dim: int, theta: float, max_position: int) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos().repeat(1, 2), persistent=False)
-        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: the sign lives in the table.
-        self.register_buffer("signed_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/signed sin for this batch's positions, looked up once per forward, shared by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.signed_sin[positions].unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -96,8 +90,14 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.window = cfg.window_of(layer_id)
+        """Keys a query sees, counting itself (0: all): the layer's sliding window."""
+        self.scale = cfg.attention_scale
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        unit_offset = cfg.quirks.norm_unit_offset
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, unit_offset) if cfg.quirks.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, unit_offset) if cfg.quirks.qk_norm else None
         kv_map = None if plan.uniform_gqa else torch.tensor(plan.kv_of_head, dtype=torch.int64)
         self.register_buffer("kv_head_map", kv_map, persistent=False)
         self.decode_kernel: DecodeKernel | None = None
@@ -113,7 +113,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """kv_cache: this layer's tensor of the pool (kv_pool.py)."""
-        qkv = self.qkv_proj(x)
+        qkv = self.norm_qk(self.qkv_proj(x))
         kernels = eager_kernels(self.kernels)
         if kernels is not None and not meta.extend_rows:
             # A decode step reads K/V from the pool only: one op rotates q and writes the new
@@ -127,8 +127,20 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
             write_kv(kv_cache, meta.out_cache_loc, k, v)
-        out = paged_attention(q, k, v, kv_cache, meta, self.kv_head_map, self.decode_kernel)
+        out = paged_attention(
+            q, k, v, kv_cache, meta, self.kv_head_map, self.decode_kernel, self.window, self.scale
+        )
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+
+    def norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with each q and k head RMS-normalised (Qwen3, Gemma 3), before the rotary;
+        unchanged where the family has no q/k norm."""
+        if self.q_norm is None or self.k_norm is None:
+            return qkv
+        tokens = qkv.shape[0]
+        q = self.q_norm(qkv[:, : self.q_size].reshape(-1, self.head_dim)).view(tokens, self.q_size)
+        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, self.head_dim))
+        return torch.cat((q, k.view(tokens, self.kv_size), qkv[:, self.q_size + self.kv_size :]), dim=-1)
 
 
 class MLP(nn.Module):
@@ -140,32 +152,46 @@ class MLP(nn.Module):
         self.intermediate_size = plan.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
+        self.activation = cfg.activation
+        """"silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
         self.kernels: ElementwiseKernels | None = None
-        """The C++ silu_and_mul (cpu_kernels.py), set by the model on CPU; None: torch ops."""
+        """The C++ gated activations (cpu_kernels.py), set by the model on CPU; None: torch ops."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.tp.all_reduce(self.down_proj(self.activate(self.gate_up_proj(x))))
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """activation(gate) * up."""
+        gelu = self.activation == "gelu_tanh"
         if kernels := eager_kernels(self.kernels):
-            activated = kernels.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            activated = F.silu(gate) * up
-        return self.tp.all_reduce(self.down_proj(activated))
+            return kernels.gelu_tanh_and_mul(gate_up) if gelu else kernels.silu_and_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 
 
 class DecoderLayer(nn.Module):
+    """LLaMA: x += attn(input_norm(x)); x += mlp(post_attention_norm(x)). With the family's
+    sandwich norms (Gemma 3): x += post_attention_norm(attn(input_norm(x)));
+    x += post_feedforward_norm(mlp(pre_feedforward_norm(x)))."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, plan: ShardPlan, tp: TPGroup) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        eps, unit_offset = cfg.rms_norm_eps, cfg.quirks.norm_unit_offset
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset)
         self.self_attn = Attention(cfg, layer_id, plan, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset)
         self.mlp = MLP(cfg, plan, tp)
+        sandwich = cfg.quirks.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset) if sandwich else None
 
     def forward(self, x, rotary, kv_cache, meta):
-        x, h = self.post_attention_layernorm.add_and_norm(
-            x, self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
-        )
-        return x + self.mlp(h)
+        attn = self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x, h = self.post_attention_layernorm.add_and_norm(x, attn)
+            return x + self.mlp(h)
+        x, h = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(attn))
+        return x + self.post_feedforward_layernorm(self.mlp(h))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -177,8 +203,14 @@ class LlamaForCausalLM(nn.Module):
         rows = self.plan.vocab_rows
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.plan, self.tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.quirks.norm_unit_offset)
+        specs = [cfg.rope_of(i) for i in range(cfg.num_layers)]
+        distinct = list(dict.fromkeys(specs))
+        self.rope = nn.ModuleList(RotaryEmbedding(cfg.head_dim, spec, cfg.max_position) for spec in distinct)
+        """One table per distinct rope (Gemma 3: local and global); kept in float32 by the worker."""
+        self.rope_of_layer = [distinct.index(spec) for spec in specs]
+        self.windows = {cfg.window_of(i) for i in range(cfg.num_layers)} - {0}
+        """The sliding windows some layer uses: their masks are built once per forward."""
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False)
         # The pool's KV head behind each head of the decode gather: one per KV head, or one per
         # query head when this rank's heads straddle KV groups.
@@ -218,13 +250,13 @@ class LlamaForCausalLM(nn.Module):
         ):
             return None
         if self._flat_decode is None:
-            self._flat_decode = FlatDecodeLoop(self.layers, kernels, self.decode_kernel, self.cfg.rms_norm_eps)
+            self._flat_decode = FlatDecodeLoop(self.layers, self.rope_of_layer, kernels, self.decode_kernel)
         return self._flat_decode
 
     def use_elementwise_kernels(self, kernels: ElementwiseKernels | None) -> None:
         """Norms, rotary and SwiGLU through the C++ ops in eager steps (None: torch ops)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
+            if isinstance(module, RMSNorm | Attention | MLP):
                 module.kernels = kernels
         self._flat_decode = None
 
@@ -251,17 +283,23 @@ class LlamaForCausalLM(nn.Module):
         """Runs the flat token batch; returns the logits (in the model's dtype: the sampler
         converts them when it needs float32) of the rows in logits_indices."""
         x = self.tp.embed(input_ids, self.embed_tokens.weight, self.plan.vocab)
+        if self.cfg.quirks.embed_scale:
+            x = x * torch.tensor(self.cfg.hidden_size**0.5).to(x.dtype)  # float32, then the dtype: Gemma's rounding
         meta.prepare_gather(self.plan.num_kv_heads, self.gather_kv_heads, self.decode_kernel)
-        rotary = self.rope.tables(positions, x.dtype)
+        meta.prepare_windows(self.windows, self.decode_kernel)
+        tables = [rope.tables(positions, x.dtype) for rope in self.rope]
         if (flat := self._flat_decode_loop(meta)) is not None:
-            x = flat.run(x, rotary, kv_pool.kv, meta)
+            x = flat.run(x, tables, kv_pool.kv, meta)
         else:
             run = self.decode_layer if self.decode_layer is not None and runs_compiled(meta) else run_layer
-            for layer, kv_cache in zip(self.layers, kv_pool.kv):
-                x = run(layer, x, rotary, kv_cache, meta)
+            for layer, kv_cache, rope in zip(self.layers, kv_pool.kv, self.rope_of_layer, strict=True):
+                x = run(layer, x, tables[rope], kv_cache, meta)
         x = self.norm(x[logits_indices])
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
-        return self.tp.gather_vocab(logits, self.cfg.vocab_size)
+        logits = self.tp.gather_vocab(logits, self.cfg.vocab_size)
+        if cap := self.cfg.final_logit_softcap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def quantize_weights_int8(self) -> None:
         """Every linear layer and the LM head to weight-only int8 (int8_weights.py); call
@@ -288,8 +326,10 @@ class LlamaForCausalLM(nn.Module):
         self._flat_decode = None
 
     def load_weights(self, weights) -> None:
-        """Takes (name, tensor) pairs in Hugging Face LLaMA names (full, unsharded tensors);
-        fuses q/k/v and gate/up and keeps only this rank's slice of each sharded weight."""
+        """Takes (name, tensor) pairs in Hugging Face names (full, unsharded tensors); fuses
+        q/k/v and gate/up and keeps only this rank's slice of each sharded weight."""
+        if self.cfg.quirks.fused_checkpoint:
+            weights = split_fused_weights(weights, self.cfg)
         params = dict(self.named_parameters())
         plan, hd = self.plan, self.cfg.head_dim
         q, kv, inter = plan.num_heads * hd, plan.num_kv_heads * hd, plan.intermediate_size
@@ -308,8 +348,13 @@ class LlamaForCausalLM(nn.Module):
         vocab = (plan.vocab[0], plan.vocab[1] - plan.vocab[0])
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            # Gemma 3's multimodal checkpoints hold the decoder under language_model.
+            name = name.removeprefix("model.").removeprefix("language_model.").removeprefix("model.")
+            if (
+                "rotary_emb" in name
+                or (name == "lm_head.weight" and self.lm_head is None)
+                or name.startswith(("vision_tower.", "multi_modal_projector."))
+            ):
                 continue
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in fused:
@@ -317,6 +362,10 @@ class LlamaForCausalLM(nn.Module):
                 name = ".".join(parts[:-2] + [target, parts[-1]])
                 tensor = tensor.narrow(0, start, length)
                 dst = params[name].data.narrow(0, offset, length)
+            elif len(parts) >= 2 and parts[-2] in row_parallel and parts[-1] == "bias" and name in params:
+                # The all-reduce sums the ranks' outputs: one rank adds the bias.
+                tensor = tensor if plan.rank == 0 else torch.zeros_like(tensor)
+                dst = params[name].data
             elif len(parts) >= 2 and parts[-2] in row_parallel and name in params:
                 tensor = tensor.narrow(1, *row_parallel[parts[-2]])
                 dst = params[name].data
@@ -333,3 +382,23 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
+
+
+def split_fused_weights(weights, cfg: ModelConfig):
+    """Phi-3's fused qkv_proj and gate_up_proj tensors as the q/k/v and gate/up tensors
+    load_weights slices and fuses for this rank."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    splits = {
+        "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+        "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)),
+    }
+    for name, tensor in weights:
+        parts = name.split(".")
+        if len(parts) < 2 or parts[-2] not in splits:
+            yield name, tensor
+            continue
+        sizes = splits[parts[-2]]
+        if tensor.shape[0] != sum(size for _, size in sizes):
+            raise ValueError(f"{name}: {tensor.shape[0]} rows, the config gives {sum(s for _, s in sizes)}")
+        for (part, _), piece in zip(sizes, tensor.split([size for _, size in sizes]), strict=True):
+            yield ".".join([*parts[:-2], part, parts[-1]]), piece

@@ -127,8 +127,10 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables of one RopeSpec indexed by position, in float32 as the reference does."""
 
-    def __init__(self, head_dim: int, spec: RopeSpec, max_position: int) -> None:
+    def __init__(self, head_dim: int, spec: RopeSpec | float, max_position: int) -> None:
+        """spec: the layer's rope, or just its base (default rope type)."""
         super().__init__()
+        spec = spec if isinstance(spec, RopeSpec) else RopeSpec(float(spec))
         inv_freq, scale = spec.inv_freq_and_scale(head_dim)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos() * scale, freqs.sin() * scale

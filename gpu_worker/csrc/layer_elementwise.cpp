@@ -1,5 +1,5 @@
 // The elementwise steps of a decoder layer between its matmuls, one op each instead of
-// several: SwiGLU's silu(gate) * up, the rotary embedding of q and k, and (in decode steps)
+// several: SwiGLU's silu(gate) * up (GeGLU's gelu_tanh(gate) * up for Gemma), the rotary embedding of q and k, and (in decode steps)
 // that rotary together with the write of the new K and V into the pool.
 //
 // In torch, SwiGLU is split + silu + mul and the rotary is mul + cat + mul + add over
@@ -11,7 +11,7 @@
 // The build (cpu_kernels.py) turns off contracting a * b + c into one fused multiply-add:
 // torch rounds the product first, and so must the rotary's float32 path to give its bits.
 //
-// Registered as torch.ops.trident.silu_and_mul, .rotary and .rotary_write_kv (fake kernels
+// Registered as torch.ops.trident.silu_and_mul, .gelu_tanh_and_mul, .rotary and .rotary_write_kv (fake kernels
 // in cpu_kernels.py).
 
 #include <ATen/Parallel.h>
@@ -38,13 +38,24 @@ inline float silu(float x) {
   return x * ((x >= 0.f ? 1.f : e) / (1.f + e));
 }
 
-// gate_up [rows, 2 * inter] (gate, then up) -> silu(gate) * up [rows, inter].
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul: gate_up [rows, 2 * inter]");
+// gelu with the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as
+// torch's approximate="tanh"; tanh from exp(-2|y|) so that the exponential never overflows.
+inline float gelu_tanh(float x) {
+  const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const float e = exp_nonpositive(-2.f * (inner < 0.f ? -inner : inner));
+  const float magnitude = (1.f - e) / (1.f + e);
+  return 0.5f * x * (1.f + (inner < 0.f ? -magnitude : magnitude));
+}
+
+// gate_up [rows, 2 * inter] (gate, then up) -> activation(gate) * up [rows, inter]; the
+// activation rounds to the dtype before the product, as torch's two ops do.
+template <float (*activation)(float)>
+at::Tensor gated_activation(const at::Tensor& gate_up, const char* op) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op, ": gate_up [rows, 2 * inter]");
   const at::Tensor in = gate_up.contiguous();
   const int64_t rows = in.size(0), inter = in.size(1) / 2;
   at::Tensor out = at::empty({rows, inter}, in.options());
-  dispatch_float_dtype(in, "silu_and_mul", [&](auto zero, auto element) {
+  dispatch_float_dtype(in, op, [&](auto zero, auto element) {
     using storage_t = decltype(zero);
     const storage_t* src = bits_of<storage_t, decltype(element)>(in);
     storage_t* dst = bits_of<storage_t, decltype(element)>(out);
@@ -55,13 +66,19 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
         storage_t* o = dst + row * inter;
 #pragma omp simd
         for (int64_t i = 0; i < inter; ++i) {
-          const float activated = widen(round_to<storage_t>(silu(widen(gate[i]))));
+          const float activated = widen(round_to<storage_t>(activation(widen(gate[i]))));
           o[i] = round_to<storage_t>(activated * widen(up[i]));
         }
       }
     });
   });
   return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) { return gated_activation<silu>(gate_up, "silu_and_mul"); }
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) {
+  return gated_activation<gelu_tanh>(gate_up, "gelu_tanh_and_mul");
 }
 
 // One head of one token: x * cos + swap_halves(x) * signed_sin into o (dim values).
@@ -163,6 +180,7 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
 
 TORCH_LIBRARY_FRAGMENT(trident, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
   m.def(
       "rotary_write_kv(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor loc, int heads, "
@@ -171,6 +189,7 @@ TORCH_LIBRARY_FRAGMENT(trident, m) {
 
 TORCH_LIBRARY_IMPL(trident, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("rotary", &rotary);
   m.impl("rotary_write_kv", &rotary_write_kv);
 }

@@ -16,6 +16,9 @@
 // vectorises. Measured on 2 Zen 4 cores, per layer at 32 rows x 256-512 keys in bfloat16:
 // 0.22-0.73 ms against the torch path's 0.82-2.52 ms (docs/benchmarks.md).
 //
+// A sliding window (Mistral, Gemma 3's local layers) is a row's last `window` keys: the
+// same loops over a shorter span of its indices; 0 means the whole row.
+//
 // Registered as torch.ops.trident.paged_decode_attention (a fake kernel for tracing is in
 // cpu_kernels.py), so torch.compile treats it as one opaque op.
 
@@ -60,6 +63,9 @@ inline void widen(const c10::Half* src, float* dst, int64_t n) {
 // Tokens ahead to prefetch: a row's pool entries are scattered (page size 1, rows decoding
 // side by side), so each is a fresh trip to memory (~100 ns) against ~20 ns of work a token.
 constexpr int64_t kPrefetchAhead = 16;
+
+// The first of a row's `len` keys its query sees: the last `window` of them (0: all).
+inline int64_t window_start(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
 
 // Scores to probabilities, in place, over one query head's `len` keys.
 inline void softmax_in_place(float* p, int64_t len) {
@@ -205,7 +211,7 @@ void decode_item_bf16_d64(const uint16_t* q, float scale, const uint16_t* kv, co
 template <int kGroup>
 void decode_rows_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* kv_indices,
                           const int64_t* kv_lens, c10::BFloat16* out, int64_t rows, int64_t kv_heads, int64_t max_kv,
-                          double scale) {
+                          double scale, int64_t window) {
   constexpr int64_t dim = 64;
   const int64_t heads = kv_heads * kGroup, token_stride = 2 * kv_heads * dim;
   const auto* q_bits = reinterpret_cast<const uint16_t*>(q);
@@ -215,8 +221,10 @@ void decode_rows_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kv, const
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / kv_heads, kv_head = item % kv_heads;
       const int64_t first_head = kv_head * kGroup;
+      const int64_t first_key = window_start(kv_lens[row], window);
       decode_item_bf16_d64<kGroup>(q_bits + (row * heads + first_head) * dim, static_cast<float>(scale), kv_bits,
-                                   kv_indices + row * max_kv, kv_lens[row], token_stride, kv_head * dim,
+                                   kv_indices + row * max_kv + first_key, kv_lens[row] - first_key, token_stride,
+                                   kv_head * dim,
                                    (kv_heads + kv_head) * dim, probs.data(), result.data());
       c10::BFloat16* dst = out + (row * heads + first_head) * dim;
       for (int64_t i = 0; i < kGroup * dim; ++i) dst[i] = static_cast<c10::BFloat16>(result[i]);
@@ -226,11 +234,11 @@ void decode_rows_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kv, const
 
 // The query heads per KV head that have a fast path; others take decode_rows.
 bool decode_bf16_d64(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const at::Tensor& lens,
-                     at::Tensor& out, double scale) {
+                     at::Tensor& out, double scale, int64_t window) {
   const int64_t rows = q.size(0), kv_heads = kv.size(2), group = q.size(1) / kv_heads;
   const auto run = [&](auto kernel) {
     kernel(q.data_ptr<c10::BFloat16>(), kv.data_ptr<c10::BFloat16>(), idx.data_ptr<int64_t>(),
-           lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), rows, kv_heads, idx.size(1), scale);
+           lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), rows, kv_heads, idx.size(1), scale, window);
     return true;
   };
   switch (group) {
@@ -245,12 +253,12 @@ bool decode_bf16_d64(const at::Tensor& q, const at::Tensor& kv, const at::Tensor
 #endif
 
 
-// kDim: the head dim as a compile-time constant (the common 64 and 128, so that the
+// kDim: the head dim as a compile-time constant (the common 64, 128 and 256, so that the
 // compiler unrolls the per-head loops into registers), or 0 for any other, read from `dim`.
 template <typename scalar_t, int64_t kDim>
 void decode_rows(const scalar_t* q, const scalar_t* kv, const int64_t* kv_indices, const int64_t* kv_lens,
                  scalar_t* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t runtime_dim, int64_t max_kv,
-                 double scale) {
+                 double scale, int64_t window) {
   const int64_t dim = kDim ? kDim : runtime_dim;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = 2 * kv_heads * dim;  // pool layout [pool tokens, 2 (K, V), kv_heads, dim]
@@ -259,8 +267,9 @@ void decode_rows(const scalar_t* q, const scalar_t* kv, const int64_t* kv_indice
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads * dim), acc(heads * dim), kvf(half), probs(heads * max_kv);
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t len = kv_lens[row];
-      const int64_t* tokens = kv_indices + row * max_kv;
+      const int64_t first_key = window_start(kv_lens[row], window);
+      const int64_t len = kv_lens[row] - first_key;
+      const int64_t* tokens = kv_indices + row * max_kv + first_key;
       const scalar_t* q_row = q + row * heads * dim;
       for (int64_t i = 0; i < heads * dim; ++i) qf[i] = static_cast<float>(q_row[i]) * static_cast<float>(scale);
       for (int64_t t = 0; t < len; ++t) {
@@ -301,7 +310,7 @@ void decode_rows(const scalar_t* q, const scalar_t* kv, const int64_t* kv_indice
 // q [rows, heads, dim]; kv_cache [pool tokens, 2, kv_heads, dim]; kv_indices [rows, max_kv]
 // (pool index of each row's keys, past kv_lens[row] unused); kv_lens [rows] -> [rows, heads, dim].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_indices,
-                                  const at::Tensor& kv_lens, double scale) {
+                                  const at::Tensor& kv_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_indices.dim() == 2 && kv_lens.dim() == 1,
               "paged_decode_attention: q [rows, heads, dim], kv_cache [tokens, 2, kv_heads, dim], "
               "kv_indices [rows, max_kv], kv_lens [rows]");
@@ -317,18 +326,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     using scalar_t = decltype(zero);
     const auto rows_of = [&](auto kernel) {
       kernel(qc.data_ptr<scalar_t>(), kvc.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-             out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, idx.size(1), scale);
+             out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, idx.size(1), scale, window);
     };
     if (dim == 64) {
       rows_of(decode_rows<scalar_t, 64>);
     } else if (dim == 128) {
       rows_of(decode_rows<scalar_t, 128>);
+    } else if (dim == 256) {
+      rows_of(decode_rows<scalar_t, 256>);
     } else {
       rows_of(decode_rows<scalar_t, 0>);
     }
   };
 #ifdef TRIDENT_FAST_DECODE_BF16_D64
-  if (q.scalar_type() == at::kBFloat16 && dim == 64 && decode_bf16_d64(qc, kvc, idx, lens, out, scale)) return out;
+  if (q.scalar_type() == at::kBFloat16 && dim == 64 && decode_bf16_d64(qc, kvc, idx, lens, out, scale, window)) return out;
 #endif
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;
@@ -342,7 +353,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 }  // namespace
 
 TORCH_LIBRARY(trident, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor kv_indices, Tensor kv_lens, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor kv_indices, Tensor kv_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(trident, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -6,6 +6,9 @@
 // decode step of SmolLM2. Here: one pass to sum the squares, one to scale, ~3 us at one
 // row of 576, 0.35 ms at 2,048 (bfloat16 converted as raw bits, vectorised).
 //
+// With unit_offset (Gemma), the weight w scales by (1 + w) and the product is taken in
+// float32 before the one rounding (Gemma's `(normed.float() * (1 + w.float())).to(dtype)`).
+//
 // add_rms_norm also adds the sublayer's output to the residual stream first (the add is
 // otherwise its own op and region, 30 a step).
 //
@@ -34,7 +37,7 @@ using trident_kernels::widen;
 // torch's add does) into `sum`, and normalise that: the residual add before a layer's norm.
 template <typename storage_t>
 void rms_norm_rows(const storage_t* x, const storage_t* delta, storage_t* sum, const storage_t* weight,
-                   storage_t* out, int64_t rows, int64_t dim, float eps) {
+                   storage_t* out, int64_t rows, int64_t dim, float eps, bool unit_offset) {
   at::parallel_for(0, rows, rows_per_task(dim), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const storage_t* src = x + row * dim;
@@ -53,10 +56,15 @@ void rms_norm_rows(const storage_t* x, const storage_t* delta, storage_t* sum, c
         squares += v * v;
       }
       const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      if (unit_offset) {
 #pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) {
-        const float normed = widen(round_to<storage_t>(widen(src[i]) * inv));
-        dst[i] = round_to<storage_t>(widen(weight[i]) * normed);
+        for (int64_t i = 0; i < dim; ++i) dst[i] = round_to<storage_t>(widen(src[i]) * inv * (1.f + widen(weight[i])));
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) {
+          const float normed = widen(round_to<storage_t>(widen(src[i]) * inv));
+          dst[i] = round_to<storage_t>(widen(weight[i]) * normed);
+        }
       }
     }
   });
@@ -68,7 +76,7 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 // x [..., dim]; weight [dim] in x's dtype -> x's shape and dtype.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
   check_norm_args(x, weight);
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor out = at::empty_like(xc);
@@ -77,7 +85,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     using storage_t = decltype(zero);
     using element_t = decltype(element);
     rms_norm_rows<storage_t>(bits_of<storage_t, element_t>(xc), nullptr, nullptr, bits_of<storage_t, element_t>(wc),
-                             bits_of<storage_t, element_t>(out), rows, dim, static_cast<float>(eps));
+                             bits_of<storage_t, element_t>(out), rows, dim, static_cast<float>(eps), unit_offset);
   });
   return out;
 }
@@ -85,7 +93,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // (x + delta, rms_norm(x + delta)): the residual stream after a sublayer, and the next
 // sublayer's normalised input, in one pass.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
-                                                const at::Tensor& weight, double eps) {
+                                                const at::Tensor& weight, double eps, bool unit_offset) {
   check_norm_args(x, weight);
   TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type(),
               "add_rms_norm: x and delta must share a shape and a dtype");
@@ -97,7 +105,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     using element_t = decltype(element);
     rms_norm_rows<storage_t>(bits_of<storage_t, element_t>(xc), bits_of<storage_t, element_t>(dc),
                              bits_of<storage_t, element_t>(sum), bits_of<storage_t, element_t>(wc),
-                             bits_of<storage_t, element_t>(out), rows, dim, static_cast<float>(eps));
+                             bits_of<storage_t, element_t>(out), rows, dim, static_cast<float>(eps), unit_offset);
   });
   return {sum, out};
 }
@@ -105,8 +113,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(trident, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset=False) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool unit_offset=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(trident, CPU, m) {
