@@ -3,7 +3,9 @@
 Per-row parameters live in `SamplingTable`, indexed by slot: written when a request
 joins, read each step. Penalties use per-slot token counts that the table keeps
 current. A row with a seed draws from its own generator, so its tokens do not depend on
-what else shares the batch.
+what else shares the batch. A row under a grammar has its matcher in the table's
+`GrammarTable` (grammar.py): its mask is applied last, after penalties and `logit_bias`,
+and the matcher advances on the token the row sampled.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from gpu_worker.grammar import GrammarTable
 from trident.wire.backend import RowLogprobs
 from trident.wire.frontend import SamplingParams
 
@@ -34,9 +37,13 @@ class SamplingTable:
         self._max_slots = max_slots
         self.bf16_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
         """The C++ greedy argmax for bf16 logits on CPU (cpu_kernels.py), set by the worker."""
+        self.grammars: GrammarTable | None = None
+        """Matchers of constrained rows; set by a worker that serves a real vocabulary."""
 
     def add(self, slot: int, params: SamplingParams, generated_ids: list[int]) -> None:
         self.params[slot] = params
+        if self.grammars is not None:
+            self.grammars.add(slot, params.grammar, generated_ids)
         self.generated[slot] = len(generated_ids)
         gen = None
         if params.seed is not None:
@@ -54,6 +61,8 @@ class SamplingTable:
     def remove(self, slot: int) -> None:
         self.params[slot] = None
         self.generators[slot] = None
+        if self.grammars is not None:
+            self.grammars.remove(slot)
 
     def note_prompt_tokens(self, slot: int, token_ids: torch.Tensor) -> None:
         if self.prompt_seen is not None and _uses_penalties(self.params[slot]):
@@ -62,6 +71,9 @@ class SamplingTable:
     def note_sampled(self, slots: list[int], tokens: torch.Tensor) -> None:
         for s in slots:
             self.generated[s] += 1
+        if self.grammars is not None and self.grammars.constrained(slots):
+            for s, t in zip(slots, tokens.tolist()):
+                self.grammars.advance(s, t)
         if self.output_counts is not None:
             idx = torch.tensor(slots, device=self.device)
             ones = torch.ones(len(slots), dtype=torch.int32, device=self.device)
@@ -105,13 +117,17 @@ def sample(
     per-row state (penalty counts, logprobs) is updated from them."""
     params = [table.params[s] for s in slots]
     all_greedy = all(p.temperature <= 0.0 for p in params)
-    if not all_greedy or any(p.logprobs or _uses_penalties(p) for p in params):
+    if not all_greedy or any(p.logprobs or p.logit_bias or _uses_penalties(p) for p in params):
         logits = logits.float()
     raw_logprobs = None
     if any(p.logprobs for p in params):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = _apply_penalties(logits, slots, params, table)
+    logits = _apply_logit_bias(logits, params)
     logits = _mask_eos_before_min_tokens(logits, slots, params, table)
+    constrained = table.grammars.constrained(slots) if table.grammars is not None else []
+    if constrained:
+        logits = table.grammars.apply_masks(logits.clone(), slots, constrained)
 
     tokens = table.argmax(logits)
     if not all_greedy:
@@ -139,6 +155,22 @@ def _apply_penalties(logits, slots, params, table: SamplingTable) -> torch.Tenso
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
     return logits - freq * counts - pres * (counts > 0).float()
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """OpenAI's logit_bias: each (token, bias) pair added to that row's logit."""
+    pairs = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+    if not pairs:
+        return logits
+    rows, tokens, biases = zip(*pairs)
+    logits = logits.clone()
+    dev = logits.device
+    logits.index_put_(
+        (torch.tensor(rows, device=dev), torch.tensor(tokens, device=dev)),
+        torch.tensor(biases, dtype=logits.dtype, device=dev),
+        accumulate=True,
+    )
+    return logits
 
 
 def _mask_eos_before_min_tokens(logits, slots, params, table: SamplingTable) -> torch.Tensor:

@@ -29,6 +29,7 @@ from gpu_worker.cpu_kernels import (
     load_widening_bf16_linear,
     wants_decode_kernel,
 )
+from gpu_worker.grammar import GrammarTable
 from gpu_worker.int8_weights import check_supported as check_int8_supported
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.model import LlamaForCausalLM
@@ -150,6 +151,9 @@ class Worker(WorkerLoop):
         )
         if self.device.type == "cpu":
             self.sampling.bf16_argmax = load_greedy_argmax()
+        self.sampling.grammars = GrammarTable(
+            args.max_running_requests, self.cfg.vocab_size, args.model_path, list(self.cfg.eos_token_ids)
+        )
         self.state = BatchState(
             args.max_running_requests,
             max_pages_per_row,

@@ -85,6 +85,8 @@ def validation_error_message(errors: list[dict[str, Any]]) -> tuple[str, str | N
     where = ".".join(str(p) for p in loc if p != "body")
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     message = f"{where}: {msg}" if where else msg
+    if first.get("type") == "extra_forbidden":
+        message, param = f"Unrecognized request argument supplied: {where}", where
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return message, param, first.get("type")

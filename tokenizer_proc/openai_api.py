@@ -3,7 +3,9 @@
 Each handler validates (protocol models, then `sampling` against the model), tokenizes,
 submits n requests with rids `{id}-{i}` through the `RequestManager`, and answers either
 with one JSON body (`serving.collect`) or with server-sent events. Response shapes are
-built by `openai_format`.
+built by `openai_format`; decoding constraints come from `structured`, tool calls from
+`tools`. A chat stream with tools in play holds each choice's text until it ends, as only
+the whole output tells a call from an answer.
 """
 
 from __future__ import annotations
@@ -39,7 +41,17 @@ from tokenizer_proc.serving import (
     usage_of,
 )
 from tokenizer_proc.state import FrontendState, get_state
+from tokenizer_proc.structured import one_constraint, response_format_spec, sglang_constraint
 from tokenizer_proc.tokenization import apply_chat_template, encode_text
+from tokenizer_proc.tools import (
+    ToolPlan,
+    forced_call_spec,
+    parse_tool_calls,
+    plan_of,
+    template_messages,
+    template_renders_tools,
+)
+from trident.wire.frontend import GrammarSpec
 
 router = APIRouter()
 
@@ -62,8 +74,26 @@ class EventStreamResponse(StreamingResponse):
                 handle.close()
 
 
+def request_constraint(
+    body: CompletionRequest | ChatCompletionRequest, forced_call: GrammarSpec | None = None
+) -> GrammarSpec | None:
+    """The one constraint of an OpenAI request: response_format, an SGLang field, or a
+    tool_choice that forces a call."""
+    return one_constraint(
+        {
+            "response_format": response_format_spec(body.response_format),
+            "regex/ebnf/json_schema": sglang_constraint(body.regex, body.ebnf, body.json_schema),
+            "tool_choice": forced_call,
+        }
+    )
+
+
 def sampling_request(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: bool, top_logprobs: int
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int,
+    grammar: GrammarSpec | None,
 ) -> SamplingRequest:
     return SamplingRequest(
         max_tokens=max_tokens,
@@ -80,6 +110,8 @@ def sampling_request(
         stop_token_ids=body.stop_token_ids or (),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        logit_bias=body.logit_bias,
+        grammar=grammar,
     )
 
 
@@ -149,7 +181,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     check_model(body.model, st.limits)
     prompt_text, prompt_ids = completion_prompt(st, body.prompt)
     want_lp = body.logprobs is not None
-    sreq = sampling_request(body, body.max_tokens, want_lp, body.logprobs or 0)
+    sreq = sampling_request(body, body.max_tokens, want_lp, body.logprobs or 0, request_constraint(body))
     cid = f"cmpl-{uuid.uuid4().hex}"
     handles = await submit_choices(st, prompt_ids, body, sreq, cid, "max_tokens")
     created = int(time.time())
@@ -218,10 +250,12 @@ async def _stream_completion(
     yield SSE_DONE
 
 
-def chat_prompt(st: FrontendState, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+def chat_prompt(st: FrontendState, body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+    native_tools = template_renders_tools(st.tokenizer)
+    messages = template_messages(body.messages, plan, native_tools)
+    tools = [{"type": "function", "function": t} for t in plan.tools] if native_tools and plan.mode != "none" else None
     try:
-        _, ids = apply_chat_template(st.tokenizer, messages)
+        _, ids = apply_chat_template(st.tokenizer, messages, tools)
     except Exception as e:  # the template rejects this conversation (e.g. role order)
         raise APIError(f"The messages do not fit the model's chat template: {e}", param="messages") from e
     check_prompt_ids(ids, st.limits, "messages")
@@ -232,10 +266,12 @@ def chat_prompt(st: FrontendState, body: ChatCompletionRequest) -> list[int]:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     st = get_state(request)
     check_model(body.model, st.limits)
-    prompt_ids = chat_prompt(st, body)
+    plan = plan_of(body)
+    grammar = request_constraint(body, forced_call_spec(plan) if plan.forced else None)
+    prompt_ids = chat_prompt(st, body, plan)
     use_mct = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
-    sreq = sampling_request(body, max_tokens, body.logprobs, body.top_logprobs or 0)
+    sreq = sampling_request(body, max_tokens, body.logprobs, body.top_logprobs or 0, grammar)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     param = "max_completion_tokens" if use_mct else "max_tokens"
     handles = await submit_choices(st, prompt_ids, body, sreq, cid, param)
@@ -243,7 +279,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     model = st.args.served_model_name
 
     if body.stream:
-        return EventStreamResponse(_stream_chat(st, body, handles, cid, created, model, len(prompt_ids)), handles)
+        stream = _stream_chat(st, body, plan, handles, cid, created, model, len(prompt_ids))
+        return EventStreamResponse(stream, handles)
     try:
         results = await collect(request, handles)
     except ClientDisconnected:
@@ -252,12 +289,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         fmt.chat_logprobs(st.strings, r.token_ids, r.token_logprobs, r.top_logprobs) if body.logprobs else None
         for r in results
     ]
-    return JSONResponse(fmt.chat_body(cid, created, model, results, logprobs, usage_of(results, len(prompt_ids))))
+    calls = [parse_tool_calls(r.text, plan) if r.finish_reason == "stop" else None for r in results]
+    usage = usage_of(results, len(prompt_ids))
+    return JSONResponse(fmt.chat_body(cid, created, model, results, logprobs, usage, calls))
 
 
 async def _stream_chat(
     st: FrontendState,
     body: ChatCompletionRequest,
+    plan: ToolPlan,
     handles: Sequence[RequestHandle],
     cid: str,
     created: int,
@@ -265,6 +305,7 @@ async def _stream_chat(
     prompt_len: int,
 ) -> AsyncIterator[bytes]:
     include_usage = body.include_usage()
+    hold_text = plan.mode != "none"
     results = [ChoiceResult(i) for i in range(len(handles))]
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
@@ -278,6 +319,11 @@ async def _stream_chat(
             yield stream_error_event(f"generation failed: {out.error or 'unknown error'}")
             yield SSE_DONE
             return
+        if hold_text:
+            if out.finish_reason is not None:
+                for part in _held_choice_chunks(results[out.index], plan, chunk):
+                    yield part
+            continue
         lp = None
         if body.logprobs and out.token_ids:
             lp = fmt.chat_logprobs(st.strings, out.token_ids, out.token_logprobs, out.top_logprobs)
@@ -288,3 +334,12 @@ async def _stream_chat(
     if include_usage:
         yield sse(fmt.usage_chunk(cid, created, model, "chat.completion.chunk", usage_of(results, prompt_len)))
     yield SSE_DONE
+
+
+def _held_choice_chunks(result: ChoiceResult, plan: ToolPlan, chunk: Any) -> list[bytes]:
+    """A held choice, once finished: its calls as `delta.tool_calls`, or its whole text."""
+    calls = parse_tool_calls(result.text, plan) if result.finish_reason == "stop" else None
+    if calls:
+        return [chunk(result.index, fmt.tool_call_deltas(calls)), chunk(result.index, {}, "tool_calls")]
+    parts = [chunk(result.index, {"content": result.text})] if result.text else []
+    return [*parts, chunk(result.index, {}, result.finish_reason)]

@@ -14,8 +14,9 @@ from tokenizer_proc.tokenization import TokenStrings
 
 
 def client_finish_reason(reason: str | None) -> str | None:
-    """What clients see: stop | length | abort (an error is reported as an error, not here)."""
-    if reason is None or reason in ("stop", "length", "abort"):
+    """What clients see: stop | length | tool_calls | abort (an error is reported as an
+    error, not here)."""
+    if reason is None or reason in ("stop", "length", "tool_calls", "abort"):
         return reason
     return "abort"
 
@@ -116,13 +117,15 @@ def chat_body(
     results: Sequence[ChoiceResult],
     logprobs: list[dict | None],
     usage: dict[str, Any],
+    tool_calls: Sequence[list[dict[str, Any]] | None],
 ) -> dict[str, Any]:
+    """`tool_calls[i]`: the calls choice i made (its content is then null), or None."""
     choices = [
         {
             "index": r.index,
-            "message": {"role": "assistant", "content": r.text},
+            "message": chat_message(r.text, tool_calls[r.index]),
             "logprobs": logprobs[r.index],
-            "finish_reason": client_finish_reason(r.finish_reason),
+            "finish_reason": client_finish_reason("tool_calls" if tool_calls[r.index] else r.finish_reason),
         }
         for r in results
     ]
@@ -134,6 +137,17 @@ def chat_body(
         "choices": choices,
         "usage": usage,
     }
+
+
+def chat_message(text: str, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+    if tool_calls:
+        return {"role": "assistant", "content": None, "tool_calls": tool_calls}
+    return {"role": "assistant", "content": text}
+
+
+def tool_call_deltas(tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """A stream delta carrying whole calls (OpenAI's chunks, each with its `index`)."""
+    return {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
 
 
 def chat_chunk(

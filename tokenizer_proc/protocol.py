@@ -3,12 +3,15 @@
 Field-level checks (types, ranges) live here, so FastAPI reports them as validation
 errors (turned into 400s by `errors`). Checks that need the served model (context length,
 vocabulary size, model name) live in `sampling`, which runs after tokenization.
-Unknown fields are ignored, as OpenAI clients send many we do not use (`user`, ...).
+
+No field is silently dropped: every model refuses fields it does not declare (a 400
+naming the field, as OpenAI answers), and the OpenAI fields that are legitimately no-ops
+for one served model are declared once, in `_AcceptedNoOps`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
 
@@ -31,11 +34,65 @@ def check_stop(v: str | list[str] | None) -> str | list[str] | None:
     return v
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """A request body part that refuses fields it does not declare."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+    """Accepted no-op: this server adds no obfuscation padding to stream chunks."""
 
 
-class _StopStrings(BaseModel):
+class _AcceptedNoOps(_Strict):
+    """OpenAI request fields accepted and ignored, each for a stated reason."""
+
+    user: str | None = None
+    """An end-user id for the provider's abuse monitoring; nothing to monitor here."""
+    store: bool | None = None
+    """Keep the completion for the provider's dashboards; nothing is stored here."""
+    metadata: dict[str, str] | None = None
+    """Tags for stored completions (see `store`)."""
+    service_tier: str | None = None
+    """The provider's processing tier; there is one tier."""
+    parallel_tool_calls: bool | None = None
+    """May the model call several tools at once; it makes at most one call per choice here."""
+    prompt_cache_key: str | None = None
+    """A routing hint for the provider's prompt cache; the radix cache needs none."""
+    safety_identifier: str | None = None
+    """Like `user`."""
+
+
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`, as OpenAI defines it."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """`response_format`: plain text, any JSON object, or a given JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Constraints(_Strict):
+    """Decoding constraints: SGLang's fields (text), also taken on the OpenAI routes."""
+
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class _StopStrings(_Strict):
     """`stop` as the OpenAI API and SGLang take it: one string or a list of them."""
 
     stop: StrictStr | list[StrictStr] | None = None
@@ -51,10 +108,8 @@ class _StopStrings(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class _SamplingFields(_StopStrings):
+class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints):
     """Sampling knobs shared by completions and chat (OpenAI plus vLLM/SGLang extras)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -87,6 +142,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("suffix")
     @classmethod
@@ -96,16 +152,32 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+    """JSON text, as the model wrote it."""
 
-    role: Literal["system", "user", "assistant", "developer"]
+
+class ToolCall(_Strict):
+    """A call an earlier assistant turn made (sent back by the client in `messages`)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -113,6 +185,30 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments; None means no arguments."""
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call that tool."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -123,6 +219,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -132,10 +231,8 @@ class ChatCompletionRequest(_SamplingFields):
         return v
 
 
-class NativeSamplingParams(_StopStrings):
+class NativeSamplingParams(_StopStrings, _Constraints):
     """`sampling_params` of the SGLang-style POST /generate."""
-
-    model_config = ConfigDict(extra="ignore")
 
     max_new_tokens: int | None = Field(128, ge=1)
     min_new_tokens: int = Field(0, ge=0, le=INT32_MAX)
@@ -152,10 +249,8 @@ class NativeSamplingParams(_StopStrings):
     seed: int | None = Field(None, ge=-INT64_MAX, le=INT64_MAX)
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(_Strict):
     """POST /generate: exactly one of `text` and `input_ids`."""
-
-    model_config = ConfigDict(extra="ignore")
 
     text: StrictStr | None = None
     input_ids: list[StrictInt] | None = None
@@ -164,5 +259,5 @@ class GenerateRequest(BaseModel):
     rid: StrictStr | None = None
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(_Strict):
     rid: StrictStr

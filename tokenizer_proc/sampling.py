@@ -7,14 +7,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.protocol import MAX_LOGPROBS, NativeSamplingParams
-from trident.wire.frontend import SamplingParams
+from tokenizer_proc.structured import logit_bias_pairs, sglang_constraint
+from trident.wire.frontend import GrammarSpec, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class SamplingRequest:
     stop_token_ids: Sequence[int] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: Mapping[str, float] | None = None
+    """As the client sent it: {"token id": bias}."""
+    grammar: GrammarSpec | None = None
+    """Already parsed (tokenizer_proc/structured.py)."""
 
 
 def check_model(requested: str | None, limits: ModelLimits) -> None:
@@ -125,6 +130,8 @@ def build_sampling_params(
         stop_token_ids=list(req.stop_token_ids),
         logprobs=bool(req.logprobs),
         top_logprobs=int(req.top_logprobs) if req.logprobs else 0,
+        logit_bias=logit_bias_pairs(req.logit_bias, limits.vocab_size),
+        grammar=req.grammar,
     )
 
 
@@ -148,6 +155,8 @@ def native_sampling_params(
         seed=sp.seed,
         ignore_eos=sp.ignore_eos,
         stop_token_ids=sp.stop_token_ids or (),
+        logit_bias=sp.logit_bias,
+        grammar=sglang_constraint(sp.regex, sp.ebnf, sp.json_schema),
     )
     return build_sampling_params(sreq, prompt_len, limits, "sampling_params.max_new_tokens", prompt_param)
 

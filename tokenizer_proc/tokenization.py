@@ -49,9 +49,13 @@ def text_decoder(tokenizer: Any) -> Decode:
     return lambda ids, skip_special: backend.decode(ids, skip_special_tokens=skip_special)
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-    """The prompt text and ids of a chat, ending with the assistant turn's header."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def apply_chat_template(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> tuple[str, list[int]]:
+    """The prompt text and ids of a chat, ending with the assistant turn's header; `tools`
+    (OpenAI tool objects) go to templates that render them."""
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     # The template already holds every special token (BOS included): do not add them twice.
     return text, list(tokenizer.encode(text, add_special_tokens=False))
 

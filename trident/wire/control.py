@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bump whenever any struct in wire/ changes shape."""
 
 

@@ -12,6 +12,21 @@ import msgspec
 import numpy as np
 
 
+class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """A decoding constraint as the client gave it, not compiled: written by the tokenizer
+    (or the offline Engine) after parsing it once to reject bad input; compiled against the
+    vocabulary by the worker, which owns the matcher (gpu_worker/grammar.py)."""
+
+    kind: str
+    """json_schema | regex | ebnf."""
+    text: str
+    """The JSON schema (as JSON text), the regular expression, or the EBNF grammar (GBNF
+    style, with a `root` rule)."""
+    strict: bool = True
+    """json_schema only: OpenAI's `strict`. True: properties not listed are refused even
+    where the schema leaves `additionalProperties` unset; False: the schema as written."""
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     """Per-request sampling, validated by the tokenizer, applied by the worker."""
 
@@ -33,10 +48,18 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     """Extra token ids that end the request (the model's EOS ids are always included)."""
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: list[tuple[int, float]] = []
+    """(token id, bias) pairs added to the logits before sampling (OpenAI's `logit_bias`,
+    bias in [-100, 100]); pairs rather than a map so that plain msgpack decodes the frame."""
+    grammar: GrammarSpec | None = None
+    """The constraint every sampled token must keep (structured outputs, forced tool
+    calls); None: unconstrained. Travels with the request, so a resumed request has it."""
 
     def drafts_allowed(self) -> bool:
-        """Speculative drafts are verified by exact argmax match, so only plain greedy
-        requests draft; the scheduler (KV reservation) and the worker (drafting) agree on it."""
+        """Speculative drafts are verified by exact argmax match of the raw logits, so only
+        plain greedy requests draft: a grammar mask or a logit bias would change the argmax
+        the draft is checked against, and such rows are left out of drafting. The scheduler
+        (KV reservation) and the worker (drafting) agree on it."""
         return (
             self.temperature <= 0.0
             and self.frequency_penalty == 0.0
@@ -44,6 +67,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
             and self.repetition_penalty == 1.0
             and self.min_new_tokens == 0
             and not self.logprobs
+            and not self.logit_bias
+            and self.grammar is None
         )
 
 
