@@ -28,6 +28,10 @@ _MULTIMODAL_PREFIXES = {
 }
 """Where a Gemma 3 multimodal checkpoint keeps its text decoder -> the text-only names."""
 
+_GENERATIVE_HEADS = ("ForCausalLM", "ForConditionalGeneration")
+"""config.json `architectures` whose weights end in an LM head (Gemma 3's multimodal
+checkpoints say ForConditionalGeneration), not a classifier or an encoder."""
+
 
 class UnservableModel(ValueError):
     pass
@@ -54,6 +58,9 @@ def _dir_config(path: str) -> ModelConfig:
         raise UnservableModel(f"config.json is unreadable: {e}") from None
     if not isinstance(raw, dict):
         raise UnservableModel("config.json does not hold an object")
+    heads = raw.get("architectures") or []
+    if heads and not any(h.endswith(_GENERATIVE_HEADS) for h in heads):
+        raise UnservableModel(f"architectures {heads} holds no text-generation model (*ForCausalLM)")
     try:
         return ModelConfig.from_hf_dict(raw)
     except UnsupportedModelError as e:

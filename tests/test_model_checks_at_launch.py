@@ -1,0 +1,106 @@
+"""A model the decoder cannot serve correctly is a one-line error from launch.py (exit 2),
+before any child starts: no traceback, no process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import REPO_ROOT, make_random_llama, smollm2_gguf
+
+
+def launch_error(model: str) -> str:
+    """launch.py's stderr for `model`, asserting that it is one line and exit code 2."""
+    res = subprocess.run(
+        [sys.executable, "launch.py", "--model", model], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, res.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    return make_random_llama(str(tmp_path_factory.mktemp("tiny") / "llama"))
+
+
+def edited_copy(src: str, dest, config_changes: dict | None = None, drop: str | None = None) -> str:
+    """A copy of the checkpoint in `src` with some config fields changed or one tensor left out."""
+    os.makedirs(dest, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f) | (config_changes or {})
+    with open(os.path.join(dest, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors.pop(drop, None)
+    save_file(tensors, os.path.join(dest, "model.safetensors"))
+    return str(dest)
+
+
+def test_unsupported_model_type_names_the_supported_families(tiny_llama, tmp_path):
+    gemma1_config = {"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}
+    gemma1 = edited_copy(tiny_llama, tmp_path / "gemma1", gemma1_config)
+    line = launch_error(gemma1)
+    assert "model type 'gemma' is not supported" in line
+    assert all(family in line for family in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3"))
+
+
+def test_a_classifier_checkpoint_is_refused(tiny_llama, tmp_path):
+    classifier = edited_copy(tiny_llama, tmp_path / "cls", {"architectures": ["LlamaForSequenceClassification"]})
+    assert "holds no text-generation model" in launch_error(classifier)
+
+
+def test_tensor_shapes_that_do_not_match_the_config_are_refused(tiny_llama, tmp_path):
+    wider = edited_copy(tiny_llama, tmp_path / "wider", {"intermediate_size": 256})
+    line = launch_error(wider)
+    assert "does not match its config" in line
+    assert "model.layers.0.mlp.gate_proj.weight has shape [128, 64], the config implies [256, 64]" in line
+
+
+def test_a_missing_tensor_is_refused(tiny_llama, tmp_path):
+    short = edited_copy(tiny_llama, tmp_path / "short", drop="model.layers.1.self_attn.k_proj.weight")
+    assert "model.layers.1.self_attn.k_proj.weight missing" in launch_error(short)
+
+
+def test_qwen3_config_over_llama_tensors_is_refused_for_its_missing_qk_norms(tiny_llama, tmp_path):
+    qwen3 = edited_copy(tiny_llama, tmp_path / "qwen3", {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})
+    assert "q_norm.weight and 3 more missing" in launch_error(qwen3)
+
+
+def test_truncated_gguf_is_refused(tmp_path):
+    src = smollm2_gguf()
+    cut = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        cut.write_bytes(f.read(os.path.getsize(src) * 3 // 5))
+    line = launch_error(str(cut))
+    assert "truncated" in line and str(os.path.getsize(src)) in line
+
+
+def test_unsupported_gguf_architecture_is_refused(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = str(tmp_path / "gpt2.gguf")
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    line = launch_error(path)
+    assert "GGUF architecture 'gpt2' is not supported" in line and "gemma3" in line
+
+
+def test_a_truncated_safetensors_file_is_refused(tiny_llama, tmp_path):
+    whole = edited_copy(tiny_llama, tmp_path / "cut")
+    weights = os.path.join(whole, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    assert "model.safetensors is truncated" in launch_error(whole)
