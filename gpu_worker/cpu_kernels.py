@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -214,7 +215,7 @@ def _build() -> bool:
             is_python_module=False,
             verbose=False,
         )
-    except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, or a failed build
+    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:  # no compiler, a failed build
         if _required and isa in ISA_FLAGS:
             why = (str(e).strip().splitlines() or [repr(e)])[-1]
             raise KernelBuildError(

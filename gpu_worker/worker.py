@@ -27,6 +27,7 @@ from gpu_worker.cpu_kernels import (
     load_greedy_argmax,
     load_vnni_linear,
     load_widening_bf16_linear,
+    require_kernels,
     wants_decode_kernel,
 )
 from gpu_worker.grammar import GrammarTable
@@ -91,6 +92,7 @@ class Worker(WorkerLoop):
         super().__init__(ctx)
         args = ctx.args
         self.device = worker_device(args, ctx.rank, ctx.dp_rank)
+        require_kernels(args.decode_attention != "torch")
         if self.device.type == "cpu":  # the workers of this node share its cores
             workers_here = args.dp_size * layout_of(args).ranks_per_node
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers_here))

@@ -1,0 +1,48 @@
+"""The C++ CPU kernels build into the user's cache, and a failed build is an error unless opted out."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpu_worker.cpu_kernels import ISA_FLAGS, kernel_cache_dir
+from tests.helpers import REPO_ROOT
+
+
+def load_kernels_in_a_fresh_process(cache_home, required: bool, compiler: str) -> subprocess.CompletedProcess:
+    code = (
+        "from gpu_worker import cpu_kernels as k\n"
+        f"k.require_kernels({required})\n"
+        "print('loaded' if k.load_greedy_argmax() is not None else 'fallback')\n"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache_home), "CXX": compiler}
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_build_directory_is_in_the_user_cache_not_the_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    build_dir = kernel_cache_dir(torch.backends.cpu.get_cpu_capability())
+    assert build_dir.startswith(os.path.join(str(tmp_path), "trident", "cpu_kernels") + os.sep)
+    assert torch.__version__ in build_dir
+
+
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ISA_FLAGS, reason="the kernels are made for AVX2 and AVX-512 CPUs"
+)
+def test_a_failed_build_is_an_error_naming_the_opt_out(tmp_path):
+    res = load_kernels_in_a_fresh_process(tmp_path, required=True, compiler="/bin/false")
+    assert res.returncode != 0
+    assert "KernelBuildError: the C++ CPU kernels failed to build" in res.stderr
+    assert "--decode-attention torch" in res.stderr
+
+
+def test_the_opt_out_turns_a_failed_build_into_the_torch_fallback(tmp_path):
+    res = load_kernels_in_a_fresh_process(tmp_path, required=False, compiler="/bin/false")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "fallback"
