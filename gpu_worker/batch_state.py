@@ -58,6 +58,18 @@ class SeqLensSumMismatch(RuntimeError):
     pass
 
 
+class DescriptorOutOfRange(ValueError):
+    """A descriptor names a slot, page, length or token outside what this worker holds. It
+    is refused whole, before any of it touches the batch, the page table or the KV pool."""
+
+
+def _within(what: str, values: np.ndarray, low: int, high: int) -> None:
+    """Every value in [low, high): one vectorised min and max, not a loop per element."""
+    if len(values) and (int(values.min()) < low or int(values.max()) >= high):
+        bad = values[(values < low) | (values >= high)]
+        raise DescriptorOutOfRange(f"{what} {int(bad[0])} is outside [{low}, {high})")
+
+
 @dataclass
 class StepPlan:
     """Which rows compute this step and what they run, on the host only (no tensors yet).
@@ -127,6 +139,14 @@ class BatchState:
         """Copies made for the sync point (SeqLensSync): one per overlapped step."""
         self.seq_lens_debug_copies = 0
         """Copies made only for --check-seq-lens; kept apart so the invariant stays exact."""
+        self.num_pages = np.iinfo(np.int32).max
+        """Pages of the KV pool, which page ids must index; the worker loop sets it once the
+        pool is sized (until then only the int32 range of the wire bounds them)."""
+
+    @property
+    def row_capacity(self) -> int:
+        """Tokens one row's page table can address."""
+        return self.page_table.shape[1] * self.page_size
 
     def reset(self, next_step_id: int) -> None:
         for slot in self.order:
@@ -137,8 +157,59 @@ class BatchState:
         self.seq_lens.zero_()
         self.next_step_id = next_step_id
 
+    def check_ranges(self, desc: BatchDescriptor) -> None:
+        """Every index of the descriptor against this worker's tables, before any is used:
+        slots in the table and in the batch (or free, for an added one), page-table columns
+        and page ids in range, token ids in the vocabulary, and every row's KV length after
+        this step (prefix, chunk, or one decoded token) within what its page table addresses.
+        Raises DescriptorOutOfRange; a few numpy passes per step, nothing per element.
+
+        The attention inputs (out_loc, the C++ decode kernel's KV indices and lengths) are
+        made only from the page table and these lengths, so they stay inside the KV pool;
+        drafts are the worker's own, cut to the room left in the context (worker_loop.py)."""
+        max_slots, capacity, vocab = len(self.page_table), self.row_capacity, self.sampling.vocab_size
+        in_batch = np.zeros(max_slots, dtype=bool)
+        in_batch[self.order] = True
+        removed = np.asarray(desc.removed_slots, dtype=np.int64)
+        _within("removed slot", removed, 0, max_slots)
+        if not in_batch[removed].all():
+            raise DescriptorOutOfRange(f"removes slot {int(removed[~in_batch[removed]][0])}, which is not in the batch")
+        in_batch[removed] = False
+        lens = self.row_lens_host.copy()
+        decoding = self.decoding & in_batch
+        added = np.asarray([a.slot for a in desc.added], dtype=np.int64)
+        _within("added slot", added, 0, max_slots)
+        if in_batch[added].any() or len(np.unique(added)) != len(added):
+            raise DescriptorOutOfRange("adds a slot that is already in the batch")
+        in_batch[added] = True
+        decoding[added] = False
+        lens[added] = [a.prefix_len for a in desc.added]
+        _within("prefix length", lens[added], 0, capacity + 1)
+        if desc.added:
+            _within("generated token", unpack_int32(b"".join(a.generated_ids for a in desc.added)), 0, vocab)
+        if desc.page_appends.slots:
+            slots, cols, ids = desc.page_appends.scatter_indices()
+            _within("page-append slot", slots, 0, max_slots)
+            if not in_batch[slots].all():
+                raise DescriptorOutOfRange("appends pages to a slot that is not in the batch")
+            _within("page-table column", cols, 0, self.page_table.shape[1])
+            _within("page id", ids, 0, self.num_pages)
+        if desc.extends:
+            chunk_slots = np.asarray([c.slot for c in desc.extends], dtype=np.int64)
+            chunk_lens = np.asarray([len(c.token_ids) // 4 for c in desc.extends], dtype=np.int64)
+            _within("chunk slot", chunk_slots, 0, max_slots)
+            if not in_batch[chunk_slots].all() or len(np.unique(chunk_slots)) != len(chunk_slots):
+                raise DescriptorOutOfRange("a prompt chunk names a slot not in the batch, or one twice")
+            _within("chunk length", chunk_lens, 1, capacity + 1)
+            _within("prompt token", unpack_int32(b"".join(c.token_ids for c in desc.extends)), 0, vocab)
+            lens[chunk_slots] += chunk_lens
+            decoding[chunk_slots] = False
+        lens[decoding] += 1
+        _within("KV length after the step", lens[in_batch], 0, capacity + 1)
+
     def apply(self, desc: BatchDescriptor) -> dict[int, tuple[np.ndarray, bool]]:
         """Applies the delta; returns this step's prompt chunks by slot."""
+        self.check_ranges(desc)
         if desc.step_id != self.next_step_id:
             raise StepGapError(f"expected step {self.next_step_id}, got step {desc.step_id}")
         self.next_step_id += 1

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from gpu_worker.batch_state import BatchState, StepGapError, StepPlan
+from gpu_worker.batch_state import BatchState, DescriptorOutOfRange, StepGapError, StepPlan
 from gpu_worker.ngram_drafter import can_draft
 from gpu_worker.step_profile import step_features
 from trident.wire.backend import (
@@ -78,8 +78,11 @@ class WorkerLoop:
         """The shape of the last step computed (step_profile.FEATURES); what profiles are fitted on."""
         self.step_started = 0.0
         """perf_counter() when the current step's descriptor began to be applied."""
+        self.refused_descriptors = 0
+        """Descriptors refused whole for an index out of range; counted as dropped frames."""
 
     def open_sockets(self, ctx: ChildContext) -> None:
+        self.state.num_pages = self.num_pages
         self.inbox = open_worker_inbox(ctx)
         self.reply = (
             PushSocket(ctx.zmq_ctx, endpoint(self.args.run_dir, scheduler_reply_endpoint(ctx.dp_rank)), bind=False)
@@ -163,11 +166,13 @@ class WorkerLoop:
         failure = None
         try:
             chunks = self.state.apply(desc)
-        except StepGapError as e:
-            # Refused before any state changed, and before meeting the other ranks: a stale or
-            # forged frame is a no-op here. A rank that really missed a step never meets its
-            # peers again; they time out (or the scheduler's watchdog restarts the group).
+        except (StepGapError, DescriptorOutOfRange) as e:
+            # Refused before any state changed, and before meeting the other ranks (each refuses
+            # the same bytes alike): a stale or forged frame is a no-op here. A rank that really
+            # missed a step never meets its peers again; they time out (or the scheduler's
+            # watchdog restarts the group). The scheduler acts on the error only for a step it sent.
             logger.error("step %d rejected: %s", desc.step_id, e)
+            self.refused_descriptors += isinstance(e, DescriptorOutOfRange)
             return WorkerError(desc.step_id, str(e))
         except Exception as e:  # a bad delta: refuse rather than compute on stale state
             failure = str(e)
@@ -197,7 +202,7 @@ class WorkerLoop:
                 return WorkerError(desc.step_id, str(e))
             seq_lens = pack_int32(self.state.copy_seq_lens_to_host(for_debug_check=True))
         self.counters.seq_lens_d2h_copies = self.state.seq_lens_d2h_copies
-        self.counters.dropped_frames = self.inbox.dropped
+        self.counters.dropped_frames = self.inbox.dropped + self.refused_descriptors
         flat = np.concatenate(accepted) if accepted else np.zeros(0, dtype=np.int64)
         return StepResult(
             step_id=desc.step_id,

@@ -59,12 +59,38 @@ class StepOutputs(NamedTuple):
     """Requests this step finished."""
 
 
+def result_mismatch(step_rows: int, batch_rows: int, result: StepResult, max_per_row: int) -> str | None:
+    """Why `result` cannot be the answer to a step with `step_rows` sampling rows out of
+    `batch_rows` (None if it can): its token, accept-length, logprob and seq_lens columns
+    must fit those rows exactly, each row taking 1..`max_per_row` tokens. Checked before
+    any token reaches a request, so a short or long result is refused, never truncated."""
+    if len(result.next_token_ids) % 4 or len(result.accept_lens) % 4:
+        return "token columns are not int32"
+    n_tokens = len(result.next_token_ids) // 4
+    if result.accept_lens:
+        counts = unpack_int32(result.accept_lens)
+        if len(counts) != step_rows:
+            return f"{len(counts)} accept lengths for {step_rows} sampling rows"
+        if len(counts) and (int(counts.min()) < 1 or int(counts.max()) > max_per_row):
+            return f"an accept length outside 1..{max_per_row}"
+        if int(counts.sum()) != n_tokens:
+            return f"{n_tokens} tokens for accept lengths summing to {int(counts.sum())}"
+    elif n_tokens != step_rows:
+        return f"{n_tokens} tokens for {step_rows} sampling rows"
+    if result.logprobs and len(result.logprobs) != step_rows:
+        return f"{len(result.logprobs)} logprob rows for {step_rows} sampling rows"
+    if result.seq_lens is not None and len(result.seq_lens) != 4 * batch_rows:
+        return f"seq_lens of {len(result.seq_lens) // 4} rows for a batch of {batch_rows}"
+    return None
+
+
 def take_step_tokens(reqs: list[Req], result: StepResult) -> StepOutputs:
     """Adds each sampling row's tokens of `result` to its request (rows in `reqs` order)
     and returns what the step produced.
 
     A row whose request finished before its token arrived (overlap ran one step past the
-    finish, or it was aborted) is dropped; accepted drafts past a stop are dropped too."""
+    finish, or it was aborted) is dropped; accepted drafts past a stop are dropped too.
+    `result` has passed `result_mismatch` (the worker link refuses any that does not fit)."""
     if result.accept_lens or result.logprobs:
         return _take_general(reqs, result)
     tokens = unpack_int32(result.next_token_ids)
@@ -72,7 +98,7 @@ def take_step_tokens(reqs: list[Req], result: StepResult) -> StepOutputs:
     extras: list[RowExtras] = []
     dropped: list[int] = []
     finished: list[Req] = []
-    for i, (req, token) in enumerate(zip(reqs, tokens.tolist())):
+    for i, (req, token) in enumerate(zip(reqs, tokens.tolist(), strict=True)):
         req.pending_results -= 1
         if req.finish_reason is not None:
             dropped.append(i)
@@ -104,7 +130,7 @@ def _take_general(reqs: list[Req], result: StepResult) -> StepOutputs:
     extras: list[RowExtras] = []
     finished: list[Req] = []
     start = 0
-    for i, (req, n) in enumerate(zip(reqs, counts)):
+    for i, (req, n) in enumerate(zip(reqs, counts, strict=True)):
         row_tokens = tokens[start : start + n]
         start += n
         req.pending_results -= 1

@@ -31,6 +31,9 @@ class SchedulerCounters:
         self.overlapped_steps = 0
         self.ignored_replies = 0
         """Worker replies about no step in flight (stale after a restart, or forged)."""
+        self.refused_results = 0
+        """Step results that do not fit the step they name, or name a later step than the
+        oldest in flight (worker_link.py): refused, never used."""
         self.resumed_requests = 0
         """Requests requeued as prefills after their worker group was lost."""
         self.spec_accepted_drafts = 0
@@ -42,6 +45,10 @@ class SchedulerCounters:
         self._published_busy = False
         self._last_log = time.monotonic()
         self._gen_at_last_log = 0
+
+    @property
+    def refused_replies(self) -> int:
+        return self.ignored_replies + self.refused_results
 
     def on_step(self, step: Step, result: StepResult) -> None:
         self.steps += 1
@@ -83,7 +90,10 @@ class SchedulerCounters:
             last_step_time_s=self.last_step_time_s,
             prefill_tokens_computed=self.worker.prefill_tokens_computed,
             seq_lens_d2h_copies=self.worker.seq_lens_d2h_copies,
-            dropped_frames=s.io.dropped_frames + self.worker.dropped_frames + self.ignored_replies,
+            dropped_frames=s.io.dropped_frames
+            + self.worker.dropped_frames
+            + self.ignored_replies
+            + self.refused_results,
             retractions=self.retractions,
             worker_busy_s=self.worker.busy_s,
             worker_idle_s=self.worker.idle_s,

@@ -2,9 +2,12 @@
 
 Owns `in_flight` (steps sent whose result is not processed yet, oldest first; with overlap
 up to two) and the `SeqLensSync` frames that arrived before they were asked for. Decides
-when the group is lost: a reply out of step, a `WorkerError`, or no reply within the
-watchdog time (then launch.py is told to restart the group). A new link is made for every
-worker group, so nothing of a lost group's steps survives into the next.
+when the group is lost: a `WorkerError` about a step in flight, or no reply within the
+watchdog time (then launch.py is told to restart the group). A reply that cannot be the
+answer it claims to be (about no step in flight, out of order, or with rows and tokens that
+do not fit its step) is refused and counted, never used: a worker cannot send one, so it is
+stale or forged, and if the worker really broke, the watchdog still acts. A new link is
+made for every worker group, so nothing of a lost group's steps survives into the next.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from scheduler_proc.io import SchedulerIO
+from scheduler_proc.output import result_mismatch
 from scheduler_proc.request import Req
 from scheduler_proc.stats import SchedulerCounters
 from trident.wire.backend import BatchDescriptor, SeqLensSync, StepResult, WorkerError, WorkerReady
@@ -62,6 +66,9 @@ class WorkerLink:
         self.on_request = on_request
         """Takes in a request that arrives while the scheduler waits for the worker."""
         self.watchdog_s = ctx.args.watchdog_timeout_s
+        args = ctx.args
+        self.max_tokens_per_row = 1 + (args.speculative_num_draft_tokens if args.speculative_algorithm else 0)
+        """A sampling row's tokens in one step: its own plus every draft accepted."""
         self.in_flight: list[Step] = []
         self.pending_syncs: dict[int, SeqLensSync] = {}
         """SeqLensSync frames that arrived while waiting for a result, by step id."""
@@ -76,18 +83,34 @@ class WorkerLink:
         while True:
             msg = self.next_reply()
             if isinstance(msg, StepResult):
-                if msg.step_id != step.descriptor.step_id:
-                    raise WorkerLost(f"expected result of step {step.descriptor.step_id}, got {msg.step_id}")
+                why = self.result_mismatch(step, msg)
+                if why is not None:
+                    # Forged, or a worker bug: either way no token of it is used. The real result
+                    # may still come; if it never does, the watchdog restarts the group.
+                    self.counters.refused_results += 1
+                    logger.error("refusing the result of step %d: %s", msg.step_id, why)
+                    continue
                 self.in_flight.pop(0)
                 return step, msg
             self.pending_syncs[msg.step_id] = msg
+
+    def result_mismatch(self, step: Step, result: StepResult) -> str | None:
+        """Why `result` is not the answer to `step`, the oldest step in flight (None if it is).
+        A worker answers in order, so a result naming a later step was not sent by it."""
+        if result.step_id != step.descriptor.step_id:
+            return f"it names step {result.step_id} while step {step.descriptor.step_id} is the oldest in flight"
+        return result_mismatch(len(step.sampling_reqs), len(step.expected_seq_lens), result, self.max_tokens_per_row)
 
     def wait_seq_lens_sync(self, step: Step) -> SeqLensSync:
         """The worker's seq_lens as `step` started (published before its forward)."""
         while step.descriptor.step_id not in self.pending_syncs:
             msg = self.next_reply()
             if isinstance(msg, StepResult):
-                raise WorkerLost(f"result of step {msg.step_id} arrived before its seq_lens sync")
+                # Only the in-flight step's own sync can be owed here, and a worker publishes
+                # it before that step's result: this one was not sent by the worker.
+                self.counters.refused_results += 1
+                logger.error("refusing a result of step %d that came before its seq_lens sync", msg.step_id)
+                continue
             self.pending_syncs[msg.step_id] = msg
         return self.pending_syncs.pop(step.descriptor.step_id)
 

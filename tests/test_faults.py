@@ -62,7 +62,7 @@ def test_every_request_completes_unchanged_after_a_fault(fault, flags, fault_mod
 
 
 def test_restart_limit_exhaustion_answers_503_with_an_error_body(fault_model):
-    with running_server(["--model", fault_model, *BASE, "--max-restarts", "1"]) as server:
+    with running_server(["--model", fault_model, *BASE, "--max-restarts", "1", "--on-give-up", "stay"]) as server:
         http = server.http()
         kill_worker(server)
         assert wait_until(
