@@ -1,0 +1,273 @@
+"""Structured outputs and tool calls with the real SmolLM2 and the official openai client.
+
+Sampled at temperature 0.8 with fixed seeds, so that the constraint, not luck, is what makes
+the outputs valid: the model left alone rarely writes valid JSON for these schemas. Greedy
+constrained text must not depend on overlap, on what shares the batch, or on a SIGKILL of
+the worker mid-generation (the resumed request re-advances its matcher over its output).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+
+from tests.helpers import Server, running_server
+from tests.structured_schemas import SCHEMAS, WEATHER_TOOL
+from tests.workload import child
+
+MODEL = "smollm2-135m"
+SAMPLES = 4
+HOT = {"temperature": 0.8, "seed": 7, "n": SAMPLES}
+EBNF = 'root ::= "The answer is " ("yes" | "no") " because " [a-z]+ "."'
+REGEX = r"(red|green|blue) #[0-9a-f]{6}"
+GREEDY_SCHEMA = SCHEMAS["array_of_objects"]
+
+
+def chat(server: Server, prompt: str, **kw):
+    return server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=kw.pop("max_tokens", 160), **kw
+    )
+
+
+def json_schema_format(schema: dict, strict: bool = True) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": strict}}
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_json_schema_outputs_always_parse_and_validate(smollm2_server, name):
+    schema = SCHEMAS[name]
+    res = chat(smollm2_server, "Reply with a JSON example.", response_format=json_schema_format(schema), **HOT)
+    assert len(res.choices) == SAMPLES
+    for choice in res.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_json_schema_not_strict_still_validates(smollm2_server):
+    schema = SCHEMAS["nested_object"]
+    res = chat(smollm2_server, "A person as JSON.", response_format=json_schema_format(schema, strict=False), **HOT)
+    for choice in res.choices:
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_json_object_always_gives_a_json_object(smollm2_server):
+    res = smollm2_server.client().completions.create(
+        model=MODEL, prompt="Some data:", max_tokens=120, extra_body={"response_format": {"type": "json_object"}}, **HOT
+    )
+    for choice in res.choices:
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.text), dict)
+        else:  # out of tokens inside a long string: still the start of one object
+            assert choice.text.startswith("{")
+
+
+@pytest.mark.parametrize("field,holds", [("regex", lambda t: re.fullmatch(REGEX, t)), ("ebnf", None)])
+def test_regex_and_ebnf_hold_on_generate(smollm2_server, field, holds):
+    http = smollm2_server.http()
+    spec = REGEX if field == "regex" else EBNF
+    for seed in range(SAMPLES):
+        params = {field: spec, "temperature": 0.8, "seed": seed, "max_new_tokens": 60}
+        r = http.post("/generate", json={"text": "Answer:", "sampling_params": params})
+        assert r.status_code == 200, r.text
+        text = r.json()["text"]
+        if field == "regex":
+            assert holds(text), text
+        else:
+            assert re.fullmatch(r"The answer is (yes|no) because [a-z]+\.", text), text
+
+
+def _check_weather_call(call) -> None:
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER_TOOL["function"]["parameters"])
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+OTHER_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_tool_calls_give_valid_arguments(smollm2_server, tool_choice):
+    res = chat(smollm2_server, "What is the weather in Oslo?", tools=[WEATHER_TOOL], tool_choice=tool_choice, **HOT)
+    for choice in res.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None and len(choice.message.tool_calls) == 1
+        _check_weather_call(choice.message.tool_calls[0])
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_tool_calls_stream_as_tool_call_deltas(smollm2_server, tool_choice):
+    stream = chat(
+        smollm2_server,
+        "What is the weather in Oslo?",
+        tools=[WEATHER_TOOL, OTHER_TOOL] if tool_choice == NAMED else [WEATHER_TOOL],
+        tool_choice=tool_choice,
+        stream=True,
+        temperature=0.8,
+        seed=3,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    assert calls[0]["name"] == "get_weather" and calls[0]["id"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_TOOL["function"]["parameters"])
+
+
+def test_auto_tool_choice_answers_text_or_a_well_formed_call(smollm2_server):
+    res = chat(smollm2_server, "What is the weather in Oslo?", tools=[WEATHER_TOOL], tool_choice="auto", **HOT)
+    for choice in res.choices:
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            for call in choice.message.tool_calls:
+                assert call.function.name == "get_weather"
+                assert isinstance(json.loads(call.function.arguments), dict)
+        else:
+            assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
+
+
+def test_logit_bias_moves_the_greedy_token(smollm2_server):
+    http = smollm2_server.http()
+
+    def first_token(bias: dict[str, float]) -> int:
+        params = {"max_new_tokens": 1, "temperature": 0, "logit_bias": bias}
+        r = http.post("/generate", json={"text": "The capital of France is", "sampling_params": params})
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"][0]
+
+    top = first_token({})
+    assert first_token({str(top): -100}) != top
+    pushed = 47  # '?' in SmolLM2's vocabulary: not the natural next token here
+    assert pushed != top and first_token({str(pushed): 100}) == pushed
+    res = smollm2_server.client().completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0, logit_bias={str(pushed): 100}
+    )
+    assert res.choices[0].text == "?"
+
+
+BAD_REQUESTS = [
+    ("/generate", {"text": "Hi", "temprature": 0}, "temprature"),
+    ("/generate", {"text": "Hi", "sampling_params": {"temprature": 0}}, "sampling_params.temprature"),
+    ("/v1/completions", {"prompt": "Hi", "temprature": 0}, "temprature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "temprature": 0}, "temprature"),
+    ("/generate", {"text": "Hi", "sampling_params": {"regex": "(a|b"}}, "regex"),
+    ("/generate", {"text": "Hi", "sampling_params": {"ebnf": "root ::= undefined_rule"}}, "ebnf"),
+    ("/generate", {"text": "Hi", "sampling_params": {"json_schema": '{"type": "nope"}'}}, "json_schema"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "response_format": json_schema_format({"type": "nope"})},
+        "response_format.json_schema.schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "yaml"}},
+        "response_format",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "Hi", "response_format": {"type": "json_object"}, "regex": "a"},
+        "regex/ebnf/json_schema",
+    ),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"49152": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 101}}, "logit_bias"),
+]
+
+
+def test_unknown_fields_and_bad_constraints_get_400_and_restart_nothing(smollm2_server):
+    pids = {p.pid for p in smollm2_server.process_tree()}
+    http = smollm2_server.http()
+    for path, body, param in BAD_REQUESTS:
+        r = http.post(path, json=body)
+        assert r.status_code == 400, (path, body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param, error
+        assert error["type"] == "invalid_request_error" and error["message"]
+    with pytest.raises(openai.BadRequestError, match="temprature"):
+        smollm2_server.client().completions.create(model=MODEL, prompt="Hi", extra_body={"temprature": 0})
+    assert {p.pid for p in smollm2_server.process_tree()} == pids
+
+
+def test_openai_no_op_fields_are_accepted(smollm2_server):
+    res = chat(
+        smollm2_server,
+        "Hi",
+        max_tokens=2,
+        user="u1",
+        store=False,
+        metadata={"k": "v"},
+        parallel_tool_calls=True,
+        tools=[WEATHER_TOOL],
+        tool_choice="none",
+    )
+    assert res.choices[0].message.content is not None
+
+
+def _greedy_constrained(server: Server, prompt: str) -> str:
+    res = chat(server, prompt, response_format=json_schema_format(GREEDY_SCHEMA), temperature=0, max_tokens=120)
+    return res.choices[0].message.content
+
+
+def _greedy_plain(server: Server, prompt: str) -> str:
+    return chat(server, prompt, temperature=0, max_tokens=40).choices[0].message.content
+
+
+PROMPTS = [f"List team member number {i} as JSON." for i in range(6)]
+
+
+def test_constrained_and_unconstrained_rows_batched_together(smollm2_server):
+    alone = [_greedy_constrained(smollm2_server, PROMPTS[0]), _greedy_plain(smollm2_server, PROMPTS[1])]
+    with ThreadPoolExecutor(8) as pool:
+        constrained = [pool.submit(_greedy_constrained, smollm2_server, p) for p in PROMPTS]
+        plain = [pool.submit(_greedy_plain, smollm2_server, p) for p in PROMPTS]
+        constrained, plain = [f.result() for f in constrained], [f.result() for f in plain]
+    for text in constrained:
+        jsonschema.validate(json.loads(text), GREEDY_SCHEMA)
+    assert constrained[0] == alone[0] and plain[1] == alone[1]
+
+
+@pytest.fixture(scope="module")
+def plain_loop_server():
+    """Overlap off, and restarts under test: kept apart from the shared server."""
+    with running_server(["--dtype", "float32", "--max-total-tokens", "16384", "--disable-overlap"]) as server:
+        yield server
+
+
+def test_overlap_on_and_off_give_the_same_constrained_greedy_text(smollm2_server, plain_loop_server):
+    for prompt in PROMPTS[:3]:
+        assert _greedy_constrained(smollm2_server, prompt) == _greedy_constrained(plain_loop_server, prompt)
+
+
+def test_constrained_request_survives_a_worker_sigkill_with_the_same_text(smollm2_server, plain_loop_server):
+    prompt = PROMPTS[4]
+    expected = _greedy_constrained(smollm2_server, prompt)
+    server = plain_loop_server
+    before = {p.pid for p in server.process_tree()}
+    worker = child(server, "trident::worker[tp0]")
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_greedy_constrained, server, prompt)
+        baseline = _generation_tokens(server)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and _generation_tokens(server) < baseline + 8:
+            time.sleep(0.05)
+        worker.kill()
+        text = future.result(timeout=300)
+    assert {p.pid for p in server.process_tree()} != before
+    jsonschema.validate(json.loads(text), GREEDY_SCHEMA)
+    assert text == expected
+
+
+def _generation_tokens(server: Server) -> int:
+    stats = server.http().get("/server_info").json()["scheduler_stats"]
+    return stats["generation_tokens"] if stats else 0
