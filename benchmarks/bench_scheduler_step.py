@@ -101,7 +101,7 @@ class InProcessScheduler(Scheduler):
 
     def install_workers(self, ready: WorkerReady) -> None:
         super().install_workers(ready)
-        self.link = AnsweringLink(self.ctx, self.io, self.counters, self.handle_request)
+        self.link = AnsweringLink(self.ctx, self.io, self.counters, self.handle_requests)
 
     def one_step(self) -> None:
         """One turn of event_loop_overlap (no requests arrive)."""

@@ -67,7 +67,7 @@ class Scheduler:
         )
         self.batch = ScheduleBatch()
         self.next_step_id = 1
-        self.link = WorkerLink(self.ctx, self.io, self.counters, self.handle_request)
+        self.link = WorkerLink(self.ctx, self.io, self.counters, self.handle_requests)
 
     # ------------------------------------------------------------------ loops
 
@@ -110,9 +110,20 @@ class Scheduler:
                 self.io.recorder.flush()
             first = self.io.requests.recv(timeout_ms=IDLE_POLL_MS)
             msgs = ([first] if first is not None else []) + self.io.requests.recv_nowait()
-        for msg in msgs:
-            self.handle_request(msg)
+        self.handle_requests(msgs)
         self.counters.maybe_publish()
+
+    def handle_requests(self, msgs: list) -> None:
+        """Takes in every message; a WorkerGroupLost among them is raised only after the rest,
+        so that the requests queued behind it are not dropped with it."""
+        lost = None
+        for msg in msgs:
+            try:
+                self.handle_request(msg)
+            except WorkerLost as e:
+                lost = e
+        if lost is not None:
+            raise lost
 
     def handle_request(self, msg) -> None:
         if isinstance(msg, GenerateReq):

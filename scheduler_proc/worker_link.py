@@ -58,13 +58,13 @@ class WorkerLink:
         ctx: ChildContext,
         io: SchedulerIO,
         counters: SchedulerCounters,
-        on_request: Callable[[Any], None],
+        on_requests: Callable[[list[Any]], None],
     ) -> None:
         self.ctx = ctx
         self.io = io
         self.counters = counters
-        self.on_request = on_request
-        """Takes in a request that arrives while the scheduler waits for the worker."""
+        self.on_requests = on_requests
+        """Takes in the requests that arrive while the scheduler waits for the worker."""
         self.watchdog_s = ctx.args.watchdog_timeout_s
         args = ctx.args
         self.max_tokens_per_row = 1 + (args.speculative_num_draft_tokens if args.speculative_algorithm else 0)
@@ -128,8 +128,7 @@ class WorkerLink:
                 raise WorkerLost(f"watchdog: no reply for {self.watchdog_s:.0f} s")
             reply_ready, request_ready = self.io.wait_any(left_ms)
             if request_ready:
-                for msg in self.io.requests.recv_nowait():
-                    self.on_request(msg)
+                self.on_requests(self.io.requests.recv_nowait())
             msg = self.io.replies.recv(timeout_ms=0) if reply_ready else None
             if msg is None or isinstance(msg, WorkerReady):
                 continue  # a WorkerReady here answers the ResetBatch sent at (re)connection

@@ -46,13 +46,25 @@ class Server:
     """A `python launch.py` subprocess; its stdout/stderr are collected for failure messages."""
 
     def __init__(
-        self, extra_args: list[str], startup_timeout: float = 240.0, ready_prefix: str = "trident ready:"
+        self,
+        extra_args: list[str],
+        startup_timeout: float = 240.0,
+        ready_prefix: str = "trident ready:",
+        own_process_group: bool = False,
     ) -> None:
-        """`ready_prefix`: the stdout line that means started (a worker-only node prints its own)."""
+        """`ready_prefix`: the stdout line that means started (a worker-only node prints its own);
+        `own_process_group`: the launcher leads a new process group (killpg stands for a lost machine)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, os.path.join(REPO_ROOT, "launch.py"), "--port", str(self.port), *extra_args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=own_process_group,
+        )
         self.output: list[str] = []
         self._ready_prefix = ready_prefix
         self._ready = threading.Event()
