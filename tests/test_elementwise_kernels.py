@@ -35,8 +35,8 @@ def assert_same_up_to_last_bit(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got == want).float().mean() >= 0.99
 
 
-def _torch_norm(dim: int, dtype: torch.dtype) -> RMSNorm:
-    norm = RMSNorm(dim, eps=1e-5).to(dtype)
+def _torch_norm(dim: int, dtype: torch.dtype, unit_offset: bool = False) -> RMSNorm:
+    norm = RMSNorm(dim, eps=1e-5, unit_offset=unit_offset).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(dim).to(dtype))
     return norm
@@ -61,6 +61,40 @@ def test_add_rms_norm_returns_the_residual_sum_and_its_norm(kernels, dtype, rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 640), (37, 640), (3, 4, 256)])
+def test_the_unit_offset_rms_norm_op_matches_gemmas_float32_product(kernels, dtype, shape):
+    """Gemma: normalised and scaled by (1 + w) in float32, then one rounding."""
+    norm = _torch_norm(shape[-1], dtype, unit_offset=True)
+    x = (torch.randn(shape) * 3).to(dtype)
+    assert_same_up_to_last_bit(kernels.rms_norm(x, norm.weight, norm.eps, True), norm(x))
+    total, normed = kernels.add_rms_norm(x, x, norm.weight, norm.eps, True)
+    assert torch.equal(total, x + x)
+    assert_same_up_to_last_bit(normed, norm(x + x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 40])
+def test_gelu_tanh_and_mul_matches_split_gelu_mul(kernels, dtype, rows):
+    """GeGLU (Gemma): gelu with the tanh approximation of the gate, times up. Below a gate of
+    about -3, 1 + tanh cancels in float32 (in torch as in the op): there the two may differ
+    by a few float32 steps of 1, times 0.5 |gate| |up|; elsewhere by a step of the dtype."""
+    gate_up = (torch.randn(rows, 2 * 2048) * 4).to(dtype)
+    gate, up = gate_up.split(2048, dim=-1)
+    got, want = kernels.gelu_tanh_and_mul(gate_up), F.gelu(gate, approximate="tanh") * up
+    cancellation = 0.5 * (gate.float() * up.float()).abs() * 4 * torch.finfo(torch.float32).eps
+    step = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    assert ((got.float() - want.float()).abs() <= cancellation + step * want.float().abs()).all()
+    if dtype != torch.float32:
+        assert (got == want).float().mean() >= 0.99
+
+
+def test_gelu_tanh_and_mul_is_finite_at_the_extremes(kernels):
+    gate = torch.tensor([[-1e4, -100.0, -1e-3, 0.0, 1e-3, 100.0, 1e4, 3e12]])
+    got = kernels.gelu_tanh_and_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))
+    torch.testing.assert_close(got, F.gelu(gate, approximate="tanh"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 40])
 def test_silu_and_mul_matches_split_silu_mul(kernels, dtype, rows):
     gate_up = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
@@ -74,10 +108,15 @@ def test_silu_and_mul_is_finite_at_the_extremes(kernels):
     torch.testing.assert_close(got, F.silu(gate), rtol=1e-5, atol=1e-6)
 
 
+HEAD_DIMS = [64, 128, 256]
+"""SmolLM2; Llama 3, Qwen, Mistral; Gemma 3."""
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 19])
-def test_rotary_matches_the_torch_rotary_on_a_strided_view_of_qkv(kernels, dtype, tokens):
-    heads, kv_heads, dim = 9, 3, 64
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+def test_rotary_matches_the_torch_rotary_on_a_strided_view_of_qkv(kernels, dtype, tokens, dim):
+    heads, kv_heads = 9, 3
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
     qk = qkv[:, : (heads + kv_heads) * dim].view(-1, heads + kv_heads, dim)  # rows strided by qkv's width
     rope = RotaryEmbedding(dim, 10000.0, 4096)
@@ -93,8 +132,9 @@ def test_rotary_matches_the_torch_rotary_on_a_strided_view_of_qkv(kernels, dtype
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 19])
-def test_rotary_write_kv_gives_the_rotary_q_and_writes_what_write_kv_writes(kernels, dtype, tokens):
-    heads, kv_heads, dim, pool = 9, 3, 64, 50
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+def test_rotary_write_kv_gives_the_rotary_q_and_writes_what_write_kv_writes(kernels, dtype, tokens, dim):
+    heads, kv_heads, pool = 9, 3, 50
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
     tables = RotaryEmbedding(dim, 10000.0, 4096).tables(torch.randint(0, 4096, (tokens,)), dtype)
     loc = torch.randperm(pool)[:tokens]

@@ -20,13 +20,15 @@ def kernel():
     return op
 
 
-def _reference(q, pool, kv_indices, kv_lens):
-    """float64 attention of each row's one query over its first kv_lens[row] keys."""
+def _reference(q, pool, kv_indices, kv_lens, window=0):
+    """float64 attention of each row's one query over its first kv_lens[row] keys, or the
+    last `window` of them."""
     rows, heads, dim = q.shape
     kv_heads = pool.shape[2]
     out = torch.empty(rows, heads, dim, dtype=torch.float64)
     for r in range(rows):
-        kv = pool[kv_indices[r, : kv_lens[r]]].double()  # [len, 2, kv_heads, dim]
+        first = max(0, int(kv_lens[r]) - window) if window else 0
+        kv = pool[kv_indices[r, first : kv_lens[r]]].double()  # [len, 2, kv_heads, dim]
         keys = kv[:, 0].repeat_interleave(heads // kv_heads, dim=1)  # [len, heads, dim]
         values = kv[:, 1].repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("hd,khd->hk", q[r].double(), keys) / dim**0.5
@@ -46,6 +48,9 @@ def _reference(q, pool, kv_indices, kv_lens):
         (torch.float32, 64, 9, 3),
         (torch.float32, 128, 8, 2),
         (torch.float16, 64, 4, 1),
+        (torch.bfloat16, 128, 8, 2),  # Llama 3 / Qwen / Mistral head dim
+        (torch.bfloat16, 256, 4, 1),  # Gemma 3 270M's shape
+        (torch.float32, 256, 4, 1),
     ],
 )
 def test_kernel_equals_float64_attention_over_scattered_ragged_rows(kernel, dtype, dim, heads, kv_heads):
@@ -79,3 +84,28 @@ def test_kernel_rejects_mismatched_shapes(kernel):
     pool = torch.zeros(10, 2, 3, 64)
     with pytest.raises(RuntimeError, match="one index row and one length per query row"):
         kernel(torch.zeros(2, 9, 64), pool, torch.zeros(3, 4, dtype=torch.int64), torch.ones(2, dtype=torch.int64), 1.0)
+
+
+@pytest.mark.parametrize(
+    "dtype, dim, heads, kv_heads",
+    [
+        (torch.bfloat16, 64, 9, 3),  # the fast path
+        (torch.bfloat16, 256, 4, 1),  # the generic loop, Gemma 3's shape
+        (torch.float32, 128, 8, 2),
+    ],
+)
+@pytest.mark.parametrize("window", [1, 16, 512])
+def test_kernel_with_a_window_attends_to_each_rows_last_window_keys(kernel, dtype, dim, heads, kv_heads, window):
+    """A sliding window (Mistral, Gemma 3's local layers): rows shorter and longer than it."""
+    gen = torch.Generator().manual_seed(dim + window)
+    pool_tokens, rows, max_kv = 3000, 5, 300
+    pool = torch.randn(pool_tokens, 2, kv_heads, dim, generator=gen).to(dtype)
+    q = (3 * torch.randn(rows, heads, dim, generator=gen)).to(dtype)
+    kv_lens = torch.tensor([1, 16, 17, 300, 150])
+    kv_indices = torch.randperm(pool_tokens, generator=gen)[: rows * max_kv].view(rows, max_kv)
+    got = kernel(q, pool, kv_indices, kv_lens, dim**-0.5, window)
+    want = _reference(q, pool, kv_indices, kv_lens, window)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    if window < 300:  # the window changes the answer of the longest row
+        assert not torch.allclose(got.double()[3], _reference(q, pool, kv_indices, kv_lens)[3], atol=tol, rtol=tol)

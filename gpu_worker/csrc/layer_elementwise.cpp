@@ -39,11 +39,14 @@ inline float silu(float x) {
 }
 
 // gelu with the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as
-// torch's approximate="tanh"; tanh from exp(-2|y|) so that the exponential never overflows.
+// torch's approximate="tanh" orders it: tanh rounded to float32, then 1 + tanh (which
+// cancels for x below about -3, in torch as here, so those tiny results differ from it by
+// a few float32 steps). tanh from e = exp(-2|y|), never overflowing; (1 - e) / (1 + e) in
+// double, so that tanh rounds once.
 inline float gelu_tanh(float x) {
-  const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-  const float e = exp_nonpositive(-2.f * (inner < 0.f ? -inner : inner));
-  const float magnitude = (1.f - e) / (1.f + e);
+  const float inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));  // torch's order
+  const double e = exp_nonpositive(-2.f * (inner < 0.f ? -inner : inner));
+  const float magnitude = static_cast<float>((1.0 - e) / (1.0 + e));
   return 0.5f * x * (1.f + (inner < 0.f ? -magnitude : magnitude));
 }
 
