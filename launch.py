@@ -1,8 +1,6 @@
 """`python launch.py [flags]` from a checkout: the same server as `trident serve [flags]`."""
 
-import sys
-
-from trident.launch import main
+from trident.launch import run_and_exit
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()

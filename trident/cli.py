@@ -11,9 +11,9 @@ USAGE = """usage: trident serve [flags]     start the OpenAI-compatible server (
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
-        from trident.launch import main as serve
+        from trident.launch import run_and_exit
 
-        return serve(argv[1:])
+        run_and_exit(argv[1:])
     if argv[:1] == ["--version"]:
         from trident import __version__
 

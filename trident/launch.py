@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from typing import NoReturn
 
 from trident.flags import build_parser, flag_values
 from trident.model_source import ModelNotFound, resolve_model
@@ -28,7 +29,7 @@ from trident.wire.cluster import ClusterError, layout_of, parse_dist_init_addr
 from trident.wire.server_args import ServerArgs, write_server_args
 from trident.wire.signing import new_secret, read_secret_file
 
-__all__ = ["Launcher", "StartupError", "build_parser", "main", "server_args_from_cli"]
+__all__ = ["Launcher", "StartupError", "build_parser", "main", "run_and_exit", "server_args_from_cli"]
 
 
 class UsageError(ValueError):
@@ -164,5 +165,15 @@ def run_worker_node(launcher: Launcher, stop_requested) -> int:
         agent.close()
 
 
+def run_and_exit(argv: list[str] | None = None) -> NoReturn:
+    """`main`, then exit without the interpreter's final garbage collection, which took 1-2 s
+    of every stop; by then every child is gone and every file and socket is closed."""
+    code = main(argv)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()
