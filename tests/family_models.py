@@ -1,0 +1,123 @@
+"""Tiny random-weight checkpoints of every family we serve, written by transformers itself.
+
+Each family's quirks are switched on: rope scaling (llama3, linear, yarn), q/k/v biases,
+q/k norms, a sliding window shorter than the test prompts, Gemma 3's local and global
+layers with their own rope bases, head dims 64 to 256. The transformers model class builds
+and saves the checkpoint (safetensors + config.json), with the SmolLM2 tokenizer beside it,
+so the names, layouts and config keys are exactly those the library writes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.helpers import smollm2_gguf
+
+WINDOW = 12
+"""Sliding window of the windowed families, in keys: shorter than the long test prompt."""
+
+
+def _common(vocab: int, **overrides) -> dict:
+    base = {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    }
+    return base | overrides
+
+
+def family_config(name: str, vocab: int):
+    """The transformers config of the test checkpoint `name` (a family, or llama with a rope type)."""
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    if name == "llama3_rope":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0}
+        rope |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return LlamaConfig(**_common(vocab, rope_parameters=rope))
+    if name == "linear_rope":
+        return LlamaConfig(
+            **_common(vocab, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})
+        )
+    if name == "yarn_rope":
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
+        return LlamaConfig(**_common(vocab, rope_parameters=rope))
+    if name == "qwen2":
+        return Qwen2Config(**_common(vocab))
+    if name == "qwen3":
+        return Qwen3Config(**_common(vocab, num_attention_heads=2, num_key_value_heads=1, head_dim=128))
+    if name == "mistral":
+        return MistralConfig(**_common(vocab, head_dim=16, sliding_window=WINDOW))
+    if name == "gemma3":
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+        }
+        layers = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+        return Gemma3TextConfig(
+            **_common(vocab, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1),
+            head_dim=256,
+            sliding_window=WINDOW,
+            layer_types=layers,
+            rope_parameters=rope,
+            query_pre_attn_scalar=64,
+        )
+    if name == "phi3":
+        return Phi3Config(**_common(vocab, sliding_window=WINDOW, tie_word_embeddings=False))
+    raise ValueError(name)
+
+
+FAMILY_CHECKPOINTS = ("llama3_rope", "linear_rope", "yarn_rope", "qwen2", "qwen3", "mistral", "gemma3", "phi3")
+
+
+def make_family_checkpoint(path: str, name: str, seed: int = 0, scale: float = 0.2) -> str:
+    """Writes the checkpoint `name` into `path`: every weight matrix ~N(0, scale), every norm
+    weight and bias random too (so a norm or bias applied wrongly changes the tokens)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    os.makedirs(path, exist_ok=True)
+    tok.save_pretrained(path)
+    cfg = family_config(name, len(tok))
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, None
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=g)
+            if "norm" in pname:
+                # Gemma's (1 + w) norms store w around 0, the others around 1.
+                centre = 0.0 if cfg.model_type.startswith("gemma") else 1.0
+                param.copy_(centre + 0.1 * noise)
+            else:
+                param.copy_(scale * noise)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def transformers_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # the server is asked to ignore EOS too
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
+    return out[0, len(prompt_ids) :].tolist()
