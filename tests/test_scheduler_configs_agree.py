@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests.helpers import make_random_llama, running_server, wait_until
+from tests.helpers import Server, make_random_llama, running_server, wait_until
 
 MAX_NEW = 20
 
@@ -33,43 +33,78 @@ def workload() -> list[list[int]]:
 
 
 def scheduler_stats(http) -> dict:
-    return http.get("/server_info").json()["scheduler_stats"] or {"generation_tokens": -1}
+    """The last published statistics; zeros before the first frame (nothing has run)."""
+    return http.get("/server_info").json()["scheduler_stats"] or {"generation_tokens": 0, "prefill_tokens_computed": 0}
+
+
+def serve_on(
+    server: Server, prompts: list[list[int]] | None = None, max_new: int = MAX_NEW
+) -> tuple[list[list[int]], dict]:
+    """Greedy outputs of the prompts, sent together, and the server's statistics after them."""
+    prompts = prompts or workload()
+    http = server.http()
+    before = scheduler_stats(http)["generation_tokens"]
+
+    def one(ids: list[int]) -> list[int]:
+        r = http.post(
+            "/generate",
+            json={
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+            },
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outputs = list(pool.map(one, prompts))
+    # Stats are published periodically: wait for the frame that counts every token.
+    assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] >= before + len(prompts) * max_new, 10)
+    return outputs, scheduler_stats(http)
+
+
+def server_args(model: str, *extra: str) -> list[str]:
+    return ["--model", model, "--dtype", "float32", "--check-seq-lens", *extra]
 
 
 def serve_workload(
     extra_args: list[str], model: str, prompts: list[list[int]] | None = None, max_new: int = MAX_NEW
 ) -> tuple[list[list[int]], dict]:
-    prompts = prompts or workload()
-    args = ["--model", model, "--dtype", "float32", "--check-seq-lens", *extra_args]
-    with running_server(args) as server:
-        http = server.http()
-
-        def one(ids: list[int]) -> list[int]:
-            r = http.post(
-                "/generate",
-                json={
-                    "input_ids": ids,
-                    "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
-                },
-            )
-            assert r.status_code == 200, r.text
-            return r.json()["output_ids"]
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            outputs = list(pool.map(one, prompts))
-        total = len(prompts) * max_new
-        assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] >= total, 10)
-        stats = scheduler_stats(http)
-    return outputs, stats
+    with running_server(server_args(model, *extra_args)) as server:
+        return serve_on(server, prompts, max_new)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model) -> list[list[int]]:
-    outputs, _ = serve_workload(
-        ["--max-total-tokens", "65536", "--disable-overlap", "--disable-radix-cache"], tiny_model
-    )
+def references(tiny_model) -> dict[str, list[list[int]]]:
+    """Both workloads on one plain server (no overlap, no prefix cache, a pool that never fills)."""
+    flags = ["--max-total-tokens", "65536", "--disable-overlap", "--disable-radix-cache"]
+    with running_server(server_args(tiny_model, *flags)) as server:
+        outputs, _ = serve_on(server)
+        retraction_outputs, stats = serve_on(server, retraction_workload(), RETRACTION_NEW)
     assert all(len(o) == MAX_NEW for o in outputs)
-    return outputs
+    assert stats["retractions"] == 0
+    return {"workload": outputs, "retraction": retraction_outputs}
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> list[list[int]]:
+    return references["workload"]
+
+
+@pytest.fixture(scope="module")
+def cache_on_server(tiny_model):
+    """Shared by the config test and the prefix-cache test: each counts only its own work."""
+    with running_server(server_args(tiny_model, "--max-total-tokens", "65536")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cache_off_server(tiny_model):
+    with running_server(server_args(tiny_model, "--max-total-tokens", "65536", "--disable-radix-cache")) as server:
+        yield server
+
+
+SHARED_SERVERS = {"radix_cache_on_overlap_on": "cache_on_server", "radix_cache_off": "cache_off_server"}
 
 
 CONFIGS = {
@@ -83,8 +118,11 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_output_is_identical_under_scheduler_config(name, tiny_model, reference):
-    outputs, _ = serve_workload(["--max-total-tokens", "65536", *CONFIGS[name]], tiny_model)
+def test_greedy_output_is_identical_under_scheduler_config(name, tiny_model, reference, request):
+    if name in SHARED_SERVERS:
+        outputs, _ = serve_on(request.getfixturevalue(SHARED_SERVERS[name]))
+    else:
+        outputs, _ = serve_workload(["--max-total-tokens", "65536", *CONFIGS[name]], tiny_model)
     assert outputs == reference
 
 
@@ -100,11 +138,8 @@ RETRACTION_NEW = 40
 
 
 @pytest.fixture(scope="module")
-def retraction_reference(tiny_model) -> list[list[int]]:
-    flags = ["--max-total-tokens", "65536", "--disable-overlap", "--disable-radix-cache"]
-    outputs, stats = serve_workload(flags, tiny_model, retraction_workload(), RETRACTION_NEW)
-    assert stats["retractions"] == 0
-    return outputs
+def retraction_reference(references) -> list[list[int]]:
+    return references["retraction"]
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
@@ -115,28 +150,27 @@ def test_greedy_output_is_identical_under_retraction_from_a_tiny_kv_pool(overlap
     assert outputs == retraction_reference
 
 
-def test_shared_system_prompt_cuts_prefill_work_tenfold(tiny_model):
+def test_shared_system_prompt_cuts_prefill_work_tenfold(cache_on_server, cache_off_server):
     rng = np.random.default_rng(3)
     system = rng.integers(100, 20000, 200).tolist()
     prompts = [system + rng.integers(100, 20000, 4).tolist() for _ in range(16)]
 
-    def computed_prefill(extra: list[str]) -> int:
-        with running_server(
-            ["--model", tiny_model, "--dtype", "float32", "--max-total-tokens", "65536", "--check-seq-lens", *extra]
-        ) as server:
-            http = server.http()
-            body = {"sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
-            assert http.post("/generate", json={"input_ids": prompts[0], **body}).status_code == 200
-            with ThreadPoolExecutor(15) as pool:
-                codes = list(
-                    pool.map(lambda p: http.post("/generate", json={"input_ids": p, **body}).status_code, prompts[1:])
-                )
-            assert codes == [200] * 15
-            # Stats are published periodically: wait for the frame that counts every token.
-            assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] == 16 * 4, 10)
-            return scheduler_stats(http)["prefill_tokens_computed"]
+    def computed_prefill(server: Server) -> int:
+        http = server.http()
+        before = scheduler_stats(http)
+        body = {"sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+        assert http.post("/generate", json={"input_ids": prompts[0], **body}).status_code == 200
+        with ThreadPoolExecutor(15) as pool:
+            codes = list(
+                pool.map(lambda p: http.post("/generate", json={"input_ids": p, **body}).status_code, prompts[1:])
+            )
+        assert codes == [200] * 15
+        # Stats are published periodically: wait for the frame that counts every token.
+        target = before["generation_tokens"] + 16 * 4
+        assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] == target, 10)
+        return scheduler_stats(http)["prefill_tokens_computed"] - before["prefill_tokens_computed"]
 
-    with_cache = computed_prefill([])
-    without_cache = computed_prefill(["--disable-radix-cache"])
+    with_cache = computed_prefill(cache_on_server)
+    without_cache = computed_prefill(cache_off_server)
     assert without_cache == 16 * 204
     assert without_cache >= 10 * with_cache, (with_cache, without_cache)
