@@ -3,7 +3,9 @@ the official openai client, with the seq_lens contract checked every step."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import pytest
 
@@ -12,6 +14,8 @@ from trident.wire.signing import new_secret, write_secret_file
 
 PROMPTS = [f"Request {i}: " + "tell me about the sea and the ships " * (1 + i % 5) for i in range(10)]
 MAX_TOKENS = [8 + 7 * i for i in range(10)]
+STATS_PERIOD_S = 0.6
+"""The scheduler publishes its statistics every half second."""
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +60,25 @@ def completions(server, stream: bool) -> list[str]:
         return list(pool.map(one, range(len(PROMPTS))))
 
 
-def test_output_is_deterministic_across_runs_overlap_and_speculation(profile):
+@pytest.fixture(scope="module")
+def sim_server(profile):
+    """One server of simulated workers with the default scheduling, shared by this module's tests."""
     with running_server(sim_args(profile)) as server:
-        first = completions(server, stream=True)
-        again = completions(server, stream=False)  # now with prefix-cache hits
-        stats = server.http().get("/server_info").json()["scheduler_stats"]
-        assert stats["seq_lens_d2h_copies"] > 0 and stats["overlapped_steps"] > 0
-        assert "simulated: test profile" in server.log_tail(200)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def streamed(sim_server) -> list[str]:
+    """The completions of PROMPTS, streamed from `sim_server`: what every other layout must give."""
+    return completions(sim_server, stream=True)
+
+
+def test_output_is_deterministic_across_runs_overlap_and_speculation(profile, sim_server, streamed):
+    first = streamed
+    again = completions(sim_server, stream=False)  # now with prefix-cache hits
+    stats = sim_server.http().get("/server_info").json()["scheduler_stats"]
+    assert stats["seq_lens_d2h_copies"] > 0 and stats["overlapped_steps"] > 0
+    assert "simulated: test profile" in sim_server.log_tail(2000)
     assert again == first
     assert len(set(first)) == len(first) and all(len(t) > 10 for t in first)
     with running_server(sim_args(profile, "--disable-overlap", "--speculative-algorithm", "ngram")) as server:
@@ -73,32 +89,38 @@ def test_output_is_deterministic_across_runs_overlap_and_speculation(profile):
 
 
 @pytest.mark.parametrize("overlap", [[], ["--disable-overlap"]], ids=["overlap_on", "overlap_off"])
-def test_no_step_runs_past_a_finish_known_from_the_length_budget(profile, overlap):
+def test_no_step_runs_past_a_finish_known_from_the_length_budget(profile, overlap, request):
     # One request at a time: a request of n tokens takes its prompt step and n - 1 decode
     # steps. With overlap, the step after a request's last one is built before that last
     # result arrives; it must leave the request out all the same.
     budgets = [1, 2, 5]
-    with running_server(sim_args(profile, *overlap)) as server:
-        http = server.http()
+    with ExitStack() as stack:
+        server = stack.enter_context(running_server(sim_args(profile, *overlap))) if overlap else None
+        http = (server or request.getfixturevalue("sim_server")).http()
+
+        def stats() -> dict:
+            return http.get("/server_info").json()["scheduler_stats"] or {"generation_tokens": 0, "steps": 0}
+
+        # A shared server's last requests may finish after the last frame: wait for one that is
+        # idle, and then one statistics period for any step counted after it.
+        assert wait_until(lambda: stats().get("running_requests", 0) == 0, 5)
+        time.sleep(STATS_PERIOD_S)
+        before = stats()
         for n in budgets:
             body = {"text": "tell me about the sea", "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}
             r = http.post("/generate", json=body)
             assert r.status_code == 200, r.text
             assert len(r.json()["output_ids"]) == n and r.json()["meta_info"]["finish_reason"] == "length"
 
-        def stats() -> dict:
-            return http.get("/server_info").json()["scheduler_stats"]
-
-        assert wait_until(lambda: stats()["generation_tokens"] == sum(budgets), 5)
-        assert stats()["steps"] == sum(budgets)
+        assert wait_until(lambda: stats()["generation_tokens"] == before["generation_tokens"] + sum(budgets), 5)
+        assert stats()["steps"] - before["steps"] == sum(budgets)
         assert stats()["running_requests"] == 0
 
 
-def test_simulated_workers_serve_dp2_tp2_over_two_nodes_with_one_workers_output(profile, tmp_path):
+def test_simulated_workers_serve_dp2_tp2_over_two_nodes_with_one_workers_output(profile, streamed, tmp_path):
     # The simulated worker plugs into the multi-node launch unchanged: each replica's tp 2
     # group has rank 0 on node 0 and rank 1 on node 1, and the output is one worker's.
-    with running_server(sim_args(profile)) as server:
-        single = completions(server, stream=False)
+    single = streamed
     secret = str(tmp_path / "cluster.secret")
     write_secret_file(secret, new_secret())
     cluster = [
