@@ -1,8 +1,24 @@
-"""Fit a simulated worker's step-time profile from recordings:
-`python -m gpu_worker.fit_profile RECORDING [RECORDING ...] -o PROFILE.json`.
+"""Fit a simulated worker's step-time profile from a sweep of step shapes, from
+recordings, or from both:
 
-Each step's shape (step_profile.FEATURES) comes from replaying the recording's
-descriptors through a worker's batch state; its time comes from one of:
+    python -m gpu_worker.fit_profile --sweep -o PROFILE.json [--model M] [--max-prefill-tokens N]
+    python -m gpu_worker.fit_profile RECORDING [RECORDING ...] -o PROFILE.json
+    python -m gpu_worker.fit_profile --sweep RECORDING ... -o PROFILE.json   (steps of both, one fit)
+
+`--sweep` times the real model worker alone, in this process, over a grid of step shapes
+(gpu_worker/profile_sweep.py: decode, prefill, mixed and verify steps across their
+ranges); no server and no recording is needed, and the fit sees every kind of step, not
+only those of one workload. A shape keeps its fastest repeat for the fit (the slower ones
+measure the neighbours); the spread of all repeats around the prediction is kept.
+
+`--frontend-from RECORDING` (with any of the above): a served run's recording, whose
+steps were timed by the worker while the tokenizer and scheduler shared its cores. What
+those steps took beyond the fitted prediction, per step and per sampling row, is the
+front end's share (StepProfile.frontend); the served steps' spread around prediction plus
+share replaces the sweep's.
+
+From recordings, each step's shape (step_profile.SHAPE) comes from replaying the
+recording's descriptors through a worker's batch state; its time comes from one of:
 
 - `--timing replay` (default): the recording is replayed on the real model worker in this
   process (gpu_worker.replay), `--passes` times, and each step is timed from the moment its
@@ -25,9 +41,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import platform
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -37,21 +55,27 @@ from gpu_worker.omp_policy import use_passive_omp_wait
 from gpu_worker.replay import load_recording, replay_steps, replay_worker
 from gpu_worker.step_profile import (
     COEFFICIENT_NAMES,
-    FEATURES,
+    FRONTEND_NAMES,
     LOSSES,
+    SHAPE,
+    TERMS,
     StepProfile,
+    fit_shapes,
     fit_step_times,
     ratio_quantiles,
 )
 from trident.wire.backend import BatchDescriptor
 from trident.wire.child import ChildContext
 
+if TYPE_CHECKING:
+    from gpu_worker.profile_sweep import SweepTimes  # imports torch: only inside main()
+
 
 def time_recording(path: str, passes: int, overrides: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(features, seconds) of every computing step of a recording, fastest of `passes`."""
+    """(shapes, seconds) of every computing step of a recording, fastest of `passes`."""
     rec = load_recording(path)
     worker = replay_worker(rec.args, **overrides)
-    features: dict[int, np.ndarray] = {}
+    shapes: dict[int, np.ndarray] = {}
     seconds: dict[int, float] = {}
     first_step = next((m.step_id for m in rec.sent if isinstance(m, BatchDescriptor)), 1)
     for k in range(passes):
@@ -60,53 +84,112 @@ def time_recording(path: str, passes: int, overrides: dict) -> tuple[np.ndarray,
         for step_id, _ in replay_steps(worker, rec.sent, desc=f"{path} pass {k + 1}/{passes}"):
             elapsed = time.perf_counter() - worker.step_started
             if worker.last_step_features[0]:  # an idle step computes nothing
-                features[step_id] = worker.last_step_features
+                shapes[step_id] = worker.last_step_features
                 seconds[step_id] = min(seconds.get(step_id, elapsed), elapsed)
-    ids = sorted(features)
-    return np.stack([features[i] for i in ids]), np.asarray([seconds[i] for i in ids])
+    ids = sorted(shapes)
+    return np.stack([shapes[i] for i in ids]), np.asarray([seconds[i] for i in ids])
 
 
 def recorded_timings(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """(features, seconds) of every computing step, with the forward times the recording holds."""
+    """(shapes, seconds) of every computing step, with the forward times the recording holds."""
     from gpu_worker.simulated import SimulatedWorker  # imports torch: not before main() sets the OpenMP policy
 
     rec = load_recording(path)
     if rec.args.speculative_algorithm:
-        raise ValueError(f"{path}: --timing recorded needs a recording without speculative decoding")
+        raise ValueError(f"{path}: recorded step times need a recording without speculative decoding")
     run_dir = tempfile.mkdtemp(prefix="trident-fit-")
     no_sleep = os.path.join(run_dir, "zero.json")
     StepProfile(dict.fromkeys(COEFFICIENT_NAMES, 0.0)).save(no_sleep)
     args = msgspec.structs.replace(
         rec.args, run_dir=run_dir, worker="simulated", sim_profile=no_sleep, check_seq_lens=False, tp_size=1
     )
-    shapes = SimulatedWorker(ChildContext(args, "worker", 0))
-    features, seconds = [], []
-    for step_id, _ in replay_steps(shapes, rec.sent, desc=f"{path} shapes"):
+    worker = SimulatedWorker(ChildContext(args, "worker", 0))
+    shapes, seconds = [], []
+    for step_id, _ in replay_steps(worker, rec.sent, desc=f"{path} shapes"):
         result = rec.results.get(step_id)
-        if result is not None and shapes.last_step_features[0]:
-            features.append(shapes.last_step_features)
+        if result is not None and worker.last_step_features[0]:
+            shapes.append(worker.last_step_features)
             seconds.append(result.forward_time_s)
-    return np.stack(features), np.asarray(seconds)
+    return np.stack(shapes), np.asarray(seconds)
 
 
-def fit_report(features: np.ndarray, seconds: np.ndarray, coef: np.ndarray) -> dict:
-    rel = np.abs(features @ coef - seconds) / seconds
-    decode_only = features[:, FEATURES.index("extend_pairs")] == 0
-    return {
+def step_kinds(shapes: np.ndarray) -> np.ndarray:
+    """decode (verify included), prefill or mixed, from the shape alone: a prefill step has
+    no more logit rows than prefilling rows (the prompts it finishes)."""
+    extend_rows, logit_rows = shapes[:, SHAPE.index("extend_rows")], shapes[:, SHAPE.index("logit_rows")]
+    return np.where(extend_rows == 0, "decode", np.where(logit_rows <= extend_rows, "prefill", "mixed"))
+
+
+def fit_report(shapes: np.ndarray, seconds: np.ndarray, predicted: np.ndarray, kinds: np.ndarray) -> dict:
+    rel = np.abs(predicted - seconds) / seconds
+    report = {
         "steps": int(len(seconds)),
         "median_step_s": float(np.median(seconds)),
         "median_abs_relative_error": float(np.median(rel)),
         "p90_abs_relative_error": float(np.quantile(rel, 0.9)),
-        "total_time_relative_error": float((features @ coef).sum() / seconds.sum() - 1),
-        "decode_steps": int(decode_only.sum()),
+        "total_time_relative_error": float(predicted.sum() / seconds.sum() - 1),
+        "decode_steps": int((shapes[:, SHAPE.index("extend_rows")] == 0).sum()),
     }
+    for kind in sorted(set(kinds.tolist())):
+        mask = kinds == kind
+        report[f"{kind}_median_abs_relative_error"] = float(np.median(rel[mask]))
+    return report
+
+
+def this_cpu() -> str:
+    """The CPU's model name, core count and the instructions that decide its kernels."""
+    import torch
+
+    name, flags = platform.processor() or "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name}, {os.cpu_count()} cores, torch {torch.backends.cpu.get_cpu_capability()}, {' '.join(isa)}"
+
+
+def sweep_timings(ns: argparse.Namespace) -> SweepTimes:
+    from gpu_worker.profile_sweep import run_sweep, sweep_grid, sweep_worker
+    from trident.model_source import default_model_path
+
+    worker = sweep_worker(ns.model or default_model_path(), ns.dtype or "auto", ns.context_length, ns.max_total_tokens)
+    grid = sweep_grid(worker.context_length, ns.max_prefill_tokens, worker.num_pages - 1, ns.repeats)
+    return run_sweep(worker, grid, ns.repeats)
+
+
+def fastest_of_each_point(times: SweepTimes) -> np.ndarray:
+    """Index of the fastest timed step of each grid point."""
+    order = np.lexsort((times.seconds, times.group))
+    return order[np.r_[True, np.diff(times.group[order]) != 0]]
+
+
+def fit_frontend(profile: StepProfile, shapes: np.ndarray, seconds: np.ndarray) -> dict[str, float]:
+    """The served steps' time beyond the prediction, per step and per sampling row
+    (non-negative least squares on seconds: the share is a total, not a typical step)."""
+    extra = seconds - profile.predict(shapes)
+    coef = fit_step_times(shapes[:, [SHAPE.index("computes"), SHAPE.index("logit_rows")]], extra, "absolute")
+    return dict(zip(FRONTEND_NAMES, coef.tolist()))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recordings", nargs="+")
+    p.add_argument("recordings", nargs="*")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
+    p.add_argument("--sweep", action="store_true", help="time the model worker alone over a grid of step shapes")
+    p.add_argument("--repeats", type=int, default=3, help="--sweep: timed steps per shape (after one warm-up)")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048, help="--sweep: the largest prefill chunk")
+    p.add_argument("--context-length", type=int, default=0, help="--sweep: longest KV (0: the model's)")
+    p.add_argument("--max-total-tokens", type=int, default=0, help="--sweep: KV pool (0: sized as a server sizes it)")
+    p.add_argument("--frontend-from", default=None, help="a served run's recording: the front end's share")
     p.add_argument("--description", default="", help="model, dtype and hardware the profile describes")
+    p.add_argument("--cpu", default=None, help="the CPU measured on (default: read from this machine)")
     p.add_argument("--timing", choices=["replay", "recorded"], default="replay", help="where step times come from")
     p.add_argument("--passes", type=int, default=2, help="replays per recording; each step keeps its fastest")
     p.add_argument(
@@ -116,37 +199,59 @@ def main(argv: list[str] | None = None) -> int:
         help="relative: fit the typical step (quiet machine); absolute: keep the total (heavy-tailed times)",
     )
     p.add_argument("--kv-pool-tokens", type=int, default=1_000_000, help="KV pool a simulated worker advertises")
-    p.add_argument("--model", default=None, help="override the recorded model path")
-    p.add_argument("--dtype", default=None, help="override the recorded dtype")
+    p.add_argument("--model", default=None, help="the model to sweep, or to replay recordings on")
+    p.add_argument("--dtype", default=None, help="the dtype to sweep (default: auto), or to replay recordings in")
     ns = p.parse_args(argv)
-    use_passive_omp_wait()  # replayed step times must be the served worker's: same OpenMP policy
+    if not ns.sweep and not ns.recordings:
+        p.error("give recordings, --sweep, or both")
+    use_passive_omp_wait()  # step times must be the served worker's: same OpenMP policy
     keep_freed_memory()
     logging.basicConfig(level="WARNING")
     overrides = {k: v for k, v in (("model_path", ns.model), ("dtype", ns.dtype)) if v}
+    shapes, seconds, kinds, spread = [], [], [], []
     try:
-        if ns.timing == "recorded":
-            timed = [recorded_timings(path) for path in ns.recordings]
-        else:
-            timed = [time_recording(path, ns.passes, overrides) for path in ns.recordings]
+        if ns.sweep:
+            times = sweep_timings(ns)
+            fastest = fastest_of_each_point(times)
+            shapes.append(times.shapes[fastest])
+            seconds.append(times.seconds[fastest])
+            kinds += [times.kinds[i] for i in fastest]
+            spread.append((times.shapes, times.seconds))
+        for path in ns.recordings:
+            timed = recorded_timings(path) if ns.timing == "recorded" else time_recording(path, ns.passes, overrides)
+            shapes.append(timed[0])
+            seconds.append(timed[1])
+            kinds += step_kinds(timed[0]).tolist()
+            spread.append(timed)
+        served = recorded_timings(ns.frontend_from) if ns.frontend_from else None
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    features = np.concatenate([f for f, _ in timed])
-    seconds = np.concatenate([s for _, s in timed])
-    if len(seconds) < len(FEATURES):
-        print(f"error: {len(seconds)} computing steps are too few to fit {len(FEATURES)} coefficients", file=sys.stderr)
+    all_shapes, all_seconds = np.concatenate(shapes), np.concatenate(seconds)
+    if len(all_seconds) < len(TERMS):
+        print(f"error: {len(all_seconds)} computing steps are too few to fit {len(TERMS)} terms", file=sys.stderr)
         return 2
-    coef = fit_step_times(features, seconds, ns.loss)
+    knee, coef = fit_shapes(all_shapes, all_seconds, ns.loss)
     profile = StepProfile(
         coefficients=dict(zip(COEFFICIENT_NAMES, coef.tolist())),
         description=ns.description,
+        cpu=ns.cpu or this_cpu(),
+        token_knee=knee,
         source="python -m gpu_worker.fit_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
         kv_pool_tokens=ns.kv_pool_tokens,
-        fit=fit_report(features, seconds, coef),
-        step_time_ratios=ratio_quantiles(features, seconds, coef),
     )
+    predicted = profile.predict(all_shapes)
+    profile.fit = fit_report(all_shapes, all_seconds, predicted, np.asarray(kinds))
+    spread_shapes = np.concatenate([s for s, _ in spread])
+    spread_seconds = np.concatenate([t for _, t in spread])
+    if served is not None:
+        profile.frontend = fit_frontend(profile, *served)
+        spread_shapes, spread_seconds = served
+        spread_seconds = spread_seconds - np.asarray([profile.frontend_seconds(s) for s in spread_shapes])
+        profile.fit["frontend_fitted_on_steps"] = int(len(spread_seconds))
+    profile.step_time_ratios = ratio_quantiles(profile.predict(spread_shapes), spread_seconds)
     profile.save(ns.output)
-    print(f"wrote {ns.output}: {profile.coefficients}\nfit: {profile.fit}")
+    print(f"wrote {ns.output}: knee {knee}, {profile.coefficients}\nfrontend: {profile.frontend}\nfit: {profile.fit}")
     return 0
 
 

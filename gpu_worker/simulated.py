@@ -14,6 +14,14 @@ feed the same tokens at the same positions), and with speculation on or off (a v
 row accepts a hash-chosen number of drafts, and the accepted tokens are the same chain).
 Tokens avoid EOS and the low ids (special and single-byte tokens), so requests run to
 their length limit and every token detokenizes to text.
+
+What the simulated server does not model. A real worker on a CPU shares its cores with
+the tokenizer and the scheduler, and every millisecond they run during a step is taken
+from the forward; a sleeping worker feels none of it. A profile that measured that share
+(StepProfile.frontend) adds it to each step; one that did not leaves it out, and its
+steps are those of a worker alone. Not modelled either way: memory bandwidth another
+process takes, the cost of tokens' content (every token costs the same), and KV
+retraction pressure beyond what the advertised pool implies.
 """
 
 from __future__ import annotations
@@ -93,11 +101,12 @@ class SimulatedWorker(WorkerLoop):
 
     def step_seconds(self) -> float:
         """This step's time: the profile's prediction for its shape (`last_step_features`),
-        scaled by the next draw from the profile's measured spread unless --sim-exact-steps."""
+        scaled by the next draw from the profile's measured spread unless --sim-exact-steps,
+        plus the front end's share of the cores where the profile measured it."""
         predicted = float(self.profile.predict(self.last_step_features))
         if self._spread_draws is not None:
             predicted *= self.profile.spread(self._spread_draws.random())
-        return predicted
+        return predicted + self.profile.frontend_seconds(self.last_step_features)
 
     def _pseudo_tokens(self, plan: StepPlan) -> list[np.ndarray]:
         if not plan.sampling_slots:  # only prompt chunks that do not end their prompt

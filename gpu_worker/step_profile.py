@@ -1,16 +1,36 @@
 """A step-time profile: how long a worker step takes, as a function of the step's shape.
 
-The model is linear in five features of a step (all counted before the step runs):
+The model is linear in nine terms of a step (all counted before the step runs):
 
     t = const
-      + per_token       * tokens          every token computed goes through every weight matrix
-      + per_logit_row   * logit_rows      rows whose logits are computed (lm_head, sampling)
-      + per_kv_read     * decode_kv_read  query-key pairs of decoding rows (attention reads KV)
-      + per_extend_pair * extend_pairs    query-key pairs of prefill chunks (the quadratic term)
+      + general_step        * general_path      a step that is not plain decode (see below)
+      + per_token           * tokens            every token computed goes through every weight matrix
+      + per_token_past_knee * max(0, tokens - token_knee)
+      + per_logit_row       * logit_rows        rows whose logits are computed (lm_head, sampling)
+      + per_kv_read         * decode_kv_read    query-key pairs of decoding rows (attention reads KV)
+      + per_extend_pair     * extend_pairs      query-key pairs of prefill chunks (the quadratic term)
+      + per_extend_row      * extend_rows       prefilling rows (one attention call per row and layer)
+      + per_verify_row      * verify_rows       decoding rows that verify drafts
 
 A query at position p attends to p + 1 keys, so a row running q tokens after `prefix`
-tokens has q * prefix + q * (q + 1) / 2 pairs. On a GPU `const` is reading the weights
-once per step; on a CPU it is the per-step overhead of the loop and the thread pool.
+tokens has q * prefix + q * (q + 1) / 2 pairs.
+
+Why these terms (docs/benchmarks.md has the sweep they were chosen on). A linear layer
+reads its weights once per step however many tokens it runs, and then does work per
+token: its time is close to max(weights read, tokens x work per token), a floor that
+turns into a slope. `const` with `per_token` alone cannot bend, and a recording of one
+workload fits the bend of that workload only (a fit on 64-row decode steps over-predicts
+a 512-token prefill chunk or a one-row step). The hinge term lets the fit put a shallow
+slope below `token_knee` tokens and a steeper one above; the fit chooses the knee among
+KNEES. Attention grows with rows x KV length in decode (`decode_kv_read`) and
+quadratically in a prefill chunk (`extend_pairs`). A prefill step runs its rows' attention
+one row at a time (`extend_rows`), which is why sixteen short prompts in one step cost
+more than one prompt of their total length. A plain decode step (every row one token)
+runs the worker's flat loop of fused ops; any other step runs the module tree, whose
+fixed cost per step is higher (`general_path` is 1 for those), and a row that verifies
+drafts is checked on its own (`verify_rows`). No coefficient may be negative: the fit drops
+a term rather than let more work take less time. On a GPU `const` is reading the weights
+once per step; on a CPU it is that plus the per-step overhead of the loop.
 
 A deterministic step takes the prediction; a measured one scatters around it (on a CPU
 shared with the front end, the same shape takes 0.8-1.5x its typical time, with a tail
@@ -19,8 +39,14 @@ over its fitted steps (`step_time_ratios`), and a simulated worker scales each s
 draw from them: without it, a simulation matches either the real run's median step (its
 ITL) or its mean step (its throughput), never both.
 
-Profiles are JSON files (profiles/*.json): measured ones come from
-`python -m gpu_worker.fit_profile RECORDING`, hand-written ones say in `source` where
+What a profile cannot see is the CPU the front end (tokenizer and scheduler) takes from
+the worker's cores while a step runs: a swept worker runs alone. `frontend` carries it
+when it was measured (`fit_profile --frontend-from`, the served steps' extra time over the
+prediction, per step and per sampling row), and a simulated worker adds it to each step.
+
+Profiles are JSON files (trident/profiles/*.json): measured ones come from
+`python -m gpu_worker.fit_profile --sweep` or from recordings
+(`python -m gpu_worker.fit_profile RECORDING`); hand-written ones say in `source` where
 their numbers come from.
 """
 
@@ -36,12 +62,42 @@ import numpy as np
 if TYPE_CHECKING:
     from gpu_worker.batch_state import StepPlan
 
-FEATURES = ("const", "tokens", "logit_rows", "decode_kv_read", "extend_pairs")
-COEFFICIENT_NAMES = ("const_s", "per_token_s", "per_logit_row_s", "per_kv_read_s", "per_extend_pair_s")
-MODEL = (
-    "step seconds = const_s + per_token_s * tokens + per_logit_row_s * logit_rows"
-    " + per_kv_read_s * decode_kv_read + per_extend_pair_s * extend_pairs (gpu_worker/step_profile.py)"
+SHAPE = ("computes", "tokens", "logit_rows", "decode_kv_read", "extend_pairs", "extend_rows", "verify_rows")
+"""What a worker counts of each step (WorkerLoop.last_step_features); `computes` is 1 for a
+step that runs the model, 0 for an idle one."""
+TERMS = (
+    "const",
+    "general_path",
+    "tokens",
+    "tokens_past_knee",
+    "logit_rows",
+    "decode_kv_read",
+    "extend_pairs",
+    "extend_rows",
+    "verify_rows",
 )
+COEFFICIENT_NAMES = (
+    "const_s",
+    "general_step_s",
+    "per_token_s",
+    "per_token_past_knee_s",
+    "per_logit_row_s",
+    "per_kv_read_s",
+    "per_extend_pair_s",
+    "per_extend_row_s",
+    "per_verify_row_s",
+)
+LATER_COEFFICIENTS = ("general_step_s", "per_token_past_knee_s", "per_extend_row_s", "per_verify_row_s")
+"""Terms added after the first profiles were written: a profile without them has them at 0."""
+KNEES = (0, 8, 16, 32, 64, 128)
+"""Token counts the fit tries as the hinge of the linear layers' cost (0: no hinge)."""
+MODEL = (
+    "step seconds = const_s + general_step_s * general_path + per_token_s * tokens"
+    " + per_token_past_knee_s * max(0, tokens - token_knee) + per_logit_row_s * logit_rows"
+    " + per_kv_read_s * decode_kv_read + per_extend_pair_s * extend_pairs + per_extend_row_s * extend_rows"
+    " + per_verify_row_s * verify_rows (gpu_worker/step_profile.py)"
+)
+FRONTEND_NAMES = ("per_step_s", "per_sampling_row_s")
 
 
 def query_key_pairs(q_lens: np.ndarray, prefixes: np.ndarray) -> int:
@@ -49,9 +105,9 @@ def query_key_pairs(q_lens: np.ndarray, prefixes: np.ndarray) -> int:
 
 
 def step_features(row_lens: np.ndarray, plan: StepPlan | None) -> np.ndarray:
-    """The step's shape in FEATURES order; `row_lens` are the rows' KV lengths before the step."""
+    """The step's shape in SHAPE order; `row_lens` are the rows' KV lengths before the step."""
     if plan is None:
-        return np.zeros(len(FEATURES))
+        return np.zeros(len(SHAPE))
     extend = np.asarray([(n, prefix) for _, n, prefix, _ in plan.extend_rows], dtype=np.int64).reshape(-1, 2)
     short = np.asarray([(n, slot) for _, n, slot in plan.short_rows], dtype=np.int64).reshape(-1, 2)
     return np.asarray(
@@ -61,8 +117,19 @@ def step_features(row_lens: np.ndarray, plan: StepPlan | None) -> np.ndarray:
             float(sum(plan.num_logits)),
             query_key_pairs(short[:, 0], row_lens[short[:, 1]]),
             query_key_pairs(extend[:, 0], extend[:, 1]),
+            float(len(extend)),
+            float((short[:, 0] > 1).sum()),
         ]
     )
+
+
+def model_terms(shapes: np.ndarray, token_knee: int) -> np.ndarray:
+    """The model's terms (TERMS order) of one step's shape, or of a matrix of them (a row each)."""
+    shapes = np.asarray(shapes, dtype=np.float64)
+    computes, tokens = shapes[..., 0:1], shapes[..., 1:2]
+    general = computes * ((shapes[..., 5:6] > 0) | (shapes[..., 6:7] > 0))
+    past_knee = np.maximum(0.0, tokens - token_knee) * (token_knee > 0)
+    return np.concatenate([computes, general, tokens, past_knee, shapes[..., 2:]], axis=-1)
 
 
 @dataclass
@@ -70,9 +137,16 @@ class StepProfile:
     """Coefficients of the step-time model above, and what they describe."""
 
     coefficients: dict[str, float]
-    """Seconds per unit of each feature, keyed by COEFFICIENT_NAMES."""
+    """Seconds per unit of each term, keyed by COEFFICIENT_NAMES."""
     description: str = ""
     """Model, dtype, hardware."""
+    cpu: str = ""
+    """The CPU the profile was measured on (model name and instruction set), for CPU profiles."""
+    token_knee: int = 0
+    """Where the linear layers' cost bends (the hinge term); 0: no hinge."""
+    frontend: dict[str, float] = field(default_factory=dict)
+    """Seconds the front end's CPU adds to a served step on shared cores, keyed by
+    FRONTEND_NAMES (fit_profile --frontend-from); empty: not measured, not simulated."""
     source: str = ""
     """How the numbers were obtained: the fitting command and recording, or the published
     figures a hand-written profile is derived from."""
@@ -85,11 +159,18 @@ class StepProfile:
     steps (ratio_quantiles); empty for hand-written profiles, whose steps take the prediction."""
 
     def vector(self) -> np.ndarray:
-        return np.asarray([self.coefficients[name] for name in COEFFICIENT_NAMES])
+        return np.asarray([self.coefficients.get(name, 0.0) for name in COEFFICIENT_NAMES])
 
-    def predict(self, features: np.ndarray) -> np.ndarray | float:
-        """Step seconds for one feature vector, or for a matrix of them (one step per row)."""
-        return features @ self.vector()
+    def predict(self, shapes: np.ndarray) -> np.ndarray | float:
+        """Step seconds of the worker alone for one step's shape (SHAPE order), or for a
+        matrix of them (one step per row)."""
+        return model_terms(shapes, self.token_knee) @ self.vector()
+
+    def frontend_seconds(self, shape: np.ndarray) -> float:
+        """What the front end's CPU adds to a served step of this shape (0 if not measured)."""
+        if not self.frontend or not shape[0]:
+            return 0.0
+        return self.frontend.get("per_step_s", 0.0) + self.frontend.get("per_sampling_row_s", 0.0) * shape[2]
 
     def spread(self, uniform: float) -> float:
         """The factor of a step drawn at `uniform` (in [0, 1]) from the measured spread; 1.0
@@ -103,7 +184,7 @@ class StepProfile:
     def load(cls, path: str) -> StepProfile:
         with open(path) as f:
             raw = json.load(f)
-        missing = [n for n in COEFFICIENT_NAMES if n not in raw.get("coefficients", {})]
+        missing = [n for n in COEFFICIENT_NAMES if n not in raw.get("coefficients", {}) and n not in LATER_COEFFICIENTS]
         if missing:
             raise ValueError(f"{path}: profile lacks coefficients {missing}")
         return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
@@ -118,9 +199,8 @@ LOSSES = ("relative", "absolute")
 RATIO_QUANTILES = 101
 
 
-def ratio_quantiles(features: np.ndarray, seconds: np.ndarray, coef: np.ndarray) -> list[float]:
+def ratio_quantiles(predicted: np.ndarray, seconds: np.ndarray) -> list[float]:
     """Percentiles of measured / predicted time over the steps (StepProfile.step_time_ratios)."""
-    predicted = features @ coef
     ratios = seconds[predicted > 0] / predicted[predicted > 0]
     if not len(ratios):
         return []
@@ -141,7 +221,7 @@ def fit_step_times(features: np.ndarray, seconds: np.ndarray, loss: str = "relat
     the total by 65 %.
 
     No coefficient may be negative (a profile must never predict that more work takes less
-    time); with five features the exact answer is cheap: fit every subset that keeps
+    time); with nine terms the exact answer is cheap: fit every subset that keeps
     `const`, and keep the best fit whose coefficients are all non-negative."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, not {loss!r}")
@@ -156,3 +236,16 @@ def fit_step_times(features: np.ndarray, seconds: np.ndarray, loss: str = "relat
         if (coef >= 0).all() and residual < best_residual:
             best, best_residual = coef, residual
     return best
+
+
+def fit_shapes(shapes: np.ndarray, seconds: np.ndarray, loss: str = "relative") -> tuple[int, np.ndarray]:
+    """(token_knee, coefficients) of the model that fits the steps best: one fit per knee of
+    KNEES, judged by the same loss."""
+    weight = 1.0 / seconds if loss == "relative" else np.ones_like(seconds)
+    fits = []
+    for knee in KNEES:
+        terms = model_terms(shapes, knee)
+        coef = fit_step_times(terms, seconds, loss)
+        fits.append((float(np.sum(((terms @ coef - seconds) * weight) ** 2)), knee, coef))
+    _, knee, coef = min(fits, key=lambda f: f[0])
+    return knee, coef

@@ -10,23 +10,59 @@ import sys
 import numpy as np
 import pytest
 
-from gpu_worker.step_profile import COEFFICIENT_NAMES, FEATURES, StepProfile, fit_step_times, ratio_quantiles
+from gpu_worker.step_profile import (
+    COEFFICIENT_NAMES,
+    SHAPE,
+    StepProfile,
+    fit_shapes,
+    fit_step_times,
+    ratio_quantiles,
+)
 from tests.helpers import REPO_ROOT, record_workload, write_sim_profile
 
+TRUE_MODEL = StepProfile(
+    dict.fromkeys(COEFFICIENT_NAMES, 0.0)
+    | {
+        "const_s": 5e-3,
+        "per_token_s": 1e-5,
+        "per_token_past_knee_s": 4e-5,
+        "per_logit_row_s": 1e-5,
+        "per_kv_read_s": 2e-8,
+        "per_extend_pair_s": 2e-8,
+        "per_extend_row_s": 2e-3,
+    },
+    token_knee=32,
+)
 
-def synthetic_steps(rng: np.random.Generator, n: int) -> np.ndarray:
+
+def synthetic_shapes(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Decode rows with prefill chunks of 1-4 rows in some steps, in SHAPE order."""
     rows = rng.integers(1, 64, n)
     extend = rng.integers(0, 512, n) * (rng.random(n) < 0.3)
-    return np.stack([np.ones(n), rows + extend, rows, rows * rng.integers(10, 2000, n), extend * extend / 2], axis=1)
+    extend_rows = np.where(extend > 0, rng.integers(1, 5, n), 0)
+    return np.stack(
+        [
+            np.ones(n),
+            rows + extend,
+            rows,
+            rows * rng.integers(10, 2000, n),
+            extend * extend / 2,
+            extend_rows,
+            np.zeros(n),
+        ],
+        axis=1,
+    )
 
 
-def test_fit_recovers_known_coefficients():
+def test_fit_recovers_known_coefficients_and_the_knee():
     rng = np.random.default_rng(0)
-    true = np.asarray([5e-3, 4e-5, 1e-5, 2e-8, 1e-9])
-    features = synthetic_steps(rng, 400)
-    seconds = features @ true * rng.normal(1.0, 0.02, len(features))
-    coef = fit_step_times(features, seconds)
-    assert np.allclose(coef, true, rtol=0.15)
+    shapes = synthetic_shapes(rng, 400)
+    seconds = TRUE_MODEL.predict(shapes) * rng.normal(1.0, 0.02, len(shapes))
+    knee, coef = fit_shapes(shapes, seconds)
+    assert knee == TRUE_MODEL.token_knee
+    true = TRUE_MODEL.vector()
+    assert np.allclose(coef[true > 0], true[true > 0], rtol=0.15)
+    assert coef[true == 0] == pytest.approx(0, abs=0.1 * true[0])  # absent terms stay small next to const
 
 
 def test_fit_never_gives_a_negative_coefficient():
@@ -44,20 +80,29 @@ def test_measured_spread_makes_simulated_steps_match_both_median_and_mean():
     """Step times with a heavy tail (a shared CPU): the prediction alone matches the typical
     step but not the mean; drawing each step's factor from the fitted spread matches both."""
     rng = np.random.default_rng(2)
-    true = np.asarray([5e-3, 4e-5, 1e-5, 2e-8, 1e-9])
-    features = synthetic_steps(rng, 2000)
+    shapes = synthetic_shapes(rng, 2000)
     slowdown = np.where(rng.random(2000) < 0.1, rng.uniform(1.5, 4.0, 2000), rng.normal(1.0, 0.05, 2000))
-    seconds = features @ true * slowdown
-    coef = fit_step_times(features, seconds)
-    profile = StepProfile(dict(zip(COEFFICIENT_NAMES, coef)), step_time_ratios=ratio_quantiles(features, seconds, coef))
-    exact = profile.predict(features)
-    draws = np.random.default_rng(3).random(len(features))
+    seconds = TRUE_MODEL.predict(shapes) * slowdown
+    knee, coef = fit_shapes(shapes, seconds)
+    exact_profile = StepProfile(dict(zip(COEFFICIENT_NAMES, coef)), token_knee=knee)
+    exact = exact_profile.predict(shapes)
+    profile = StepProfile(exact_profile.coefficients, token_knee=knee, step_time_ratios=ratio_quantiles(exact, seconds))
+    draws = np.random.default_rng(3).random(len(shapes))
     spread = exact * np.asarray([profile.spread(u) for u in draws])
     assert abs(np.median(exact) / np.median(seconds) - 1) < 0.05
     assert exact.sum() / seconds.sum() < 0.9  # the tail is missing without the spread
     assert abs(np.median(spread) / np.median(seconds) - 1) < 0.05
     assert abs(spread.sum() / seconds.sum() - 1) < 0.05
-    assert StepProfile(dict(zip(COEFFICIENT_NAMES, coef))).spread(0.99) == 1.0  # hand-written: exact
+    assert exact_profile.spread(0.99) == 1.0  # hand-written: exact
+
+
+@pytest.mark.parametrize("path", ["cpu-zen3-smollm2-bf16.json", "h100-llama3.1-8b-bf16.json"])
+def test_a_profile_written_before_the_later_terms_loads_with_them_at_zero(path):
+    profile = StepProfile.load(os.path.join(REPO_ROOT, "trident", "profiles", path))
+    decode_step = np.asarray([1.0, 8, 8, 8 * 100, 0, 0, 0])
+    c = profile.coefficients
+    expected = c["const_s"] + 8 * c["per_token_s"] + 8 * c["per_logit_row_s"] + 800 * c["per_kv_read_s"]
+    assert profile.predict(decode_step) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("exact", [False, True])
@@ -78,13 +123,31 @@ def test_a_simulated_step_takes_the_prediction_times_a_draw_from_the_spread(tmp_
         sim_step_spread=not exact,
     )
     worker = SimulatedWorker(ChildContext(args, "worker", 0))
-    worker.last_step_features = np.asarray([1.0, 10.0, 10.0, 0.0, 0.0])  # predicted: 0.01 + 10 * 0.001 s
+    worker.last_step_features = np.asarray([1.0, 10.0, 10.0, 0.0, 0.0, 0.0, 0.0])  # predicted: 0.01 + 10 * 0.001 s
     times = np.asarray([worker.step_seconds() for _ in range(200)])
     if exact:
         assert np.allclose(times, 0.02)
     else:
         assert (times >= 0.02 - 1e-12).all() and (times <= 0.06 + 1e-12).all()
         assert 0.035 < np.median(times) < 0.045 and len(np.unique(times)) > 150
+
+
+def test_a_simulated_step_adds_the_front_ends_measured_share(tmp_path):
+    from gpu_worker.simulated import SimulatedWorker
+    from trident.model_source import default_model_path
+    from trident.wire.child import ChildContext
+    from trident.wire.server_args import ServerArgs
+
+    path = write_sim_profile(str(tmp_path / "p.json"), const_s=0.01, per_token_s=0.001)
+    profile = StepProfile.load(path)
+    profile.frontend = {"per_step_s": 0.002, "per_sampling_row_s": 0.0005}
+    profile.save(path)
+    args = ServerArgs(model_path=default_model_path(), run_dir=str(tmp_path), worker="simulated", sim_profile=path)
+    worker = SimulatedWorker(ChildContext(args, "worker", 0))
+    worker.last_step_features = np.asarray([1.0, 10.0, 10.0, 0.0, 0.0, 0.0, 0.0])
+    assert worker.step_seconds() == pytest.approx(0.01 + 10 * 0.001 + 0.002 + 10 * 0.0005)
+    worker.last_step_features = np.zeros(len(SHAPE))  # an idle step: no front-end share either
+    assert worker.step_seconds() == 0.0
 
 
 def test_fit_profile_command_on_a_recording(tmp_path):
@@ -112,9 +175,29 @@ def test_fit_profile_command_on_a_recording(tmp_path):
     assert "fit_profile" in profile.source and os.path.basename(recording) in profile.source
     ratios = np.asarray(profile.step_time_ratios)
     assert len(ratios) == 101 and (np.diff(ratios) >= 0).all() and ratios[0] > 0
-    decode_step = np.zeros(len(FEATURES))
+    decode_step = np.zeros(len(SHAPE))
     decode_step[:4] = [1, 8, 8, 8 * 100]
     assert 0 < profile.predict(decode_step) < 1.0
+
+    # The same recording combined with a small sweep of the recorded model, and as the
+    # served run the front end's share is measured on.
+    combined = str(tmp_path / "combined.json")
+    res = subprocess.run(
+        [
+            *(sys.executable, "-m", "gpu_worker.fit_profile", "--sweep", recording, "-o", combined),
+            *("--frontend-from", recording, "--model", str(tmp_path / "model"), "--dtype", "float32"),
+            *("--context-length", "256", "--max-prefill-tokens", "64", "--repeats", "2", "--max-total-tokens", "8192"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    both = StepProfile.load(combined)
+    assert both.fit["steps"] > profile.fit["steps"] + 20  # the recording's steps and the sweep's points
+    assert both.fit["frontend_fitted_on_steps"] > 0
+    assert set(both.frontend) == {"per_step_s", "per_sampling_row_s"} and min(both.frontend.values()) >= 0
 
 
 def test_fit_profile_rejects_a_file_that_is_not_a_recording(tmp_path):

@@ -1,0 +1,101 @@
+"""`fit_profile --sweep`: a profile fitted on a grid of step shapes predicts shapes it never
+timed, on a real (random-weight) worker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+
+from gpu_worker.profile_sweep import StepShape, sweep_grid
+from gpu_worker.step_profile import COEFFICIENT_NAMES, StepProfile
+from tests.helpers import REPO_ROOT, make_random_llama
+
+CONTEXT = 1024
+HELD_OUT = [
+    StepShape(decode_rows=48, decode_kv=300),
+    StepShape(decode_rows=3, decode_kv=700),
+    StepShape(decode_rows=200, decode_kv=64),
+    StepShape(prefill_rows=1, prefill_chunk=200, prefill_prefix=100),
+    StepShape(prefill_rows=6, prefill_chunk=24),
+    StepShape(decode_rows=20, decode_kv=400, prefill_rows=1, prefill_chunk=160, prefill_prefix=300),
+    StepShape(decode_rows=12, decode_kv=500, drafts=2),
+]
+MEDIAN_ERROR_BOUND = 0.25
+"""The bound the held-out shapes' median |predicted / measured - 1| must keep. A tiny model's
+steps last milliseconds, much of it the loop's own overhead, and a shape's fastest of five
+repeats still moves by 10-20 % between runs on shared cores."""
+WORST_FACTOR_BOUND = 2.0
+"""No held-out shape may be off by more than this factor either way."""
+
+
+def test_grid_covers_every_kind_of_step_within_the_context_and_pool():
+    grid = sweep_grid(context_length=8192, max_prefill_tokens=2048, kv_pool_tokens=100_000, repeats=3)
+    kinds = {s.kind for s in grid}
+    assert kinds == {"decode", "prefill", "mixed", "verify"}
+    decode = [s for s in grid if s.kind == "decode"]
+    assert min(s.decode_rows for s in decode) == 1 and max(s.decode_rows for s in decode) == 256
+    assert max(s.decode_kv for s in decode) > 8000  # KV lengths up to the context
+    chunks = {s.prefill_chunk for s in grid if s.kind == "prefill"}
+    assert min(chunks) == 16 and max(chunks) == 2048
+    assert all(s.kv_tokens(4) < 100_000 and s.longest_row(4) < 8192 for s in grid)
+
+
+def test_sweep_fitted_profile_predicts_held_out_shapes(tmp_path):
+    """Sweep and held-out shapes are timed on one worker in this process, on one thread, in
+    CPU seconds: the profile is judged on the shapes, not on what the neighbours did (on
+    these shared cores a millisecond step is sometimes preempted for ten)."""
+    import time
+
+    import torch
+
+    from gpu_worker.fit_profile import fastest_of_each_point
+    from gpu_worker.profile_sweep import ShapeTimer, run_sweep, sweep_worker
+    from gpu_worker.step_profile import fit_shapes
+
+    model = make_random_llama(str(tmp_path / "model"), hidden=128, intermediate=512, max_position=2 * CONTEXT)
+    worker = sweep_worker(model, "float32", CONTEXT, 65536)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = run_sweep(worker, sweep_grid(CONTEXT, 256, 65536, repeats=3), 3, time.process_time)
+        fastest = fastest_of_each_point(times)
+        knee, coef = fit_shapes(times.shapes[fastest], times.seconds[fastest])
+        profile = StepProfile(dict(zip(COEFFICIENT_NAMES, coef.tolist())), token_knee=knee)
+        timer = ShapeTimer(worker, clock=time.process_time)
+        measured, predicted = [], []
+        for shape in HELD_OUT:
+            shapes, seconds = timer.time_shape(shape, repeats=5)
+            measured.append(seconds.min())
+            predicted.append(float(profile.predict(shapes[np.argmin(seconds)])))
+    finally:
+        torch.set_num_threads(threads)
+    ratio = np.asarray(predicted) / np.asarray(measured)
+    report = {f"{s.kind} {s}": f"{r:.2f}" for s, r in zip(HELD_OUT, ratio)}
+    assert np.median(np.abs(ratio - 1)) <= MEDIAN_ERROR_BOUND, report
+    assert (ratio < WORST_FACTOR_BOUND).all() and (ratio > 1 / WORST_FACTOR_BOUND).all(), report
+
+
+def test_fit_profile_sweep_command_writes_a_profile_with_its_cpu_and_spread(tmp_path):
+    model = make_random_llama(str(tmp_path / "model"), max_position=512)
+    out = str(tmp_path / "sweep.json")
+    res = subprocess.run(
+        [
+            *(sys.executable, "-m", "gpu_worker.fit_profile", "--sweep", "-o", out, "--model", model),
+            *("--dtype", "float32", "--context-length", "256", "--max-prefill-tokens", "64"),
+            *("--repeats", "2", "--max-total-tokens", "16384", "--description", "tiny test model"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "sweeping step shapes" in res.stderr  # the progress bar
+    profile = StepProfile.load(out)
+    assert set(profile.coefficients) == set(COEFFICIENT_NAMES) and (profile.vector() >= 0).all()
+    assert "--sweep" in profile.source and profile.cpu and profile.fit["steps"] > 20
+    assert {"decode", "prefill", "mixed", "verify"} <= {k.split("_")[0] for k in profile.fit}
+    ratios = np.asarray(profile.step_time_ratios)
+    assert len(ratios) == 101 and (np.diff(ratios) >= 0).all() and ratios[0] > 0
