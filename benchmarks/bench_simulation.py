@@ -3,20 +3,25 @@ serve a workload as fast as it does behind the model?
 
 In one command, on this machine:
 
-1. fit: start trident on the real model with `--record-batches`, run bench_serving's
-   `random` workload (a different workload from the one compared), stop it, and fit a
-   step-time profile from the recording (`python -m gpu_worker.fit_profile`, by default
-   with the step times the worker measured while serving: `--timing recorded`);
-2. real: start trident on the real model, run the `mixed` workload (48 requests, prompts of
-   32-256 words, outputs of 16-192 tokens, ignore_eos, all at once), stop it;
-3. simulated: the same with `--worker simulated --sim-profile <the fitted profile>`;
+1. fit (`--fit sweep`, the default): time the model worker alone over a grid of step
+   shapes (`python -m gpu_worker.fit_profile --sweep`), and measure the front end's share
+   of the cores on a served recording of bench_serving's `random` workload at 2 requests/s
+   (`--frontend-from`; `--no-frontend` leaves it out). `--fit recording` fits on that
+   recording alone instead, as before the sweep existed. `--profile` skips the fit;
+2. for each of `--workloads`, none of them the fitted one:
+   - `decode`: 32 requests, 64-token prompts, 128 output tokens;
+   - `prefill`: 16 requests, prompts of 1,000-1,500 tokens, 16 output tokens;
+   - `mixed`: 48 requests, prompts of 32-256 words, outputs of 16-192 tokens;
+   all at once, ignore_eos: start trident on the real model, run it, stop it; then the same
+   with `--worker simulated --sim-profile <the profile>`; alternating `--repeats` times;
 
 and report output throughput, median TTFT and median ITL of both and simulated / real
-(the goal: each within 10 %). Steps 2 and 3 alternate `--repeats` times and each metric is
-the median over the repeats: on this machine two real runs of the same workload differ by
-up to 30 % (the spread is reported), more than the tolerance. Example:
+per workload (the goal: each within 10 %), each metric the median over the repeats: on
+this machine two real runs of the same workload differ by up to 30 % (the spread is
+reported), more than the tolerance. Example:
 
-    python benchmarks/bench_simulation.py --dtype bfloat16 --output-json benchmarks/results/sim_fidelity.json
+    python benchmarks/bench_simulation.py --dtype bfloat16 --repeats 2 \
+        --profile-out trident/profiles/cpu-smollm2-bf16.json
 """
 
 from __future__ import annotations
@@ -58,92 +63,58 @@ def serve(label: str, launch_args: list[str], bench_args: list[str]) -> dict[str
     return doc
 
 
-def fit_profile(ns: argparse.Namespace, model_args: list[str]) -> str:
+WORKLOADS = {
+    "decode": ["--dataset", "random", "--num-prompts", "32", "--random-input-len", "64", "--random-output-len", "128"],
+    "prefill": [
+        *("--dataset", "random", "--num-prompts", "16"),
+        *("--random-input-len", "1000-1500", "--random-output-len", "16"),
+    ],
+    "mixed": ["--dataset", "mixed"],
+}
+
+
+def record_fit_workload(ns: argparse.Namespace, model_args: list[str]) -> str:
+    """A served recording of the `random` workload with Poisson arrivals (not compared)."""
     recording = os.path.join(RESULTS, "sim_fit_random.rec")
     if os.path.exists(recording):
         os.remove(recording)
     fit_workload = [
-        "--dataset",
-        "random",
-        "--num-prompts",
-        str(ns.fit_prompts),
-        "--random-input-len",
-        "16-512",
-        "--random-output-len",
-        "8-256",
-        "--seed",
-        "7",
-        "--request-rate",
-        str(ns.fit_request_rate),
+        *("--dataset", "random", "--num-prompts", str(ns.fit_prompts), "--seed", "7"),
+        *("--random-input-len", "16-512", "--random-output-len", "8-256"),
+        *("--request-rate", str(ns.fit_request_rate)),
     ]
     serve("fit-random", [*model_args, "--record-batches", recording], fit_workload)
-    profile = ns.profile_out
-    cmd = [
-        sys.executable,
-        "-m",
-        "gpu_worker.fit_profile",
-        recording,
-        "-o",
-        profile,
-        "--timing",
-        ns.timing,
-        "--passes",
-        str(ns.passes),
-        "--loss",
-        ns.loss,
-        "--description",
-        f"SmolLM2-135M {ns.dtype}, this machine (fitted on the random workload)",
-    ]
+    return recording
+
+
+def fit_profile(ns: argparse.Namespace, model_args: list[str]) -> str:
+    cmd = [sys.executable, "-m", "gpu_worker.fit_profile", "-o", ns.profile_out, "--loss", ns.loss]
+    if ns.fit == "sweep":
+        cmd += ["--sweep", "--dtype", ns.dtype, "--repeats", str(ns.sweep_repeats)]
+        if not ns.no_frontend:
+            cmd += ["--frontend-from", record_fit_workload(ns, model_args)]
+        described = "sweep of step shapes" + ("" if ns.no_frontend else ", front end from the random workload")
+    else:
+        cmd += [record_fit_workload(ns, model_args), "--timing", ns.timing, "--passes", str(ns.passes)]
+        described = "the random workload"
+    cmd += ["--description", f"SmolLM2-135M {ns.dtype}, fitted on a {described}"]
     subprocess.run(cmd, cwd=REPO_ROOT, check=True)
-    return profile
+    return ns.profile_out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--profile", default=None, help="use this profile instead of fitting one")
-    p.add_argument("--profile-out", default=os.path.join(RESULTS, "sim_fitted_profile.json"))
-    p.add_argument("--fit-prompts", type=int, default=48, help="requests of the random workload fitted on")
-    p.add_argument(
-        "--fit-request-rate",
-        type=float,
-        default=2.0,
-        help="Poisson arrivals per second of the fitted workload: arrivals spread over time give prefill "
-        "chunks of many sizes next to decode rows, so a token's cost and a logit row's can be told apart "
-        "(all at once, nearly every step is a pure decode step, where the two are the same count)",
-    )
-    p.add_argument(
-        "--timing",
-        choices=["recorded", "replay"],
-        default="recorded",
-        help="step times for the fit: the served run's own (recorded) or a replay on the model (fit_profile)",
-    )
-    p.add_argument("--passes", type=int, default=2, help="replays of the recording with --timing replay")
-    p.add_argument("--loss", choices=["relative", "absolute"], default="relative", help="fit_profile's --loss")
-    p.add_argument("--repeats", type=int, default=3, help="real and simulated runs, alternating")
-    p.add_argument("--output-json", default=os.path.join(RESULTS, "sim_fidelity.json"))
-    ns = p.parse_args(argv)
-    os.makedirs(RESULTS, exist_ok=True)
-    model_args = ["--dtype", ns.dtype]
-    profile = ns.profile or fit_profile(ns, model_args)
-    mixed = ["--dataset", "mixed"]
-    sim_args = [*model_args, "--worker", "simulated", "--sim-profile", profile]
-    real_docs, sim_docs = [], []
-    for i in range(ns.repeats):
-        real_docs.append(serve(f"real-mixed-{i + 1}", model_args, mixed))
-        sim_docs.append(serve(f"sim-mixed-{i + 1}", sim_args, mixed))
-    real = {name: [get(doc["runs"][0]) for doc in real_docs] for name, get in COMPARED.items()}
-    sim = {name: [get(doc["runs"][0]) for doc in sim_docs] for name, get in COMPARED.items()}
-    ratios = {name: float(np.median(sim[name]) / np.median(real[name])) for name in COMPARED}
-    report = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "profile": json.load(open(profile)),
-        "real": {name: float(np.median(v)) for name, v in real.items()},
-        "simulated": {name: float(np.median(v)) for name, v in sim.items()},
+def compare(name: str, real_docs: list[dict], sim_docs: list[dict]) -> dict[str, Any]:
+    """Simulated / real of the medians over the repeats of one workload."""
+    real = {metric: [get(doc["runs"][0]) for doc in real_docs] for metric, get in COMPARED.items()}
+    sim = {metric: [get(doc["runs"][0]) for doc in sim_docs] for metric, get in COMPARED.items()}
+    ratios = {metric: float(np.median(sim[metric]) / np.median(real[metric])) for metric in COMPARED}
+    return {
+        "workload": WORKLOADS[name],
+        "real": {metric: float(np.median(v)) for metric, v in real.items()},
+        "simulated": {metric: float(np.median(v)) for metric, v in sim.items()},
         "simulated_over_real": ratios,
-        "within_10_percent": {name: abs(v - 1) <= 0.10 for name, v in ratios.items()},
-        "real_spread_max_over_min": {name: max(v) / min(v) for name, v in real.items()},
-        "simulated_spread_max_over_min": {name: max(v) / min(v) for name, v in sim.items()},
+        "within_10_percent": {metric: abs(v - 1) <= 0.10 for metric, v in ratios.items()},
+        "real_spread_max_over_min": {metric: max(v) / min(v) for metric, v in real.items()},
+        "simulated_spread_max_over_min": {metric: max(v) / min(v) for metric, v in sim.items()},
         "every_repeat": {"real": real, "simulated": sim},
         "loadavg_1min": {
             "real": [doc["runs"][0]["loadavg_1min_before_after"] for doc in real_docs],
@@ -151,15 +122,59 @@ def main(argv: list[str] | None = None) -> int:
         },
         "runs": {"real": real_docs, "simulated": sim_docs},
     }
-    print(
-        json.dumps(
-            {
-                k: report[k]
-                for k in ("real", "simulated", "simulated_over_real", "within_10_percent", "real_spread_max_over_min")
-            },
-            indent=2,
-        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--profile", default=None, help="use this profile (a file or a packaged name) instead of fitting")
+    p.add_argument("--profile-out", default=os.path.join(RESULTS, "sim_fitted_profile.json"))
+    p.add_argument("--fit", choices=["sweep", "recording"], default="sweep", help="what the profile is fitted on")
+    p.add_argument("--sweep-repeats", type=int, default=3, help="fit_profile --sweep --repeats")
+    p.add_argument("--no-frontend", action="store_true", help="--fit sweep: leave the front end's share out")
+    p.add_argument("--fit-prompts", type=int, default=48, help="requests of the recorded random workload")
+    p.add_argument(
+        "--fit-request-rate",
+        type=float,
+        default=2.0,
+        help="Poisson arrivals per second of the recorded workload: arrivals spread over time give prefill "
+        "chunks of many sizes next to decode rows",
     )
+    p.add_argument(
+        "--timing",
+        choices=["recorded", "replay"],
+        default="recorded",
+        help="--fit recording: step times of the served run (recorded) or of a replay on the model",
+    )
+    p.add_argument("--passes", type=int, default=2, help="replays of the recording with --timing replay")
+    p.add_argument("--loss", choices=["relative", "absolute"], default="relative", help="fit_profile's --loss")
+    p.add_argument("--workloads", default="decode,prefill,mixed", help=f"comma-separated, of {sorted(WORKLOADS)}")
+    p.add_argument("--repeats", type=int, default=3, help="real and simulated runs of each workload, alternating")
+    p.add_argument("--output-json", default=os.path.join(RESULTS, "sim_fidelity.json"))
+    ns = p.parse_args(argv)
+    workloads = ns.workloads.split(",")
+    if unknown := set(workloads) - set(WORKLOADS):
+        p.error(f"unknown workloads {sorted(unknown)}")
+    os.makedirs(RESULTS, exist_ok=True)
+    model_args = ["--dtype", ns.dtype]
+    profile = ns.profile or fit_profile(ns, model_args)
+    sim_args = [*model_args, "--worker", "simulated", "--sim-profile", profile]
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "workloads": {}}
+    for name in workloads:
+        real_docs, sim_docs = [], []
+        for i in range(ns.repeats):
+            real_docs.append(serve(f"real-{name}-{i + 1}", model_args, WORKLOADS[name]))
+            sim_docs.append(serve(f"sim-{name}-{i + 1}", sim_args, WORKLOADS[name]))
+        report["workloads"][name] = compare(name, real_docs, sim_docs)
+        write_json(report, ns.output_json)  # what is done so far survives a later failure
+    packaged = os.path.join(REPO_ROOT, "trident", "profiles", profile.removesuffix(".json") + ".json")
+    with open(profile if os.path.isfile(profile) else packaged) as f:
+        report["profile"] = json.load(f)
+    summary = {
+        name: {k: w[k] for k in ("real", "simulated", "simulated_over_real", "real_spread_max_over_min")}
+        for name, w in report["workloads"].items()
+    }
+    print(json.dumps(summary, indent=2))
     write_json(report, ns.output_json)
     return 0
 
