@@ -81,10 +81,11 @@ def test_a_stable_period_resets_the_backoff_and_old_failures_leave_the_window():
 
 def test_a_worker_that_cannot_start_again_makes_the_launcher_fail_open_requests_and_exit_3(tmp_path):
     # The simulated worker reads its profile only at start: without it, every restart fails
-    # before it is ready, a crash loop. The default budget (5) must run out, and the launcher
-    # exit, within the backoffs (0.5 + 1 + 2 + 4 + 8 s) plus six worker starts.
+    # before it is ready, a crash loop. A budget of 3 must run out, and the launcher exit,
+    # within the backoffs (0.5 + 1 + 2 s) plus four worker starts (~10 s each on a loaded
+    # 2-core machine; the default budget of 5 adds 12 s of backoff and two more starts).
     profile = write_sim_profile(str(tmp_path / "profile.json"), const_s=0.002)
-    server = Server(sim_args(profile))
+    server = Server(sim_args(profile, "--max-restarts", "3"))
     try:
         tree = server.process_tree()
         http = server.http()
@@ -100,7 +101,7 @@ def test_a_worker_that_cannot_start_again_makes_the_launcher_fail_open_requests_
         assert r.status_code == 503 and "gave up restarting after worker[tp0]" in r.json()["error"]["message"]
         assert took < 120, took
         log = server.log_tail(400)
-        assert "restarting after: worker[tp0]" in log and "quick failure 5 of 5" in log
+        assert "restarting after: worker[tp0]" in log and "quick failure 3 of 3" in log
         assert "giving up restarting" in log and "exiting" in log
         assert wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree), 5)
     finally:

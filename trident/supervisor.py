@@ -28,16 +28,12 @@ from __future__ import annotations
 
 import logging
 import os
-import site
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 
+from trident.child_process import Child, free_port
 from trident.node_watch import NodeWatch
 from trident.restart_policy import RestartPolicy, Unit
 from trident.wire.cluster import (
@@ -71,41 +67,11 @@ from trident.wire.transport import (
 )
 
 logger = logging.getLogger("trident.launch")
-PACKAGES_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-"""The folder that holds `trident/` and the process packages: a checkout, or site-packages."""
 STOP_GRACE_S = 5.0
-MODULE_OF_ROLE = {"worker": "gpu_worker", "scheduler": "scheduler_proc", "tokenizer": "tokenizer_proc"}
 EXIT_GAVE_UP = 3
 """launch.py's exit code after the restart budget ran out (--on-give-up exit)."""
 DIST_PORT_ENV = "TRIDENT_DIST_INIT_PORT"
 """The worker group's torch.distributed rendezvous port, fresh for every generation."""
-
-
-def child_cwd(run_dir: str) -> str:
-    """Where a child starts. `python -m` puts its working directory first on sys.path, so an
-    installed server starts its children in the private run directory (nothing importable
-    there), and only a checkout that was never installed starts them in the checkout, which
-    is then the one place its packages can be found."""
-    installed = {os.path.realpath(p) for p in (*site.getsitepackages(), site.getusersitepackages())}
-    return run_dir if os.path.realpath(PACKAGES_ROOT) in installed else PACKAGES_ROOT
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Child:
-    role: str
-    rank: int
-    dp_rank: int
-    proc: subprocess.Popen
-    sentinel: int
-    """A pidfd: readable once the process has exited."""
-    name: str
 
 
 class StartupError(RuntimeError):
@@ -147,22 +113,8 @@ class Launcher:
     # ------------------------------------------------------------------ start
 
     def spawn(self, role: str, rank: int = 0, dp_rank: int = 0, env: dict[str, str] | None = None) -> Child:
-        cmd = [
-            sys.executable,
-            "-m",
-            MODULE_OF_ROLE[role],
-            "--args-file",
-            self.args_file,
-            "--parent-pid",
-            str(os.getpid()),
-            "--rank",
-            str(rank),
-            "--dp-rank",
-            str(dp_rank),
-        ]
-        proc = subprocess.Popen(cmd, cwd=child_cwd(self.args.run_dir), env=dict(os.environ, **(env or {})))
-        name = process_name(role, rank, dp_rank, self.args.dp_size)
-        child = Child(role, rank, dp_rank, proc, os.pidfd_open(proc.pid), name)
+        args = self.args
+        child = Child.start(role, rank, dp_rank, self.args_file, args.run_dir, args.dp_size, env or {})
         self.children.append(child)
         self.policy.started((role, dp_rank))
         return child
@@ -431,21 +383,13 @@ class Launcher:
             if child.proc.poll() is None:
                 child.proc.terminate()
             if child.role == "tokenizer":
-                self._wait(child, self.args.shutdown_timeout_s + STOP_GRACE_S)
+                child.wait_or_kill(self.args.shutdown_timeout_s + STOP_GRACE_S)
         deadline = time.monotonic() + STOP_GRACE_S
         for child in order:
-            self._wait(child, max(0.0, deadline - time.monotonic()))
+            child.wait_or_kill(max(0.0, deadline - time.monotonic()))
         for child in list(self.children):
             self._forget(child)
         for sock in (self.control, self.nodes, self.to_tokenizer, *self.to_schedulers):
             if sock is not None:
                 sock.close()
         self.zmq_ctx.term()
-
-    @staticmethod
-    def _wait(child: Child, timeout: float) -> None:
-        try:
-            child.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            child.proc.kill()
-            child.proc.wait()
