@@ -111,7 +111,8 @@ class GrammarTable:
             logger.warning("slot %d: sampled token %d outside its grammar", slot, token)
 
     def apply_masks(self, logits: torch.Tensor, slots: list[int], rows: list[int]) -> torch.Tensor:
-        """Set to -inf every logit that the grammar of row i (for i in `rows`) forbids."""
+        """`logits` with -inf wherever the grammar of row i (for i in `rows`) forbids a token.
+        Out of place: the model's logits are inference tensors."""
         bitmask = self._bitmask[: len(rows)]
         for j, i in enumerate(rows):
             matcher = self.matchers[slots[i]]
@@ -122,10 +123,9 @@ class GrammarTable:
                 matcher.fill_next_token_bitmask(bitmask, j)
         forbidden = torch.from_numpy(~_unpack(bitmask.numpy(), logits.shape[-1])).to(logits.device)
         if len(rows) == len(slots):
-            return logits.masked_fill_(forbidden, float("-inf"))
+            return logits.masked_fill(forbidden, float("-inf"))
         index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill_(forbidden, float("-inf"))
-        return logits
+        return logits.index_put((index,), logits[index].masked_fill_(forbidden, float("-inf")))
 
 
 def _unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:

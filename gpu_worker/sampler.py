@@ -114,7 +114,7 @@ def sample(
     A batch of plain greedy rows takes the argmax of the logits as they are (converting
     them cannot change which is largest); anything else works on float32 logits.
     `agree` makes the tensor-parallel ranks take one set of tokens (rank 0's) before any
-    per-row state (penalty counts, logprobs) is updated from them."""
+    per-row state (penalty counts, logprobs, grammar matchers) is updated from them."""
     params = [table.params[s] for s in slots]
     all_greedy = all(p.temperature <= 0.0 for p in params)
     if not all_greedy or any(p.logprobs or p.logit_bias or _uses_penalties(p) for p in params):
@@ -127,7 +127,7 @@ def sample(
     logits = _mask_eos_before_min_tokens(logits, slots, params, table)
     constrained = table.grammars.constrained(slots) if table.grammars is not None else []
     if constrained:
-        logits = table.grammars.apply_masks(logits.clone(), slots, constrained)
+        logits = table.grammars.apply_masks(logits, slots, constrained)
 
     tokens = table.argmax(logits)
     if not all_greedy:

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers import Server, running_server
+from tests.helpers import Server, running_server, wait_until
 from tests.structured_schemas import SCHEMAS, WEATHER_TOOL
 from tests.workload import child
 
@@ -264,10 +264,31 @@ def test_constrained_request_survives_a_worker_sigkill_with_the_same_text(smollm
         worker.kill()
         text = future.result(timeout=300)
     assert {p.pid for p in server.process_tree()} != before
+    assert wait_until(lambda: _resumed_requests(server) >= 1, timeout=10)  # killed mid-generation, resumed
     jsonschema.validate(json.loads(text), GREEDY_SCHEMA)
     assert text == expected
+
+
+def _resumed_requests(server: Server) -> int:
+    stats = server.http().get("/server_info").json()["scheduler_stats"]
+    return stats["resumed_requests"] if stats else 0
 
 
 def _generation_tokens(server: Server) -> int:
     stats = server.http().get("/server_info").json()["scheduler_stats"]
     return stats["generation_tokens"] if stats else 0
+
+
+def test_offline_engine_takes_the_same_constraints():
+    from trident.engine import Engine
+
+    with Engine(dtype="float32", max_total_tokens=8192) as engine:
+        hot = {"temperature": 0.8, "seed": 1, "max_new_tokens": 120}
+        regex, schema = engine.generate(
+            ["Answer:", "A team as JSON:"],
+            [{**hot, "regex": REGEX}, {**hot, "json_schema": json.dumps(GREEDY_SCHEMA)}],
+        )
+        with pytest.raises(ValueError, match="parenthesis"):
+            engine.generate("Answer:", {"regex": "(a|b"})
+    assert re.fullmatch(REGEX, regex["text"]), regex["text"]
+    jsonschema.validate(json.loads(schema["text"]), GREEDY_SCHEMA)

@@ -18,8 +18,9 @@ the Engine swaps the I/O (Python calls instead of HTTP), not the logic, and retu
 
 `sampling_params` are those of `POST /generate` (SGLang's names: `max_new_tokens`,
 `temperature`, `top_p`, `top_k`, `min_p`, the penalties, `stop`, `stop_token_ids`,
-`ignore_eos`, `min_new_tokens`, `seed`, `skip_special_tokens`); an unknown name or an
-out-of-range value raises ValueError before anything is sent.
+`ignore_eos`, `min_new_tokens`, `seed`, `skip_special_tokens`, `logit_bias`, and one
+decoding constraint of `regex`, `ebnf` or `json_schema`); an unknown name, an out-of-range
+value or a constraint the grammar library refuses raises ValueError before anything is sent.
 """
 
 from __future__ import annotations

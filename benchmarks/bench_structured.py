@@ -1,0 +1,106 @@
+"""Throughput cost of constrained decoding: 32 concurrent JSON-schema requests against the
+same 32 unconstrained, in one run, overlap on, and the worker's per-step mask cost.
+
+Each of `--concurrency` client threads sends chat requests back to back for `--seconds`,
+first unconstrained, then with `response_format` json_schema, alternating for `--rounds`;
+the score of a phase is completion tokens per second. The per-step part times
+`GrammarTable.apply_masks` (fill every row's mask, apply it to the logits) in process.
+
+    python benchmarks/bench_structured.py [--concurrency 32] [--seconds 30] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.launched_server import LaunchedServer  # noqa: E402
+from gpu_worker.grammar import GrammarTable  # noqa: E402
+from tests.structured_schemas import SCHEMAS  # noqa: E402
+from trident.model_source import default_model_path  # noqa: E402
+from trident.wire.frontend import GrammarSpec  # noqa: E402
+
+SCHEMA = SCHEMAS["array_of_objects"]
+MAX_TOKENS = 96
+
+
+def phase(base_url: str, concurrency: int, seconds: float, constrained: bool) -> float:
+    """Completion tokens per second of `concurrency` clients over `seconds`."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
+    tokens = [0] * concurrency
+    stop_at = time.monotonic() + seconds
+
+    def run(i: int) -> None:
+        seed = i * 1000
+        while time.monotonic() < stop_at:
+            extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}
+            res = client.chat.completions.create(
+                model="smollm2-135m",
+                messages=[{"role": "user", "content": f"List the people of team {seed} as JSON."}],
+                max_tokens=MAX_TOKENS,
+                temperature=0.8,
+                seed=seed,
+                **(extra if constrained else {}),
+            )
+            tokens[i] += res.usage.completion_tokens
+            seed += 1
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(tokens) / (time.monotonic() - t0)
+
+
+def mask_step_ms(rows: int, repeats: int = 50) -> float:
+    """Milliseconds per step to fill and apply `rows` masks (each row mid-way through its JSON)."""
+    table = GrammarTable(rows, 49152, default_model_path(), [2])
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    for slot in range(rows):
+        table.add(slot, spec, [])
+    logits = torch.randn(rows, 49152)
+    slots = list(range(rows))
+    table.apply_masks(logits.clone(), slots, slots)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        table.apply_masks(logits.clone(), slots, slots)
+    return (time.perf_counter() - t0) / repeats * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=30)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--server-args", default="--max-running-requests 32")
+    args = ap.parse_args()
+    for rows in (1, args.concurrency):
+        print(f"apply_masks, {rows} rows: {mask_step_ms(rows):.2f} ms/step", flush=True)
+    log = os.path.join(tempfile.mkdtemp(), "server.log")
+    with LaunchedServer(f"{sys.executable} launch.py {args.server_args}", log) as server:
+        phase(server.base_url, 2, 5, True)  # warm up: the worker reads the vocabulary once
+        results: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.rounds):
+            for constrained in (False, True):
+                rate = phase(server.base_url, args.concurrency, args.seconds, constrained)
+                results[constrained].append(rate)
+                print(f"{'json_schema' if constrained else 'unconstrained':>13}: {rate:.1f} tok/s", flush=True)
+    plain, constrained = (sum(results[k]) / len(results[k]) for k in (False, True))
+    ratio = constrained / plain
+    print(f"constrained / unconstrained throughput: {ratio:.3f} ({(1 - ratio) * 100:.1f} % cost)")
+
+
+if __name__ == "__main__":
+    main()
