@@ -1,10 +1,11 @@
 """A step-time profile: how long a worker step takes, as a function of the step's shape.
 
-The model is linear in nine terms of a step (all counted before the step runs):
+The model is linear in ten terms of a step (all counted before the step runs):
 
     t = const
       + general_step        * general_path      a step that is not plain decode (see below)
       + per_token           * tokens            every token computed goes through every weight matrix
+      + per_token_in_knee   * min(tokens, token_knee)
       + per_token_past_knee * max(0, tokens - token_knee)
       + per_logit_row       * logit_rows        rows whose logits are computed (lm_head, sampling)
       + per_kv_read         * decode_kv_read    query-key pairs of decoding rows (attention reads KV)
@@ -20,12 +21,14 @@ reads its weights once per step however many tokens it runs, and then does work 
 token: its time is close to max(weights read, tokens x work per token), a floor that
 turns into a slope. `const` with `per_token` alone cannot bend, and a recording of one
 workload fits the bend of that workload only (a fit on 64-row decode steps over-predicts
-a 512-token prefill chunk or a one-row step). The hinge term lets the fit put a shallow
-slope below `token_knee` tokens and a steeper one above; the fit chooses the knee among
-KNEES. Attention grows with rows x KV length in decode (`decode_kv_read`) and
-quadratically in a prefill chunk (`extend_pairs`). A prefill step runs its rows' attention
-one row at a time (`extend_rows`), which is why sixteen short prompts in one step cost
-more than one prompt of their total length. A plain decode step (every row one token)
+a 512-token prefill chunk or a one-row step). The two hinge terms let the fit give the
+first `token_knee` tokens of a step one slope and the rest another, steeper (a floor of
+weight reads that turns into compute) or shallower (wider matrix products run closer to
+the cores' peak); the fit chooses the knee among KNEES, and with a knee fits the two
+slopes in place of `per_token`. Attention grows with rows x KV length in decode
+(`decode_kv_read`) and quadratically in a prefill chunk (`extend_pairs`). A prefill step
+runs its rows' attention one row at a time (`extend_rows`), which is why sixteen short
+prompts in one step cost more than one prompt of their total length. A plain decode step (every row one token)
 runs the worker's flat loop of fused ops; any other step runs the module tree, whose
 fixed cost per step is higher (`general_path` is 1 for those), and a row that verifies
 drafts is checked on its own (`verify_rows`). No coefficient may be negative: the fit drops
@@ -69,6 +72,7 @@ TERMS = (
     "const",
     "general_path",
     "tokens",
+    "tokens_in_knee",
     "tokens_past_knee",
     "logit_rows",
     "decode_kv_read",
@@ -80,6 +84,7 @@ COEFFICIENT_NAMES = (
     "const_s",
     "general_step_s",
     "per_token_s",
+    "per_token_in_knee_s",
     "per_token_past_knee_s",
     "per_logit_row_s",
     "per_kv_read_s",
@@ -87,13 +92,20 @@ COEFFICIENT_NAMES = (
     "per_extend_row_s",
     "per_verify_row_s",
 )
-LATER_COEFFICIENTS = ("general_step_s", "per_token_past_knee_s", "per_extend_row_s", "per_verify_row_s")
+LATER_COEFFICIENTS = (
+    "general_step_s",
+    "per_token_in_knee_s",
+    "per_token_past_knee_s",
+    "per_extend_row_s",
+    "per_verify_row_s",
+)
 """Terms added after the first profiles were written: a profile without them has them at 0."""
 KNEES = (0, 8, 16, 32, 64, 128)
 """Token counts the fit tries as the hinge of the linear layers' cost (0: no hinge)."""
 MODEL = (
     "step seconds = const_s + general_step_s * general_path + per_token_s * tokens"
-    " + per_token_past_knee_s * max(0, tokens - token_knee) + per_logit_row_s * logit_rows"
+    " + per_token_in_knee_s * min(tokens, token_knee) + per_token_past_knee_s * max(0, tokens - token_knee)"
+    " + per_logit_row_s * logit_rows"
     " + per_kv_read_s * decode_kv_read + per_extend_pair_s * extend_pairs + per_extend_row_s * extend_rows"
     " + per_verify_row_s * verify_rows (gpu_worker/step_profile.py)"
 )
@@ -128,8 +140,9 @@ def model_terms(shapes: np.ndarray, token_knee: int) -> np.ndarray:
     shapes = np.asarray(shapes, dtype=np.float64)
     computes, tokens = shapes[..., 0:1], shapes[..., 1:2]
     general = computes * ((shapes[..., 5:6] > 0) | (shapes[..., 6:7] > 0))
+    in_knee = np.minimum(tokens, token_knee)
     past_knee = np.maximum(0.0, tokens - token_knee) * (token_knee > 0)
-    return np.concatenate([computes, general, tokens, past_knee, shapes[..., 2:]], axis=-1)
+    return np.concatenate([computes, general, tokens, in_knee, past_knee, shapes[..., 2:]], axis=-1)
 
 
 @dataclass
@@ -221,7 +234,7 @@ def fit_step_times(features: np.ndarray, seconds: np.ndarray, loss: str = "relat
     the total by 65 %.
 
     No coefficient may be negative (a profile must never predict that more work takes less
-    time); with nine terms the exact answer is cheap: fit every subset that keeps
+    time); with ten terms the exact answer is cheap: fit every subset that keeps
     `const`, and keep the best fit whose coefficients are all non-negative."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, not {loss!r}")
@@ -245,6 +258,8 @@ def fit_shapes(shapes: np.ndarray, seconds: np.ndarray, loss: str = "relative") 
     fits = []
     for knee in KNEES:
         terms = model_terms(shapes, knee)
+        if knee:  # the slopes in and past the knee add up to tokens' own: one or the other
+            terms[:, TERMS.index("tokens")] = 0.0
         coef = fit_step_times(terms, seconds, loss)
         fits.append((float(np.sum(((terms @ coef - seconds) * weight) ** 2)), knee, coef))
     _, knee, coef = min(fits, key=lambda f: f[0])

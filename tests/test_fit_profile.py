@@ -24,8 +24,8 @@ TRUE_MODEL = StepProfile(
     dict.fromkeys(COEFFICIENT_NAMES, 0.0)
     | {
         "const_s": 5e-3,
-        "per_token_s": 1e-5,
-        "per_token_past_knee_s": 4e-5,
+        "per_token_in_knee_s": 1e-5,
+        "per_token_past_knee_s": 5e-5,
         "per_logit_row_s": 1e-5,
         "per_kv_read_s": 2e-8,
         "per_extend_pair_s": 2e-8,
