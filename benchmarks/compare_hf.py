@@ -61,11 +61,13 @@ class HFResult:
         return self.useful_output_tokens / self.duration_s
 
 
-def default_model_path() -> str:
+def resolve_model_path(model: str | None) -> str:
+    """A packaged model's GGUF (trident's default when None), or the path as given."""
     sys.path.insert(0, REPO_ROOT)
-    from trident.model_source import default_model_path as bundled
+    from trident.model_source import DEFAULT_MODEL, PACKAGED_MODELS, packaged_model_path
 
-    return bundled()
+    name = model or DEFAULT_MODEL
+    return packaged_model_path(name) if name in PACKAGED_MODELS else name
 
 
 def load_hf_model(model_path: str, dtype: torch.dtype) -> Any:
@@ -189,7 +191,13 @@ def build_compare_parser() -> argparse.ArgumentParser:
     )
     add_workload_args(p)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="for trident and HF alike")
-    p.add_argument("--model-path", default=None, help="a .gguf or HF directory (default: trident's bundled SmolLM2)")
+    p.add_argument(
+        "--model",
+        "--model-path",
+        dest="model_path",
+        default=None,
+        help="a packaged model (smollm2-135m, gemma-3-270m), a .gguf or an HF directory (default: smollm2-135m)",
+    )
     p.add_argument("--trident-root", default=REPO_ROOT, help="the trident checkout whose launch.py is started")
     p.add_argument("--trident-args", default="", help="extra launch.py flags, e.g. '--disable-overlap'")
     p.add_argument("--max-concurrency", type=int, default=None, help="for the trident run (default: all at once)")
@@ -206,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_compare_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_path = args.model_path or default_model_path()
+    model_path = resolve_model_path(args.model_path)
     tokenizer = load_tokenizer(args.tokenizer if args.tokenizer != "auto" else model_path)
     requests = build_workload(workload_spec(args), tokenizer)
     print(f"workload: {workload_stats(requests)}", file=sys.stderr)

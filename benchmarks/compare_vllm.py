@@ -2,6 +2,7 @@
 
     python benchmarks/compare_vllm.py --vllm-python /work/vllm-venv/bin/python \\
         --output-json benchmarks/results/compare_vllm.json
+    python benchmarks/compare_vllm.py --model gemma-3-270m ...   (Gemma 3 270M, PyPI GGUF)
 
 What it does, in order (the servers never share the CPU):
 
@@ -38,7 +39,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import build_parser, run_against, workload_spec  # noqa: E402
-from compare_hf import DTYPES, default_model_path, load_hf_model  # noqa: E402
+from compare_hf import DTYPES, load_hf_model, resolve_model_path  # noqa: E402
 from launched_server import REPO_ROOT, LaunchedServer, free_port  # noqa: E402
 from serving_report import write_json  # noqa: E402
 from serving_workload import build_workload, load_tokenizer, workload_stats  # noqa: E402
@@ -62,6 +63,8 @@ def export_dense_copy(model_path: str, dtype: str, export_dir: str) -> str:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    if config.model_type == "gemma3_text":  # transformers leaves architectures unset for a GGUF
+        config.architectures = ["Gemma3ForCausalLM"]
     config.save_pretrained(export_dir)
     AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(export_dir)
     return export_dir
@@ -141,7 +144,8 @@ def one_run(kind: str, args: argparse.Namespace, requests: list, model_dir: str,
     stamp = time.strftime("%Y%m%d-%H%M%S")
     ns = bench_namespace(args, kind)
     if kind == "trident":
-        cmd = f"{shlex.quote(sys.executable)} launch.py --dtype {args.dtype} {args.trident_args}"
+        cmd = f"{shlex.quote(sys.executable)} launch.py --model {shlex.quote(args.model)} --dtype {args.dtype} "
+        cmd += args.trident_args
         with LaunchedServer(
             cmd, os.path.join(log_dir, f"compare_vllm-trident-{stamp}.log"), cwd=args.trident_root
         ) as server:
@@ -178,11 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trident-root", default=REPO_ROOT)
     p.add_argument("--trident-args", default="--max-running-requests 64")
     p.add_argument("--vllm-args", default="--max-num-seqs 64 --max-model-len 2048 --gpu-memory-utilization 0.1")
-    p.add_argument("--export-dir", default=os.path.expanduser("~/.cache/trident/smollm2-135m-dense"))
+    p.add_argument("--model", default="smollm2-135m", help="a packaged model (smollm2-135m, gemma-3-270m) or a .gguf")
+    p.add_argument("--export-dir", default=None, help="default: ~/.cache/trident/<model>-<dtype>-dense")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
-    model_path = default_model_path()
-    model_dir = export_dense_copy(model_path, args.dtype, args.export_dir)
+    model_path = resolve_model_path(args.model)
+    name = os.path.basename(args.model).removesuffix(".gguf")
+    export_dir = args.export_dir or os.path.expanduser(f"~/.cache/trident/{name}-{args.dtype}-dense")
+    model_dir = export_dense_copy(model_path, args.dtype, export_dir)
     requests = build_workload(workload_spec(bench_namespace(args, "workload")), load_tokenizer(model_path))
     print(f"workload: {workload_stats(requests)}", file=sys.stderr)
     log_dir = os.path.join(REPO_ROOT, "benchmarks", "results")
