@@ -10,7 +10,7 @@ In one command, on this machine:
    recording alone instead, as before the sweep existed. `--profile` skips the fit;
 2. for each of `--workloads`, none of them the fitted one:
    - `decode`: 32 requests, 64-token prompts, 128 output tokens;
-   - `prefill`: 16 requests, prompts of 1,000-1,500 tokens, 16 output tokens;
+   - `prefill`: 8 requests, prompts of 1,000-1,200 tokens, 16 output tokens;
    - `mixed`: 48 requests, prompts of 32-256 words, outputs of 16-192 tokens;
    all at once, ignore_eos: start trident on the real model, run it, stop it; then the same
    with `--worker simulated --sim-profile <the profile>`; alternating `--repeats` times;
@@ -66,8 +66,8 @@ def serve(label: str, launch_args: list[str], bench_args: list[str]) -> dict[str
 WORKLOADS = {
     "decode": ["--dataset", "random", "--num-prompts", "32", "--random-input-len", "64", "--random-output-len", "128"],
     "prefill": [
-        *("--dataset", "random", "--num-prompts", "16"),
-        *("--random-input-len", "1000-1500", "--random-output-len", "16"),
+        *("--dataset", "random", "--num-prompts", "8"),
+        *("--random-input-len", "1000-1200", "--random-output-len", "16"),
     ],
     "mixed": ["--dataset", "mixed"],
 }
