@@ -3,7 +3,10 @@ same 32 unconstrained, in one run, overlap on, and the worker's per-step mask co
 
 Each of `--concurrency` client threads sends chat requests back to back for `--seconds`,
 first unconstrained, then with `response_format` json_schema, alternating for `--rounds`;
-the score of a phase is completion tokens per second. The per-step part times
+the score of a phase is completion tokens per second. Every request runs exactly
+`MAX_TOKENS` tokens (`ignore_eos`; a constrained row whose JSON is complete may then only
+emit EOS, still masked every step), so both phases have the same request lengths and
+prefill load and differ only in the constraint's cost. The per-step part times
 `GrammarTable.apply_masks` (fill every row's mask, apply it to the logits) in process.
 
     python benchmarks/bench_structured.py [--concurrency 32] [--seconds 30] [--rounds 2]
@@ -29,7 +32,7 @@ from trident.model_source import default_model_path  # noqa: E402
 from trident.wire.frontend import GrammarSpec  # noqa: E402
 
 SCHEMA = SCHEMAS["array_of_objects"]
-MAX_TOKENS = 96
+MAX_TOKENS = 64
 
 
 def phase(base_url: str, concurrency: int, seconds: float, constrained: bool) -> float:
@@ -50,7 +53,7 @@ def phase(base_url: str, concurrency: int, seconds: float, constrained: bool) ->
                 max_tokens=MAX_TOKENS,
                 temperature=0.8,
                 seed=seed,
-                **(extra if constrained else {}),
+                extra_body={"ignore_eos": True, **(extra if constrained else {})},
             )
             tokens[i] += res.usage.completion_tokens
             seed += 1

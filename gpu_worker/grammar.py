@@ -112,19 +112,25 @@ class GrammarTable:
 
     def apply_masks(self, logits: torch.Tensor, slots: list[int], rows: list[int]) -> torch.Tensor:
         """`logits` with -inf wherever the grammar of row i (for i in `rows`) forbids a token.
-        Out of place: the model's logits are inference tensors."""
-        bitmask = self._bitmask[: len(rows)]
-        for j, i in enumerate(rows):
+        Out of place: the model's logits are inference tensors. A row whose grammar allows
+        every token here (xgrammar says so while it fills the mask) is left as it is."""
+        masked: list[int] = []
+        bitmask = self._bitmask
+        for i in rows:
+            j = len(masked)
             matcher = self.matchers[slots[i]]
             if matcher is None or matcher.is_terminated():
                 bitmask[j].zero_()
                 _set_bits(bitmask[j], self.eos_token_ids)
-            else:
-                matcher.fill_next_token_bitmask(bitmask, j)
-        forbidden = torch.from_numpy(~_unpack(bitmask.numpy(), logits.shape[-1])).to(logits.device)
-        if len(rows) == len(slots):
+            elif not matcher.fill_next_token_bitmask(bitmask, j):
+                continue
+            masked.append(i)
+        if not masked:
+            return logits
+        forbidden = torch.from_numpy(~_unpack(bitmask[: len(masked)].numpy(), logits.shape[-1])).to(logits.device)
+        if len(masked) == len(slots):
             return logits.masked_fill(forbidden, float("-inf"))
-        index = torch.tensor(rows, device=logits.device)
+        index = torch.tensor(masked, device=logits.device)
         return logits.index_put((index,), logits[index].masked_fill_(forbidden, float("-inf")))
 
 

@@ -292,3 +292,12 @@ def test_offline_engine_takes_the_same_constraints():
             engine.generate("Answer:", {"regex": "(a|b"})
     assert re.fullmatch(REGEX, regex["text"]), regex["text"]
     jsonschema.validate(json.loads(schema["text"]), GREEDY_SCHEMA)
+
+
+def test_constrained_and_biased_rows_never_draft():
+    """Drafts are verified against the raw argmax, so rows under a mask or a bias do not draft."""
+    from trident.wire.frontend import GrammarSpec, SamplingParams
+
+    assert SamplingParams(max_new_tokens=8).drafts_allowed()
+    assert not SamplingParams(max_new_tokens=8, grammar=GrammarSpec("regex", "a+")).drafts_allowed()
+    assert not SamplingParams(max_new_tokens=8, logit_bias=[(5, 1.0)]).drafts_allowed()
