@@ -106,19 +106,26 @@ def test_a_frame_signed_with_another_key_is_rejected():
 # ---------------------------------------------------------------------------- data parallel
 
 
-def test_dp2_serves_through_both_replicas_with_dp1_outputs(fault_model, fault_reference):
+@pytest.fixture(scope="module")
+def dp2_server(fault_model):
+    """Shared by the dp 2 tests; the one that kills a replica's worker runs last."""
     with running_server(["--model", fault_model, *BASE, "--dp-size", "2"]) as server:
-        assert run_with_fault(server, None) == fault_reference
-        replicas = replica_counts(server)
-        assert [r["routed_requests"] for r in replicas] == [6, 6]  # round robin over 12 requests
-        assert wait_until(
-            lambda: all(
-                r["scheduler_stats"] and r["scheduler_stats"]["generation_tokens"] > 0 for r in replica_counts(server)
-            ),
-            10,
-        )
-        metrics = server.http().get("/metrics").text
-        assert 'trident_replica_requests_routed_total{dp_rank="1"} 6.0' in metrics
+        yield server
+
+
+def test_dp2_serves_through_both_replicas_with_dp1_outputs(dp2_server, fault_reference):
+    server = dp2_server
+    assert run_with_fault(server, None) == fault_reference
+    replicas = replica_counts(server)
+    assert [r["routed_requests"] for r in replicas] == [6, 6]  # round robin over 12 requests
+    assert wait_until(
+        lambda: all(
+            r["scheduler_stats"] and r["scheduler_stats"]["generation_tokens"] > 0 for r in replica_counts(server)
+        ),
+        10,
+    )
+    metrics = server.http().get("/metrics").text
+    assert 'trident_replica_requests_routed_total{dp_rank="1"} 6.0' in metrics
 
 
 def test_dp2_longest_prefix_keeps_each_system_prompt_on_one_replica(fault_model):
@@ -135,15 +142,15 @@ def test_dp2_longest_prefix_keeps_each_system_prompt_on_one_replica(fault_model)
         assert [r["routed_requests"] for r in replica_counts(s)] == [4, 4]
 
 
-def test_killing_one_replicas_worker_restarts_that_replica_only(fault_model, fault_reference):
-    with running_server(["--model", fault_model, *BASE, "--dp-size", "2"]) as server:
-        other = child(server, "trident::worker[dp0.tp0]").pid
+def test_killing_one_replicas_worker_restarts_that_replica_only(dp2_server, fault_reference):
+    server = dp2_server
+    other = child(server, "trident::worker[dp0.tp0]").pid
 
-        def kill_replica1(srv: Server) -> None:
-            child(srv, "trident::worker[dp1.tp0]").send_signal(signal.SIGKILL)
+    def kill_replica1(srv: Server) -> None:
+        child(srv, "trident::worker[dp1.tp0]").send_signal(signal.SIGKILL)
 
-        assert run_with_fault(server, kill_replica1) == fault_reference
-        assert child(server, "trident::worker[dp0.tp0]").pid == other
+    assert run_with_fault(server, kill_replica1) == fault_reference
+    assert child(server, "trident::worker[dp0.tp0]").pid == other
 
 
 # ---------------------------------------------------------------------------- two nodes

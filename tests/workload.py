@@ -7,6 +7,7 @@ a test can compare them with an undisturbed run (the `fault_reference` fixture).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -17,6 +18,8 @@ from tests.helpers import Server, wait_until
 NUM_REQUESTS = 12
 MAX_NEW = 160
 BASE = ["--dtype", "float32", "--max-total-tokens", "16384"]
+STATS_PERIOD_S = 0.6
+"""The scheduler publishes its statistics every half second."""
 
 
 def prompts() -> list[list[int]]:
@@ -36,9 +39,20 @@ def generation_tokens(server: Server) -> int:
     return stats["generation_tokens"] if stats else 0
 
 
+def settled_generation_tokens(server: Server) -> int:
+    """generation_tokens once the statistics count everything the server finished before
+    (they are published every half second); 0 at once on a server that has run nothing."""
+    if generation_tokens(server) == 0:
+        return 0
+    time.sleep(STATS_PERIOD_S)
+    return generation_tokens(server)
+
+
 def run_with_fault(server: Server, fault) -> list[list[int]]:
-    """Sends the workload concurrently and applies `fault` once generation is under way."""
+    """Sends the workload concurrently and applies `fault` once generation is under way (on a
+    server shared between tests: under way in this run)."""
     http = server.http()
+    before = settled_generation_tokens(server) if fault is not None else 0
 
     def one(ids: list[int]) -> list[int]:
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}
@@ -49,6 +63,6 @@ def run_with_fault(server: Server, fault) -> list[list[int]]:
     with ThreadPoolExecutor(NUM_REQUESTS) as pool:
         futures = [pool.submit(one, p) for p in prompts()]
         if fault is not None:
-            assert wait_until(lambda: generation_tokens(server) > NUM_REQUESTS * 5, 60)
+            assert wait_until(lambda: generation_tokens(server) > before + NUM_REQUESTS * 5, 60)
             fault(server)
         return [f.result() for f in futures]
