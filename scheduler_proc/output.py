@@ -24,7 +24,7 @@ def append_token(req: Req, token: int) -> None:
     """Adds one sampled token and decides whether the request is done."""
     out = req.output_ids
     out.append(token)
-    if token in req.stop_ids and len(out) >= req.sampling.min_new_tokens:
+    if token in req.stop_ids and len(req.resumed_ids) + len(out) >= req.sampling.min_new_tokens:
         req.finish(FinishReason.STOP)
     elif len(out) >= req.max_output_len:
         req.finish(FinishReason.LENGTH)

@@ -43,6 +43,7 @@ class Req:
         "pending_results",
         "prefix_len",
         "prompt_ids",
+        "resumed_ids",
         "rid",
         "sampling",
         "slot",
@@ -56,10 +57,14 @@ class Req:
         sampling: SamplingParams,
         eos_ids: frozenset[int] = frozenset(),
         context_length: int = 1 << 62,
+        resumed_ids: list[int] | None = None,
     ) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
         self.sampling = sampling
+        self.resumed_ids: list[int] = resumed_ids or []
+        """Outputs from before a scheduler restart (the end of prompt_ids); the worker's
+        grammar matcher re-advances over them with the row's later outputs."""
         self.output_ids: list[int] = []
         self.stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else eos_ids)
         """Tokens that end the request once it has min_new_tokens (the model's EOS ids

@@ -65,7 +65,9 @@ class ScheduleBatch:
                     slot=req.slot,
                     prefix_len=req.prefix_len,
                     sampling=req.sampling,
-                    generated_ids=pack_int32(req.output_ids) if req.output_ids else b"",
+                    generated_ids=pack_int32(req.resumed_ids + req.output_ids)
+                    if req.resumed_ids or req.output_ids
+                    else b"",
                 )
             )
         self.reqs.extend(new_reqs)

@@ -163,7 +163,14 @@ class Scheduler:
         )
 
     def handle_generate(self, msg: GenerateReq) -> None:
-        req = Req(msg.rid, unpack_int32(msg.input_ids).copy(), msg.sampling, self.eos_ids, self.worker.context_length)
+        req = Req(
+            msg.rid,
+            unpack_int32(msg.input_ids).copy(),
+            msg.sampling,
+            self.eos_ids,
+            self.worker.context_length,
+            unpack_int32(msg.resumed_ids).tolist(),
+        )
         need = len(req.prompt_ids) + 1
         if msg.rid in self.reqs:
             req.finish(FinishReason.ERROR, f"request id {msg.rid!r} is already running")

@@ -315,7 +315,8 @@ class RequestManager:
         """A new ServerInfo means a new scheduler: resubmit every open request it had.
 
         Each goes back as a prefill of its prompt plus the tokens it already produced, with
-        its budget reduced by those, so the client sees latency, not an error.
+        its budget reduced by those, so the client sees latency, not an error. The produced
+        tokens also go as `resumed_ids`: they count towards min_new_tokens and its grammar.
         """
         check_protocol_version("the restarted scheduler", info.protocol_version)
         self.replicas.infos[info.dp_rank] = info
@@ -323,10 +324,7 @@ class RequestManager:
         logger.warning("scheduler of replica %d restarted: resubmitting %d open requests", info.dp_rank, len(lost))
         for req in lost:
             produced = len(req.generated)
-            sp = msgspec.structs.replace(
-                req.sampling,
-                max_new_tokens=max(1, req.sampling.max_new_tokens - produced),
-                min_new_tokens=max(0, req.sampling.min_new_tokens - produced),
-            )
-            self._send_soon(req.replica, GenerateReq(req.rid, pack_int32(req.prompt_ids + req.generated), sp))
+            sp = msgspec.structs.replace(req.sampling, max_new_tokens=max(1, req.sampling.max_new_tokens - produced))
+            ids, resumed = pack_int32(req.prompt_ids + req.generated), pack_int32(req.generated)
+            self._send_soon(req.replica, GenerateReq(req.rid, ids, sp, resumed))
             self.metrics.resumed_requests.inc()

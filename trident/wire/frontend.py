@@ -86,6 +86,10 @@ class GenerateReq(msgspec.Struct, array_like=True, tag="generate"):
     input_ids: bytes
     """Prompt token ids, raw little-endian int32."""
     sampling: SamplingParams
+    resumed_ids: bytes = b""
+    """int32 tokens the request produced before its scheduler was lost, which end
+    `input_ids`: written by the tokenizer when it resubmits, passed to the worker with the
+    row (`AddedRequest.generated_ids`) so that its grammar matcher re-advances over them."""
 
 
 class AbortReq(msgspec.Struct, array_like=True, tag="abort"):
