@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests.helpers import make_random_llama, running_server, wait_until
+from tests.helpers import Server, make_random_llama, running_server, wait_until
 
 MAX_NEW = 24
 OVERLAP = {"overlap_on": [], "overlap_off": ["--disable-overlap"]}
@@ -43,50 +43,98 @@ RETRACTION_NEW = 64
 
 
 def scheduler_stats(http) -> dict:
-    return http.get("/server_info").json()["scheduler_stats"] or {"generation_tokens": -1}
+    """The last published statistics; zeros before the first frame (nothing has run)."""
+    return http.get("/server_info").json()["scheduler_stats"] or {"generation_tokens": 0}
+
+
+def server_args(model: str, *flags: str) -> list[str]:
+    return ["--model", model, "--dtype", "float32", "--check-seq-lens", *flags]
+
+
+def serve_on(server: Server, prompts: list[list[int]], max_new: int = MAX_NEW) -> tuple[list[list[int]], dict]:
+    """Greedy outputs of the prompts, sent together, and the server's statistics after them."""
+    http = server.http()
+    before = scheduler_stats(http)["generation_tokens"]
+
+    def one(ids: list[int]) -> list[int]:
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+        }
+        r = http.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outputs = list(pool.map(one, prompts))
+    assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] >= before + len(prompts) * max_new, 10)
+    return outputs, scheduler_stats(http)
 
 
 def serve(model: str, flags: list[str], prompts: list[list[int]], max_new: int = MAX_NEW):
-    with running_server(["--model", model, "--dtype", "float32", "--check-seq-lens", *flags]) as server:
-        http = server.http()
-
-        def one(ids: list[int]) -> list[int]:
-            body = {
-                "input_ids": ids,
-                "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
-            }
-            r = http.post("/generate", json=body)
-            assert r.status_code == 200, r.text
-            return r.json()["output_ids"]
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            outputs = list(pool.map(one, prompts))
-        assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] >= len(prompts) * max_new, 10)
-        return outputs, scheduler_stats(http)
+    with running_server(server_args(model, *flags)) as server:
+        return serve_on(server, prompts, max_new)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model):
-    outputs, _ = serve(tiny_model, ["--disable-overlap", "--max-total-tokens", "65536"], repetitive_workload())
-    return outputs
+def references(tiny_model) -> dict[str, list[list[int]]]:
+    """Both workloads on one plain server (no overlap, a pool that never fills)."""
+    with running_server(server_args(tiny_model, "--disable-overlap", "--max-total-tokens", "65536")) as server:
+        outputs, _ = serve_on(server, repetitive_workload())
+        retraction_outputs, _ = serve_on(server, retraction_workload(), RETRACTION_NEW)
+    return {"repetitive": outputs, "retraction": retraction_outputs}
 
 
 @pytest.fixture(scope="module")
-def retraction_reference(tiny_model):
-    outputs, _ = serve(
-        tiny_model, ["--disable-overlap", "--max-total-tokens", "65536"], retraction_workload(), RETRACTION_NEW
-    )
-    return outputs
+def reference(references):
+    return references["repetitive"]
+
+
+@pytest.fixture(scope="module")
+def retraction_reference(references):
+    return references["retraction"]
+
+
+# All prompts arrive together (continuous batching); 16-token chunks spread the long ones. At
+# most 6 run at once: the repetitive workload's 6 all fit, the seq_lens test's 24 join and leave.
+BATCHED_FLAGS = [
+    "--max-total-tokens",
+    "65536",
+    "--chunked-prefill-size",
+    "16",
+    "--page-size",
+    "4",
+    "--max-running-requests",
+    "6",
+]
+
+
+@pytest.fixture(scope="module")
+def overlapped_server(tiny_model):
+    """The batched test's overlap_on/spec_off server, which the seq_lens test counts on too."""
+    with running_server(server_args(tiny_model, *BATCHED_FLAGS)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def plain_loop_server(tiny_model):
+    with running_server(server_args(tiny_model, *BATCHED_FLAGS, "--disable-overlap")) as server:
+        yield server
+
+
+SHARED_SERVERS = {("overlap_on", "spec_off"): "overlapped_server", ("overlap_off", "spec_off"): "plain_loop_server"}
 
 
 @pytest.mark.parametrize("spec", list(SPEC))
 @pytest.mark.parametrize("overlap", list(OVERLAP))
 def test_greedy_output_is_identical_with_overlap_and_speculation_batched_and_chunked(
-    overlap, spec, tiny_model, reference
+    overlap, spec, tiny_model, reference, request
 ):
-    # All prompts arrive together (continuous batching); 16-token chunks spread the long ones.
-    flags = ["--max-total-tokens", "65536", "--chunked-prefill-size", "16", "--page-size", "4"]
-    outputs, stats = serve(tiny_model, flags + OVERLAP[overlap] + SPEC[spec], repetitive_workload())
+    shared = SHARED_SERVERS.get((overlap, spec))
+    if shared:
+        outputs, stats = serve_on(request.getfixturevalue(shared), repetitive_workload())
+    else:
+        outputs, stats = serve(tiny_model, BATCHED_FLAGS + OVERLAP[overlap] + SPEC[spec], repetitive_workload())
     assert outputs == reference
     if spec == "spec_ngram":
         assert stats["spec_accepted_drafts"] > 0  # drafts were really accepted, not just proposed
@@ -103,47 +151,35 @@ def test_greedy_output_is_identical_under_retraction_with_overlap_and_speculatio
     assert outputs == retraction_reference
 
 
-def test_exactly_one_seq_lens_copy_per_overlapped_step(tiny_model):
+def test_exactly_one_seq_lens_copy_per_overlapped_step(overlapped_server, plain_loop_server):
     """Hundreds of steps with requests joining and leaving: the worker's copy counter equals
-    the number of overlapped steps the scheduler sent, and the plain loop makes none."""
+    the number of overlapped steps the scheduler sent, and the plain loop makes none. The
+    counters are the servers' totals, so they hold over whatever else the servers ran."""
     rng = np.random.default_rng(9)
     prompts = [rng.integers(100, 20000, int(n)).tolist() for n in rng.integers(3, 120, 24)]
     lengths = [int(n) for n in rng.integers(5, 160, 24)]
 
-    def run(flags: list[str]) -> dict:
-        with running_server(
-            [
-                "--model",
-                tiny_model,
-                "--dtype",
-                "float32",
-                "--check-seq-lens",
-                "--max-running-requests",
-                "6",
-                "--max-total-tokens",
-                "65536",
-                *flags,
-            ]
-        ) as server:
-            http = server.http()
+    def run(server: Server) -> dict:
+        http = server.http()
+        before = scheduler_stats(http)["generation_tokens"]
 
-            def one(i: int) -> int:
-                body = {
-                    "input_ids": prompts[i],
-                    "sampling_params": {"max_new_tokens": lengths[i], "temperature": 0, "ignore_eos": True},
-                }
-                return http.post("/generate", json=body).status_code
+        def one(i: int) -> int:
+            body = {
+                "input_ids": prompts[i],
+                "sampling_params": {"max_new_tokens": lengths[i], "temperature": 0, "ignore_eos": True},
+            }
+            return http.post("/generate", json=body).status_code
 
-            with ThreadPoolExecutor(24) as pool:
-                assert list(pool.map(one, range(24))) == [200] * 24
-            assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] >= sum(lengths), 10)
-            return scheduler_stats(http)
+        with ThreadPoolExecutor(24) as pool:
+            assert list(pool.map(one, range(24))) == [200] * 24
+        assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] >= before + sum(lengths), 10)
+        return scheduler_stats(http)
 
-    overlapped = run([])
+    overlapped = run(overlapped_server)
     assert overlapped["steps"] >= 200
     assert overlapped["overlapped_steps"] > 0.8 * overlapped["steps"]
     assert overlapped["seq_lens_d2h_copies"] == overlapped["overlapped_steps"]
-    plain = run(["--disable-overlap"])
+    plain = run(plain_loop_server)
     assert plain["steps"] >= 200 and plain["overlapped_steps"] == 0 and plain["seq_lens_d2h_copies"] == 0
 
 
