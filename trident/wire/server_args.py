@@ -234,8 +234,9 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str | None,
         Flag(
             SIMULATION,
-            "step-time profile of simulated workers: a JSON file (python -m gpu_worker.fit_profile) or the "
-            "name of one in trident/profiles/",
+            "step-time profile of simulated workers: a JSON file (`python -m gpu_worker.fit_profile --sweep -o "
+            "P.json` times the model worker alone over a grid of step shapes; recordings also work) or the name "
+            "of one in trident/profiles/",
             metavar="PROFILE",
         ),
     ] = None
