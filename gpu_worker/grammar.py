@@ -112,7 +112,7 @@ class GrammarTable:
 
     def apply_masks(self, logits: torch.Tensor, slots: list[int], rows: list[int]) -> torch.Tensor:
         """`logits` with -inf wherever the grammar of row i (for i in `rows`) forbids a token.
-        Out of place: the model's logits are inference tensors. A row whose grammar allows
+        Out of place (the model's logits are inference tensors). A row whose grammar allows
         every token here (xgrammar says so while it fills the mask) is left as it is."""
         masked: list[int] = []
         bitmask = self._bitmask
@@ -127,13 +127,17 @@ class GrammarTable:
             masked.append(i)
         if not masked:
             return logits
-        forbidden = torch.from_numpy(~_unpack(bitmask[: len(masked)].numpy(), logits.shape[-1])).to(logits.device)
-        # torch.where, not masked_fill: with a mask that forbids most of the vocabulary, as a
-        # grammar's does, masked_fill took ~50 ms a row here, where takes ~0.03 ms.
-        if len(masked) == len(slots):
-            return torch.where(forbidden, float("-inf"), logits)
+        forbidden = ~_unpack(bitmask[: len(masked)].numpy(), logits.shape[-1])
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            # numpy, one thread: torch's masking ops go parallel on a row this wide, and on
+            # a shared host their thread sync cost 10-50 ms a step (docs/benchmarks.md).
+            out = logits.numpy().copy()
+            for j, i in enumerate(masked):
+                np.copyto(out[i], -np.inf, where=forbidden[j])
+            return torch.from_numpy(out)
+        mask = torch.from_numpy(forbidden).to(logits.device)
         index = torch.tensor(masked, device=logits.device)
-        return logits.index_put((index,), torch.where(forbidden, float("-inf"), logits[index]))
+        return logits.index_put((index,), torch.where(mask, float("-inf"), logits[index]))
 
 
 def _unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:

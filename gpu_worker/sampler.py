@@ -117,7 +117,7 @@ def sample(
     per-row state (penalty counts, logprobs, grammar matchers) is updated from them."""
     params = [table.params[s] for s in slots]
     all_greedy = all(p.temperature <= 0.0 for p in params)
-    if not all_greedy or any(p.logprobs or p.logit_bias or _uses_penalties(p) for p in params):
+    if not all_greedy or any(p.logprobs or p.logit_bias or p.grammar or _uses_penalties(p) for p in params):
         logits = logits.float()
     raw_logprobs = None
     if any(p.logprobs for p in params):
