@@ -247,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     if served is not None:
         profile.frontend = fit_frontend(profile, *served)
         spread_shapes, spread_seconds = served
-        spread_seconds = spread_seconds - np.asarray([profile.frontend_seconds(s) for s in spread_shapes])
         profile.fit["frontend_fitted_on_steps"] = int(len(spread_seconds))
-    profile.step_time_ratios = ratio_quantiles(profile.predict(spread_shapes), spread_seconds)
+    typical = profile.predict(spread_shapes) + np.asarray([profile.frontend_seconds(s) for s in spread_shapes])
+    profile.step_time_ratios = ratio_quantiles(typical, spread_seconds)
     profile.save(ns.output)
     print(f"wrote {ns.output}: knee {knee}, {profile.coefficients}\nfrontend: {profile.frontend}\nfit: {profile.fit}")
     return 0

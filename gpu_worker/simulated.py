@@ -101,12 +101,13 @@ class SimulatedWorker(WorkerLoop):
 
     def step_seconds(self) -> float:
         """This step's time: the profile's prediction for its shape (`last_step_features`),
-        scaled by the next draw from the profile's measured spread unless --sim-exact-steps,
-        plus the front end's share of the cores where the profile measured it."""
-        predicted = float(self.profile.predict(self.last_step_features))
+        plus the front end's share of the cores where the profile measured it, scaled by the
+        next draw from the profile's measured spread unless --sim-exact-steps."""
+        shape = self.last_step_features
+        predicted = float(self.profile.predict(shape)) + self.profile.frontend_seconds(shape)
         if self._spread_draws is not None:
             predicted *= self.profile.spread(self._spread_draws.random())
-        return predicted + self.profile.frontend_seconds(self.last_step_features)
+        return predicted
 
     def _pseudo_tokens(self, plan: StepPlan) -> list[np.ndarray]:
         if not plan.sampling_slots:  # only prompt chunks that do not end their prompt

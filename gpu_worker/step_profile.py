@@ -45,7 +45,8 @@ ITL) or its mean step (its throughput), never both.
 What a profile cannot see is the CPU the front end (tokenizer and scheduler) takes from
 the worker's cores while a step runs: a swept worker runs alone. `frontend` carries it
 when it was measured (`fit_profile --frontend-from`, the served steps' extra time over the
-prediction, per step and per sampling row), and a simulated worker adds it to each step.
+prediction, per step and per sampling row), and a simulated worker adds it to each step's
+prediction before it draws the spread (which was then measured around the sum).
 
 Profiles are JSON files (trident/profiles/*.json): measured ones come from
 `python -m gpu_worker.fit_profile --sweep` or from recordings
