@@ -16,6 +16,9 @@ When: only plain decode steps (every row one query, no prompt chunk). Prefill, m
 draft-verify steps run eager: their structure (chunks, masks) varies from step to step,
 and a prompt step is spent in the matmuls anyway.
 
+Layers whose sliding window differs (Gemma 3's local and global layers) get graphs of
+their own: the window is a plain int of the module, which the graph specialises on.
+
 Shapes: `dynamic=True`, so the batch size and the KV lengths are symbols: one graph for a
 lone row (torch specialises sizes of 1) and one for 2+ rows per number of length groups
 (1..MAX_DECODE_GROUPS, batch_state.py). `warm_up` builds all of them before the worker says
@@ -62,10 +65,15 @@ def wants_compile(setting: str, tp_size: int) -> bool:
     return setting == "on" and tp_size == 1
 
 
-def compile_layer() -> LayerFn:
+def compile_layer(layer_kinds: int = 1) -> LayerFn:
+    """`layer_kinds`: layers that differ in a plain int the graph specialises on (a sliding
+    window or none: Gemma 3's local and global layers); each kind has its own graphs."""
+    import torch._dynamo.config as dynamo_config
     import torch.fx.experimental._config as fx_config
 
     fx_config.use_duck_shape = False
+    graphs = layer_kinds * (MAX_DECODE_GROUPS + 1)  # warm_up's shape classes, per kind
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs)
     # Graph partitioning serves CUDA graphs; on CPU it only costs compile time.
     torch._inductor.config.graph_partition = False
     return torch.compile(run_layer, dynamic=True)

@@ -127,9 +127,7 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
             write_kv(kv_cache, meta.out_cache_loc, k, v)
-        out = paged_attention(
-            q, k, v, kv_cache, meta, self.kv_head_map, self.decode_kernel, self.window, self.scale
-        )
+        out = paged_attention(q, k, v, kv_cache, meta, self.kv_head_map, self.decode_kernel, self.window, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
     def norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -230,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         dropped whenever the kernels or the linear layers change."""
 
     def compile_decode(self) -> None:
-        self.decode_layer = compile_layer()
+        self.decode_layer = compile_layer(len({layer.self_attn.window for layer in self.layers}))
 
     def use_flat_decode(self, enabled: bool) -> None:
         """Plain decode steps through flat_decode.py (True) or the modules; either way the

@@ -81,12 +81,18 @@ def family_config(name: str, vocab: int):
     raise ValueError(name)
 
 
+WEIGHT_SCALE = {"gemma3": 0.05}
+"""Weight standard deviation where 0.2 does not suit: Gemma's post-norms give every sublayer
+a unit output, and at 0.2 its greedy text is one token repeated (0.05 varies it)."""
+
 FAMILY_CHECKPOINTS = ("llama3_rope", "linear_rope", "yarn_rope", "qwen2", "qwen3", "mistral", "gemma3", "phi3")
 
 
-def make_family_checkpoint(path: str, name: str, seed: int = 0, scale: float = 0.2) -> str:
-    """Writes the checkpoint `name` into `path`: every weight matrix ~N(0, scale), every norm
-    weight and bias random too (so a norm or bias applied wrongly changes the tokens)."""
+def make_family_checkpoint(path: str, name: str, seed: int = 0, scale: float | None = None) -> str:
+    """Writes the checkpoint `name` into `path`: every weight matrix ~N(0, scale) (default
+    0.2, or WEIGHT_SCALE's), every norm weight and bias random too (so a norm or bias
+    applied wrongly changes the tokens)."""
+    scale = scale if scale is not None else WEIGHT_SCALE.get(name, 0.2)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf()

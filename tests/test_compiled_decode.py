@@ -4,7 +4,9 @@ warm-up leaves nothing to compile while serving.
 One in-process worker on a tiny random-weight LLaMA in float32: its decode steps run once
 through the compiled layer and once eager (the same worker, `model.decode_layer` swapped),
 on a lone row and on ragged rows that fall into several length groups. Compiling on 2 cores
-takes ~20-30 s (the warm-up builds every shape class); one test pays it once.
+takes ~20-30 s (the warm-up builds every shape class); one test pays it once per model.
+The same on Gemma 3 (tests/family_models.py): sliding-window and global layers with their
+own ropes, four norms a layer, GeGLU, q/k norms, head dim 256.
 """
 
 from __future__ import annotations
@@ -20,12 +22,17 @@ from trident.wire.child import ChildContext
 from trident.wire.server_args import ServerArgs
 
 
-@pytest.fixture(scope="module")
-def compiled_worker(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def compiled_worker(request, tmp_path_factory):
     from gpu_worker.worker import Worker
+    from tests.family_models import make_family_checkpoint
     from tests.helpers import make_random_llama
 
-    model = make_random_llama(str(tmp_path_factory.mktemp("model")), seed=5, scale=0.5)
+    path = str(tmp_path_factory.mktemp(request.param))
+    if request.param == "llama":
+        model = make_random_llama(path, seed=5, scale=0.5)
+    else:
+        model = make_family_checkpoint(path, request.param, seed=5)
     args = ServerArgs(
         model_path=model,
         dtype="float32",

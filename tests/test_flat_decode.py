@@ -5,7 +5,10 @@ An in-process worker on a random-weight LLaMA with SmolLM2's head dim (64), so t
 C++ kernels take the paths they take for the real model: in bf16 with the widening or the
 VNNI linear (whichever the CPU picks), in bf16 with int8 weights, and in float32 with
 oneDNN's packed weights. Each workload runs twice on the same worker, with the flat loop
-off and on, and every step's logits are compared.
+off and on, and every step's logits are compared. The same on two other families
+(tests/family_models.py): Gemma 3 (four norms a layer, (1 + w) norms, GeGLU, q/k norms,
+head dim 256, local layers with a 12-key window shorter than the prompts) and Qwen3 (q/k
+norms, head dim 128).
 """
 
 from __future__ import annotations
@@ -18,16 +21,18 @@ import torch
 
 from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow
 from gpu_worker.flat_decode import FlatDecodeLoop
+from tests.family_models import make_family_checkpoint
 from tests.helpers import WorkerDriver, make_random_llama
 from trident.wire.child import ChildContext
 from trident.wire.server_args import ServerArgs
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return make_random_llama(
-        str(tmp_path_factory.mktemp("model")), hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512, seed=3
-    )
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3"])
+def model_dir(request, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp(request.param))
+    if request.param != "llama":
+        return make_family_checkpoint(path, request.param)
+    return make_random_llama(path, hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512, seed=3)
 
 
 @pytest.fixture(
