@@ -1,0 +1,160 @@
+"""The default fast path (bf16 weights and KV, the C++ linear, norm, rotary, decode attention
+and argmax ops, the flat decode loop) against transformers float32 on the real models.
+
+Teacher forcing through decode steps: an in-process worker with its default settings takes
+a short prompt, then one decode step per position of a public-domain text, its input token
+set to the text's next token each time (the worker's own `last_token` slot). Each step's
+logits are compared with transformers' float32 logits at the same position: how often the
+top-1 token agrees, and the largest logit error. Gemma 3's text runs past its 512-token
+window, so the local layers' window is crossed in decode. The bounds sit just under (and the
+error just over) the figures measured here; docs/benchmarks.md records them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import WorkerDriver, smollm2_gguf
+from trident.wire.backend import AddedRequest, ExtendChunk, ForwardMode, PageAppends
+from trident.wire.child import ChildContext
+from trident.wire.codec import pack_int32
+from trident.wire.frontend import SamplingParams
+from trident.wire.server_args import ServerArgs
+
+# Public domain: the Declaration of Independence (1776) and the Gettysburg Address (1863).
+TEXT = (
+    "When in the Course of human events, it becomes necessary for one people to dissolve the political "
+    "bands which have connected them with another, and to assume among the powers of the earth, the "
+    "separate and equal station to which the Laws of Nature and of Nature's God entitle them, a decent "
+    "respect to the opinions of mankind requires that they should declare the causes which impel them to "
+    "the separation. We hold these truths to be self-evident, that all men are created equal, that they "
+    "are endowed by their Creator with certain unalienable Rights, that among these are Life, Liberty and "
+    "the pursuit of Happiness. That to secure these rights, Governments are instituted among Men, deriving "
+    "their just powers from the consent of the governed, That whenever any Form of Government becomes "
+    "destructive of these ends, it is the Right of the People to alter or to abolish it, and to institute "
+    "new Government, laying its foundation on such principles and organizing its powers in such form, as to "
+    "them shall seem most likely to effect their Safety and Happiness. Prudence, indeed, will dictate that "
+    "Governments long established should not be changed for light and transient causes; and accordingly all "
+    "experience hath shewn, that mankind are more disposed to suffer, while evils are sufferable, than to "
+    "right themselves by abolishing the forms to which they are accustomed. But when a long train of abuses "
+    "and usurpations, pursuing invariably the same Object evinces a design to reduce them under absolute "
+    "Despotism, it is their right, it is their duty, to throw off such Government, and to provide new Guards "
+    "for their future security. Four score and seven years ago our fathers brought forth on this continent, "
+    "a new nation, conceived in Liberty, and dedicated to the proposition that all men are created equal. "
+    "Now we are engaged in a great civil war, testing whether that nation, or any nation so conceived and so "
+    "dedicated, can long endure. We are met on a great battle-field of that war. We have come to dedicate a "
+    "portion of that field, as a final resting place for those who here gave their lives that that nation "
+    "might live. It is altogether fitting and proper that we should do this. But, in a larger sense, we can "
+    "not dedicate, we can not consecrate, we can not hallow this ground. The brave men, living and dead, who "
+    "struggled here, have consecrated it, far above our poor power to add or detract. The world will little "
+    "note, nor long remember what we say here, but it can never forget what they did here. It is for us the "
+    "living, rather, to be dedicated here to the unfinished work which they who fought here have thus far so "
+    "nobly advanced. It is rather for us to be here dedicated to the great task remaining before us, that "
+    "from these honored dead we take increased devotion to that cause for which they gave the last full "
+    "measure of devotion, that we here highly resolve that these dead shall not have died in vain, that this "
+    "nation, under God, shall have a new birth of freedom, and that government of the people, by the people, "
+    "for the people, shall not perish from the earth."
+)
+PROMPT_TOKENS = 8
+MIN_POSITIONS = 512
+pytestmark = pytest.mark.timeout(1800)  # a 262k-vocabulary model loaded twice, on 2 shared cores
+
+# model: (least top-1 agreement, largest logit error, largest reference top-2 margin where the
+# top-1 differs), set just under / over what was measured (docs/benchmarks.md): bf16 moves
+# the top-1 only where transformers' own top two are close to a tie.
+BOUNDS = {
+    "smollm2": (0.955, 1.7, 0.5),  # measured 0.9601 over 626 positions, 1.507, 0.390
+    "gemma3": (0.96, 3.6, 0.7),  # measured 0.9696 over 626 positions, 3.314, 0.535
+}
+
+
+class TeacherForcedDriver(WorkerDriver):
+    """One row: its prompt in one extend step, then decode steps one page at a time."""
+
+    def begin(self, prompt: np.ndarray, params: SamplingParams) -> None:
+        self._send(
+            ForwardMode.EXTEND,
+            removed_slots=[],
+            added=[AddedRequest(0, 0, params)],
+            page_appends=PageAppends.of_rows([self._pages(0, len(prompt))]),
+            extends=[ExtendChunk(0, pack_int32(prompt), True)],
+        )
+
+    def decode_one(self) -> None:
+        pages = PageAppends.of_rows([self._pages(0, 1)])
+        self._send(ForwardMode.DECODE, removed_slots=[], added=[], page_appends=pages, extends=[])
+
+
+def gemma_gguf() -> str:
+    from trident.model_source import packaged_model_path
+
+    return packaged_model_path("gemma-3-270m")
+
+
+def reference_logits(path: str, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def teacher_forced_logits(path: str, ids: list[int], monkeypatch) -> torch.Tensor:
+    """Logits predicting ids[PROMPT_TOKENS:], each from a decode step of the default worker."""
+    from gpu_worker.flat_decode import FlatDecodeLoop
+    from gpu_worker.worker import Worker
+
+    flat_runs = []
+    real_run = FlatDecodeLoop.run
+    monkeypatch.setattr(FlatDecodeLoop, "run", lambda self, *a: flat_runs.append(1) or real_run(self, *a))
+
+    args = ServerArgs(model_path=path, max_total_tokens=4096, max_running_requests=4, run_dir=tempfile.mkdtemp())
+    ctx = ChildContext(args, "worker", 0)
+    try:
+        worker = Worker(ctx)
+        assert worker.dtype == torch.bfloat16 and worker.model.decode_kernel is not None, "the default path"
+        steps: list[torch.Tensor] = []
+        hook = worker.model.register_forward_hook(lambda _m, _i, out: steps.append(out[-1].float().clone()))
+        driver = TeacherForcedDriver(worker)
+        params = SamplingParams(max_new_tokens=len(ids), temperature=0.0, ignore_eos=True)
+        driver.begin(np.array(ids[:PROMPT_TOKENS]), params)
+        for token in ids[PROMPT_TOKENS:-1]:
+            worker.state.last_token[0] = token
+            driver.decode_one()
+        hook.remove()
+        assert len(flat_runs) == len(ids) - PROMPT_TOKENS - 1, "every decode step took the flat loop"
+        return torch.stack(steps)
+    finally:
+        ctx.zmq_ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_default_fast_path_agrees_with_transformers_float32_under_teacher_forcing(model, monkeypatch):
+    from tokenizer_proc.tokenization import load_tokenizer
+
+    path = smollm2_gguf() if model == "smollm2" else gemma_gguf()
+    ids = load_tokenizer(path).encode(TEXT)
+    assert len(ids) - PROMPT_TOKENS >= MIN_POSITIONS, len(ids)
+    ours = teacher_forced_logits(path, ids, monkeypatch)
+    ref = reference_logits(path, ids)[PROMPT_TOKENS - 1 : -1]
+    assert ours.shape == ref.shape
+    differ = ours.argmax(-1) != ref.argmax(-1)
+    agreement = 1.0 - differ.float().mean().item()
+    error = (ours - ref).abs().max().item()
+    top2 = ref.topk(2, dim=-1).values
+    margin = (top2[:, 0] - top2[:, 1])[differ].max().item() if differ.any() else 0.0
+    print(
+        f"{model}: {len(ref)} positions, top-1 agreement {agreement:.4f}, largest logit error {error:.3f}, "
+        f"largest reference margin where the top-1 differs {margin:.3f}"
+    )
+    least_agreement, largest_error, largest_margin = BOUNDS[model]
+    assert agreement >= least_agreement
+    assert error <= largest_error
+    assert margin <= largest_margin
