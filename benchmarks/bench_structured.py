@@ -1,15 +1,15 @@
 """Throughput cost of constrained decoding: 32 concurrent JSON-schema requests against the
 same 32 unconstrained, in one run, overlap on, and the worker's per-step mask cost.
 
-Each of `--concurrency` client threads sends chat requests back to back for `--seconds`,
+Each of `--concurrency` client threads sends `--requests-each` chat requests back to back,
 first unconstrained, then with `response_format` json_schema, alternating for `--rounds`;
-the score of a phase is completion tokens per second. Every request runs exactly
+the score of a phase is completion tokens per second until its last request ends. Every request runs exactly
 `MAX_TOKENS` tokens (`ignore_eos`; a constrained row whose JSON is complete may then only
 emit EOS, still masked every step), so both phases have the same request lengths and
 prefill load and differ only in the constraint's cost. The per-step part times
 `GrammarTable.apply_masks` (fill every row's mask, apply it to the logits) in process.
 
-    python benchmarks/bench_structured.py [--concurrency 32] [--seconds 30] [--rounds 2]
+    python benchmarks/bench_structured.py [--concurrency 32] [--requests-each 2] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -32,31 +32,31 @@ from trident.model_source import default_model_path  # noqa: E402
 from trident.wire.frontend import GrammarSpec  # noqa: E402
 
 SCHEMA = SCHEMAS["array_of_objects"]
-MAX_TOKENS = 64
+MAX_TOKENS = 48
 
 
-def phase(base_url: str, concurrency: int, seconds: float, constrained: bool) -> float:
-    """Completion tokens per second of `concurrency` clients over `seconds`."""
+def phase(base_url: str, concurrency: int, requests_each: int, constrained: bool) -> float:
+    """Completion tokens per second of `concurrency` clients sending `requests_each` requests
+    each, back to back, timed until the last one ends (a fixed amount of work: timing a
+    fixed window would count only the requests that ended inside it)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
     tokens = [0] * concurrency
-    stop_at = time.monotonic() + seconds
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
 
     def run(i: int) -> None:
-        seed = i * 1000
-        while time.monotonic() < stop_at:
-            extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}
+        for k in range(requests_each):
+            seed = i * 1000 + k
             res = client.chat.completions.create(
                 model="smollm2-135m",
                 messages=[{"role": "user", "content": f"List the people of team {seed} as JSON."}],
                 max_tokens=MAX_TOKENS,
                 temperature=0.8,
                 seed=seed,
-                extra_body={"ignore_eos": True, **(extra if constrained else {})},
+                extra_body={"ignore_eos": True, **({"response_format": response_format} if constrained else {})},
             )
             tokens[i] += res.usage.completion_tokens
-            seed += 1
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=run, args=(i,)) for i in range(concurrency)]
@@ -67,6 +67,14 @@ def phase(base_url: str, concurrency: int, seconds: float, constrained: bool) ->
     return sum(tokens) / (time.monotonic() - t0)
 
 
+def worker_stats(base_url: str) -> tuple[float, int]:
+    """(worker busy seconds, steps) so far, from the scheduler's statistics."""
+    import httpx
+
+    stats = httpx.get(base_url + "/server_info", timeout=30).json()["scheduler_stats"]
+    return stats["worker_busy_s"], stats["steps"]
+
+
 def mask_step_ms(rows: int, repeats: int = 50) -> float:
     """Milliseconds per step to fill and apply `rows` masks (each row mid-way through its JSON)."""
     table = GrammarTable(rows, 49152, default_model_path(), [2])
@@ -75,17 +83,17 @@ def mask_step_ms(rows: int, repeats: int = 50) -> float:
         table.add(slot, spec, [])
     logits = torch.randn(rows, 49152)
     slots = list(range(rows))
-    table.apply_masks(logits.clone(), slots, slots)
+    table.apply_masks(logits, slots, slots)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        table.apply_masks(logits.clone(), slots, slots)
+        table.apply_masks(logits, slots, slots)
     return (time.perf_counter() - t0) / repeats * 1e3
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--seconds", type=float, default=30)
+    ap.add_argument("--requests-each", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--server-args", default="--max-running-requests 32")
     args = ap.parse_args()
@@ -93,13 +101,17 @@ def main() -> None:
         print(f"apply_masks, {rows} rows: {mask_step_ms(rows):.2f} ms/step", flush=True)
     log = os.path.join(tempfile.mkdtemp(), "server.log")
     with LaunchedServer(f"{sys.executable} launch.py {args.server_args}", log) as server:
-        phase(server.base_url, 2, 5, True)  # warm up: the worker reads the vocabulary once
+        phase(server.base_url, 2, 1, True)  # warm up: the worker reads the vocabulary once
         results: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.rounds):
             for constrained in (False, True):
-                rate = phase(server.base_url, args.concurrency, args.seconds, constrained)
+                before = worker_stats(server.base_url)
+                rate = phase(server.base_url, args.concurrency, args.requests_each, constrained)
+                after = worker_stats(server.base_url)
+                busy_ms = (after[0] - before[0]) / max(1, after[1] - before[1]) * 1e3
                 results[constrained].append(rate)
-                print(f"{'json_schema' if constrained else 'unconstrained':>13}: {rate:.1f} tok/s", flush=True)
+                name = "json_schema" if constrained else "unconstrained"
+                print(f"{name:>13}: {rate:.1f} tok/s, worker busy {busy_ms:.1f} ms/step", flush=True)
     plain, constrained = (sum(results[k]) / len(results[k]) for k in (False, True))
     ratio = constrained / plain
     print(f"constrained / unconstrained throughput: {ratio:.3f} ({(1 - ratio) * 100:.1f} % cost)")
