@@ -10,6 +10,7 @@ prefill load and differ only in the constraint's cost. The per-step part times
 `GrammarTable.apply_masks` (fill every row's mask, apply it to the logits) in process.
 
     python benchmarks/bench_structured.py [--concurrency 32] [--requests-each 2] [--rounds 2]
+    python benchmarks/bench_structured.py --worker-ab 3   # the worker alone, CPU ms per step
 """
 
 from __future__ import annotations
@@ -90,13 +91,58 @@ def mask_step_ms(rows: int, repeats: int = 50) -> float:
     return (time.perf_counter() - t0) / repeats * 1e3
 
 
+def worker_ab(rounds: int, batch: int, steps: int) -> None:
+    """The worker alone, in this process, one torch thread: process CPU ms per decode step of
+    `batch` rows at temperature 0.8, unconstrained and json_schema, alternating `rounds`
+    times. CPU time of one thread is far steadier than wall time on a shared host."""
+    import statistics
+
+    import msgspec
+
+    from benchmarks.bench_worker_step import SyntheticScheduler, make_worker
+    from trident.wire.backend import AddedRequest, ExtendChunk, ForwardMode, PageAppends
+    from trident.wire.codec import pack_int32
+    from trident.wire.frontend import SamplingParams
+
+    class Requests(SyntheticScheduler):
+        def __init__(self, worker, params: SamplingParams, seed: int) -> None:
+            super().__init__(worker, batch, 32, steps + 1, seed)
+            self.params = params
+
+        def prefill(self) -> None:
+            added = [AddedRequest(s, 0, self.params) for s in range(batch)]
+            pages = PageAppends.of_rows(self._pages(s, len(p)) for s, p in enumerate(self.prompts))
+            extends = [ExtendChunk(s, pack_int32(p), True) for s, p in enumerate(self.prompts)]
+            self._send(ForwardMode.EXTEND, removed_slots=[], added=added, page_appends=pages, extends=extends)
+
+    torch.set_num_threads(1)
+    worker = make_worker(default_model_path(), "bfloat16", batch * (32 + steps + 8), batch)
+    plain = SamplingParams(max_new_tokens=1 << 20, temperature=0.8, seed=1, ignore_eos=True)
+    constrained = msgspec.structs.replace(plain, grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    for r in range(rounds):
+        for name, params in (("unconstrained", plain), ("json_schema", constrained)):
+            requests = Requests(worker, params, seed=r)
+            requests.prefill()
+            cpu = []
+            for _ in range(steps):
+                c0 = time.process_time()
+                requests.decode()
+                cpu.append(time.process_time() - c0)
+            requests.finish()
+            print(f"worker, {batch} rows, {name:>13}: {statistics.median(cpu) * 1e3:.1f} CPU ms/step", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--requests-each", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--server-args", default="--max-running-requests 32")
+    ap.add_argument("--worker-ab", type=int, default=0, metavar="ROUNDS", help="only the in-process worker A/B")
     args = ap.parse_args()
+    if args.worker_ab:
+        worker_ab(args.worker_ab, args.concurrency, steps=24)
+        return
     for rows in (1, args.concurrency):
         print(f"apply_masks, {rows} rows: {mask_step_ms(rows):.2f} ms/step", flush=True)
     log = os.path.join(tempfile.mkdtemp(), "server.log")
