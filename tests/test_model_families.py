@@ -5,7 +5,8 @@ own classes with the family's quirks on), served by `launch.py --model DIR`. In 
 greedy tokens equal transformers `generate()` token for token: a short prompt, a prompt
 longer than the sliding window cut into prefill chunks that cross the window's edge, and
 that prompt again (its prefix from the radix cache). The windowed families also run with
-the torch decode attention (the reference path) and n-gram speculative verification. In
+the torch decode attention (the reference path) and n-gram speculative verification;
+Phi-3 and Gemma 3 also at tensor parallel 2. In
 bfloat16 (the default fast path: C++ kernels, flat decode loop), the served tokens are
 float32 transformers' top-1 at most positions, teacher-forced on the served text.
 """
@@ -75,6 +76,19 @@ def test_windowed_families_equal_transformers_on_the_torch_path_with_ngram_draft
     want = [transformers_greedy(path, p, MAX_TOKENS) for p in prompts]
     args = ["--model", path, "--dtype", "float32", "--chunked-prefill-size", str(CHUNK)]
     args += ["--decode-attention", "torch", "--speculative-algorithm", "ngram"]
+    with running_server(args) as server:
+        served = _serve(server, prompts)
+    assert served == [*want, want[-1]], name
+
+
+@pytest.mark.parametrize("name", ["phi3", "gemma3"])
+def test_families_split_over_two_ranks_equal_transformers(name, tmp_path):
+    """Tensor parallel: Phi-3's fused tensors sliced per rank, Gemma 3's q/k norms, windows
+    and sandwich norms on a rank's share of the heads."""
+    path = make_family_checkpoint(str(tmp_path / name), name)
+    prompts = _prompts()
+    want = [transformers_greedy(path, p, MAX_TOKENS) for p in prompts]
+    args = ["--model", path, "--dtype", "float32", "--chunked-prefill-size", str(CHUNK), "--tp-size", "2"]
     with running_server(args) as server:
         served = _serve(server, prompts)
     assert served == [*want, want[-1]], name
