@@ -66,7 +66,7 @@ def bench_llguidance(hf_tok, vocab: int) -> list[tuple[str, float, float, int]]:
         compile_s = time.perf_counter() - t0
         assert not matcher.is_error(), matcher.get_error()
         spent, steps = walk(
-            lambda m: llguidance.torch.fill_next_token_bitmask(matcher, m),
+            lambda m, matcher=matcher: llguidance.torch.fill_next_token_bitmask(matcher, m),
             matcher.consume_token,
             matcher.is_stopped,
             vocab,
@@ -91,7 +91,7 @@ def bench_xgrammar(hf_tok, vocab: int) -> list[tuple[str, float, float, int]]:
         matcher = xgrammar.GrammarMatcher(compiled)
         compile_s = time.perf_counter() - t0
         spent, steps = walk(
-            lambda m: matcher.fill_next_token_bitmask(m),
+            lambda m, matcher=matcher: matcher.fill_next_token_bitmask(m),
             matcher.accept_token,
             matcher.is_terminated,
             vocab,
