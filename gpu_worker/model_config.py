@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from gpu_worker.families import ACTIVATIONS, Family, UnsupportedModelError, WindowLayers, family_named, family_of
-from gpu_worker.rope import RopeSpec
+from gpu_worker.rope_spec import RopeSpec
 
 
 @dataclass(frozen=True)
