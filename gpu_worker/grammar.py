@@ -26,12 +26,15 @@ from __future__ import annotations
 import logging
 import os
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xgrammar
 
 from trident.wire.frontend import GrammarSpec
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ def load_vocabulary(model_path: str, vocab_size: int, eos_token_ids: list[int]) 
 
     The tokenizer process holds the tokenizer; the worker reads it here only once a
     constrained request arrives, so unconstrained serving starts no slower."""
+    import xgrammar
     from transformers import AutoTokenizer
 
     if model_path.endswith(".gguf"):
@@ -65,11 +69,16 @@ class GrammarTable:
         self.matchers: list[xgrammar.GrammarMatcher | None] = [None] * max_slots
         self.stop_only: set[int] = set()
         """Slots whose grammar failed to compile on this worker: they may only stop."""
-        self._bitmask = xgrammar.allocate_token_bitmask(max_slots, vocab_size)
+        self._max_slots = max_slots
+        self._bitmask: torch.Tensor | None = None
+        """Allocated with the compiler: xgrammar is imported only once a grammar arrives."""
         self._compile = lru_cache(maxsize=COMPILED_CACHE_SIZE)(self._compile_uncached)
 
     def _compile_uncached(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+        import xgrammar
+
         if self._compiler is None:
+            self._bitmask = xgrammar.allocate_token_bitmask(self._max_slots, self.vocab_size)
             info = load_vocabulary(self._model_path, self.vocab_size, self.eos_token_ids)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         if spec.kind == "json_schema":
@@ -85,6 +94,8 @@ class GrammarTable:
         self.remove(slot)
         if spec is None:
             return
+        import xgrammar
+
         try:
             self.matchers[slot] = xgrammar.GrammarMatcher(self._compile(spec))
         except (RuntimeError, ValueError) as e:
@@ -116,6 +127,7 @@ class GrammarTable:
         every token here (xgrammar says so while it fills the mask) is left as it is."""
         masked: list[int] = []
         bitmask = self._bitmask
+        assert bitmask is not None, "a constrained row exists only after a compile allocated the mask"
         for i in rows:
             j = len(masked)
             matcher = self.matchers[slots[i]]
