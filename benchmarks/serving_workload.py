@@ -86,14 +86,17 @@ def load_tokenizer(spec: str | None) -> Any | None:
 
 
 def single_token_words(tokenizer: Any | None) -> list[str]:
-    """Lower-case words that are exactly one token when preceded by a space; sorted, so the set is stable."""
+    """Lower-case words that are exactly one token when preceded by a space; sorted, so the set is stable.
+    A leading space is "Ġ" in byte-level BPE vocabularies (SmolLM2) and "▁" in SentencePiece ones (Gemma)."""
     if tokenizer is None:
         return list(FALLBACK_WORDS)
     candidates = sorted(
         tok[1:]
         for tok in tokenizer.get_vocab()
-        if tok.startswith("Ġ") and tok[1:].isascii() and tok[1:].isalpha() and tok[1:].islower() and len(tok) >= 4
+        if tok[:1] in ("Ġ", "▁") and tok[1:].isascii() and tok[1:].isalpha() and tok[1:].islower() and len(tok) >= 4
     )
+    if not candidates:
+        return list(FALLBACK_WORDS)
     encoded = tokenizer([" " + w for w in candidates], add_special_tokens=False)["input_ids"]
     words = [w for w, ids in zip(candidates, encoded, strict=True) if len(ids) == 1]
     return words or list(FALLBACK_WORDS)
