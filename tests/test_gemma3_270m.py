@@ -15,17 +15,8 @@ import pytest
 import torch
 
 from tests.helpers import Server
+from tests.test_parity_with_transformers import PROMPTS
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "1, 2, 3, 4, 5,",
-    "The three primary colors are",
-    "To make a cup of tea, first",
-    "import numpy as np\nx = np.arange(10)\n",
-    "Q: What is the largest planet in the solar system?\nA:",
-]
 MAX_TOKENS = 32
 END_OF_TURN = 106
 pytestmark = pytest.mark.timeout(1800)  # a 262k-vocabulary model loaded twice, on 2 shared cores
