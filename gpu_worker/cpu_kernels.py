@@ -10,7 +10,9 @@
   `.gelu_tanh_and_mul` (SwiGLU, GeGLU), `.rotary` and `.rotary_write_kv`
   (csrc/layer_elementwise.cpp);
 - `torch.ops.trident.greedy_argmax` (csrc/greedy_argmax.cpp): each row's greedy token from
-  bf16 logits (sampler.py, `SamplingTable.argmax`).
+  bf16 logits (sampler.py, `SamplingTable.argmax`);
+- `torch.ops.trident.quant_linear` (csrc/quant_linear.cpp): a linear layer on 4- and 8-bit
+  quantized weights (GGUF's formats, repacked by quant_linear.py).
 
 The first use compiles the files with torch's extension builder (~30 s on two cores; the
 result is cached under ~/.cache/trident/cpu_kernels (XDG_CACHE_HOME), so later starts take
@@ -52,6 +54,7 @@ SOURCES = [
         "rms_norm.cpp",
         "layer_elementwise.cpp",
         "greedy_argmax.cpp",
+        "quant_linear.cpp",
     )
 ]
 # csrc/kernel_common.h is included by the sources: ninja's dependency files rebuild on its edits.
@@ -120,6 +123,10 @@ def _bf16_linear_fake(x, packed_weight, bias, out_features):
 
 def _widening_pack_weight_fake(weight):
     return weight.new_empty((weight.shape[0] + 15) // 16, weight.shape[1], 16)
+
+
+def _quant_linear_fake(x, packed, bias, out_features, layout, block, half_scales, path="auto"):
+    return x.new_empty(x.shape[0], out_features)
 
 
 def _greedy_argmax_fake(logits):
@@ -232,6 +239,7 @@ def _build() -> bool:
     torch.library.register_fake("trident::widening_pack_weight")(_widening_pack_weight_fake)
     torch.library.register_fake("trident::widening_bf16_linear")(_bf16_linear_fake)
     torch.library.register_fake("trident::greedy_argmax")(_greedy_argmax_fake)
+    torch.library.register_fake("trident::quant_linear")(_quant_linear_fake)
     torch.library.register_fake("trident::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("trident::add_rms_norm")(_add_rms_norm_fake)
     torch.library.register_fake("trident::silu_and_mul")(_gated_activation_fake)
@@ -273,6 +281,12 @@ def load_widening_bf16_linear() -> Bf16LinearKernel | None:
 def load_greedy_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """bf16 logits [rows, vocab] -> each row's argmax (int64); None if the kernels cannot be built."""
     return torch.ops.trident.greedy_argmax if _build() else None
+
+
+def load_quant_linear() -> str:
+    """The path torch.ops.trident.quant_linear takes on this CPU ("avx512_vnni" or "avx2"),
+    or "" where the kernels cannot be built or the CPU has neither."""
+    return torch.ops.trident.quant_linear_best_path() if _build() else ""
 
 
 def load_elementwise_kernels() -> ElementwiseKernels | None:

@@ -1,0 +1,392 @@
+// y = x @ w.T (+ bias) on quantized weights, for GGUF's block formats repacked into two
+// layouts (gpu_worker/quant_linear.py converts them, exactly):
+//   U4: unsigned 4-bit codes c with a scale s and a min m per block of 32 along k: w = s c + m;
+//   I8: signed 8-bit codes c with a scale s per block of 16 or 32 along k: w = s c.
+//
+// The activations are quantized per row and per block of 32 to int8, as llama.cpp does
+// (x ~ sx qx, sx = max|x| / 127, qx = round(x / sx)), so that each block's dot product is an
+// integer one: vpdpbusd (AVX512-VNNI) multiplies 64 unsigned bytes by 64 signed bytes and adds
+// each 4 products into an int32 lane; on AVX2, vpmaddubsw + vpmaddwd do the same in two steps.
+// Per output column and block b:  acc += (s_b sx_b) * dot_b (+ m_b * (sx_b * sum(qx_b)) for U4).
+// docs/benchmarks.md ("Quantized linear kernels") compares this with float activations.
+//
+// Unsigned weights are what vpdpbusd wants: U4 codes are 0..15, and I8 codes are stored +128
+// (0..255); their dot with qx then exceeds the signed one by 128 sum(qx_b), which the row's
+// quantization already counted (sum16). AVX2's vpmaddubsw would saturate on 255 * 127 * 2, so
+// its path turns the code back to signed and multiplies |c| by qx with c's sign (at most
+// 128 * 127 * 2, no saturation). Both paths reach the same integer dot and then run the same
+// float operations in the same order: their results are the same bits.
+//
+// The packed layout: output columns in panels of 16; a panel's blocks one after another, each
+//   codes: 16 columns x 4 consecutive k in each 64 bytes (one lane of vpdpbusd a column);
+//     U4: block_k / 8 such vectors (4), the low nibbles holding k 0..15, the high k 16..31;
+//     I8: block_k / 4 such vectors of (c + 128);
+//   then the 16 scales (float16 where every scale is exactly a float16, else float32), and for
+//   U4 the 16 mins in the same type.
+// A thread claims a few panels at a time (parallel_for_claimed in kernel_common.h) and reads
+// each front to back; up to kTileRows input rows share each decoded vector of weights.
+//
+// Each output element is summed block by block in k order whatever the batch and the thread
+// count: a row's result does not depend on the rows beside it. Rounded once, at the end.
+//
+// Registered as torch.ops.trident.quant_linear / quant_linear_best_path; the fake kernel for
+// tracing is in cpu_kernels.py.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include "kernel_common.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanelColumns = 16;
+constexpr int64_t kActivationBlock = 32;
+constexpr int64_t kU4 = 0, kI8 = 1;
+constexpr int kMaxTileRows = 6;
+
+// The activations of one call, quantized per row and per 32 k.
+struct QuantizedRows {
+  const int8_t* q;         // [rows, k]
+  const float* scale;      // [rows, k / 32]
+  const int32_t* sum16;    // [rows, k / 16]: sum of q over each 16 k
+  int64_t k;
+};
+
+bool cpu_has_avx2_fma() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512_vnni() {
+#if defined(__AVX512F__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
+
+// "avx512_vnni", "avx2" or "" (none in this build on this CPU): the path "auto" takes.
+std::string quant_linear_best_path() {
+  if (cpu_has_avx512_vnni()) return "avx512_vnni";
+#ifdef __AVX2__
+  if (cpu_has_avx2_fma()) return "avx2";
+#endif
+  return "";
+}
+
+int64_t code_bytes(int64_t layout, int64_t block) { return layout == kU4 ? block * 8 : block * 16; }
+
+template <typename storage_t>
+void quantize_rows(const storage_t* x, int64_t rows, int64_t k, int8_t* q, float* scale, int32_t* sum16) {
+  const int64_t blocks = k / kActivationBlock;
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const storage_t* src = x + i * kActivationBlock;  // rows are contiguous: block i of the whole
+      float v[kActivationBlock];
+      float amax = 0.f;
+      for (int j = 0; j < kActivationBlock; ++j) {
+        v[j] = trident_kernels::widen(src[j]);
+        amax = std::max(amax, std::fabs(v[j]));
+      }
+      const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* dst = q + i * kActivationBlock;
+      int32_t sums[2] = {0, 0};
+      for (int j = 0; j < kActivationBlock; ++j) {
+        // The clamp also turns a NaN into a code, where a cast of NaN to int is undefined.
+        const float scaled = std::min(127.f, std::max(-127.f, v[j] * inverse));
+        const int32_t code = static_cast<int32_t>(std::nearbyint(scaled));
+        dst[j] = static_cast<int8_t>(code);
+        sums[j / 16] += code;
+      }
+      scale[i] = amax / 127.f;
+      sum16[2 * i] = sums[0];
+      sum16[2 * i + 1] = sums[1];
+    }
+  });
+}
+
+// The integer sum of a row's codes over weight block b (16 or 32 k).
+template <int64_t kBlock>
+inline int32_t block_code_sum(const QuantizedRows& x, int64_t row, int64_t b) {
+  const int32_t* s = x.sum16 + row * (x.k / 16);
+  return kBlock == 16 ? s[b] : s[2 * b] + s[2 * b + 1];
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Computes kRows rows of one panel into result[r * 16 + column] (float32, before the bias).
+using TileFn = void (*)(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const QuantizedRows& x,
+                        int64_t row0, float* result);
+
+#ifdef __AVX2__
+
+template <bool kHalfScales>
+inline __m256 load_scales8(const uint8_t* p) {
+  if constexpr (kHalfScales) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+// The int32 dot of each lane's 4 unsigned bytes w with the 4 signed bytes of x (x broadcast).
+inline __m256i dot_u8_s8(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+// The same for signed bytes w (I8 codes c + 128 turned back to c): |c| times x with c's sign.
+inline __m256i dot_s8_s8(__m256i w_biased, __m256i x) {
+  const __m256i w = _mm256_xor_si256(w_biased, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return dot_u8_s8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+}
+
+template <int64_t kLayout, int64_t kBlock, bool kHalfScales, int kRows>
+void avx2_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const QuantizedRows& x, int64_t row0,
+               float* result) {
+  constexpr int64_t kCodeBytes = kLayout == kU4 ? kBlock * 8 : kBlock * 16;
+  constexpr int64_t kScaleBytes = kHalfScales ? 2 : 4;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = panel + b * block_bytes;
+    __m256i dot[kRows][2];
+    for (int r = 0; r < kRows; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    if constexpr (kLayout == kU4) {
+      for (int g = 0; g < 4; ++g) {
+        for (int half = 0; half < 2; ++half) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * g + 32 * half));
+          const __m256i lo = _mm256_and_si256(v, nibble);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          for (int r = 0; r < kRows; ++r) {
+            const int8_t* qr = x.q + (row0 + r) * x.k + b * kBlock + 4 * g;
+            const __m256i part = _mm256_add_epi32(dot_u8_s8(lo, _mm256_set1_epi32(load_i32(qr))),
+                                                  dot_u8_s8(hi, _mm256_set1_epi32(load_i32(qr + 16))));
+            dot[r][half] = _mm256_add_epi32(dot[r][half], part);
+          }
+        }
+      }
+    } else {
+      for (int g = 0; g < kBlock / 4; ++g) {
+        for (int half = 0; half < 2; ++half) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * g + 32 * half));
+          for (int r = 0; r < kRows; ++r) {
+            const int8_t* qr = x.q + (row0 + r) * x.k + b * kBlock + 4 * g;
+            dot[r][half] = _mm256_add_epi32(dot[r][half], dot_s8_s8(v, _mm256_set1_epi32(load_i32(qr))));
+          }
+        }
+      }
+    }
+    for (int half = 0; half < 2; ++half) {
+      const __m256 sw = load_scales8<kHalfScales>(wb + kCodeBytes + 8 * half * kScaleBytes);
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t row = row0 + r;
+        const float sx = x.scale[row * (x.k / kActivationBlock) + b * kBlock / kActivationBlock];
+        acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(sx)), _mm256_cvtepi32_ps(dot[r][half]),
+                                       acc[r][half]);
+        if constexpr (kLayout == kU4) {
+          const __m256 mw = load_scales8<kHalfScales>(wb + kCodeBytes + (16 + 8 * half) * kScaleBytes);
+          const float x_sum = sx * static_cast<float>(block_code_sum<kBlock>(x, row, b));
+          acc[r][half] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x_sum), acc[r][half]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    _mm256_storeu_ps(result + r * kPanelColumns, acc[r][0]);
+    _mm256_storeu_ps(result + r * kPanelColumns + 8, acc[r][1]);
+  }
+}
+
+#endif  // __AVX2__
+
+#ifdef __AVX512F__
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+
+template <bool kHalfScales>
+inline __m512 load_scales16(const uint8_t* p) {
+  if constexpr (kHalfScales) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+template <int64_t kLayout, int64_t kBlock, bool kHalfScales, int kRows>
+void vnni_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const QuantizedRows& x, int64_t row0,
+               float* result) {
+  constexpr int64_t kCodeBytes = kLayout == kU4 ? kBlock * 8 : kBlock * 16;
+  constexpr int64_t kScaleBytes = kHalfScales ? 2 : 4;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = panel + b * block_bytes;
+    // Two integer sums a row, so that one row's vpdpbusd chain is half as long.
+    __m512i even[kRows], odd[kRows];
+    for (int r = 0; r < kRows; ++r) even[r] = odd[r] = _mm512_setzero_si512();
+    if constexpr (kLayout == kU4) {
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * g);
+        const __m512i lo = _mm512_and_si512(v, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < kRows; ++r) {
+          const int8_t* qr = x.q + (row0 + r) * x.k + b * kBlock + 4 * g;
+          even[r] = _mm512_dpbusd_epi32(even[r], lo, _mm512_set1_epi32(load_i32(qr)));
+          odd[r] = _mm512_dpbusd_epi32(odd[r], hi, _mm512_set1_epi32(load_i32(qr + 16)));
+        }
+      }
+    } else {
+      for (int g = 0; g < kBlock / 4; g += 2) {
+        const __m512i v0 = _mm512_loadu_si512(wb + 64 * g);
+        const __m512i v1 = _mm512_loadu_si512(wb + 64 * (g + 1));
+        for (int r = 0; r < kRows; ++r) {
+          const int8_t* qr = x.q + (row0 + r) * x.k + b * kBlock + 4 * g;
+          even[r] = _mm512_dpbusd_epi32(even[r], v0, _mm512_set1_epi32(load_i32(qr)));
+          odd[r] = _mm512_dpbusd_epi32(odd[r], v1, _mm512_set1_epi32(load_i32(qr + 4)));
+        }
+      }
+    }
+    const __m512 sw = load_scales16<kHalfScales>(wb + kCodeBytes);
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t row = row0 + r;
+      const float sx = x.scale[row * (x.k / kActivationBlock) + b * kBlock / kActivationBlock];
+      __m512i dot = _mm512_add_epi32(even[r], odd[r]);
+      if constexpr (kLayout == kI8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * block_code_sum<kBlock>(x, row, b)));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_set1_ps(sx)), _mm512_cvtepi32_ps(dot), acc[r]);
+      if constexpr (kLayout == kU4) {
+        const __m512 mw = load_scales16<kHalfScales>(wb + kCodeBytes + 16 * kScaleBytes);
+        const float x_sum = sx * static_cast<float>(block_code_sum<kBlock>(x, row, b));
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x_sum), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(result + r * kPanelColumns, acc[r]);
+}
+
+#pragma GCC pop_options
+#endif  // __AVX512F__
+
+template <int64_t kLayout, int64_t kBlock, bool kHalfScales, int... kRows>
+constexpr std::array<TileFn, kMaxTileRows> tile_table(bool vnni, std::integer_sequence<int, kRows...>) {
+#ifdef __AVX512F__
+  if (vnni) return {&vnni_tile<kLayout, kBlock, kHalfScales, kRows + 1>...};
+#endif
+#ifdef __AVX2__
+  return {&avx2_tile<kLayout, kBlock, kHalfScales, kRows + 1>...};
+#else
+  return {};
+#endif
+}
+
+// tiles[r - 1] computes r rows, for the layout, block, scale type and path.
+std::array<TileFn, kMaxTileRows> pick_tiles(bool vnni, int64_t layout, int64_t block, bool half_scales) {
+  const auto rows = std::make_integer_sequence<int, kMaxTileRows>{};
+  if (layout == kU4) return half_scales ? tile_table<kU4, 32, true>(vnni, rows) : tile_table<kU4, 32, false>(vnni, rows);
+  if (block == 16) return half_scales ? tile_table<kI8, 16, true>(vnni, rows) : tile_table<kI8, 16, false>(vnni, rows);
+  return half_scales ? tile_table<kI8, 32, true>(vnni, rows) : tile_table<kI8, 32, false>(vnni, rows);
+}
+
+template <typename storage_t>
+void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_bytes, const QuantizedRows& x,
+                int64_t rows, const std::array<TileFn, kMaxTileRows>& tiles, const float* bias, storage_t* out) {
+  const int64_t panels = (n + kPanelColumns - 1) / kPanelColumns;
+  const int64_t panel_bytes = blocks * block_bytes;
+  // Claims of ~32 KB of weights, and at least 4 claims a thread where the panels allow.
+  const int64_t by_size = std::max<int64_t>(1, 32768 / panel_bytes);
+  const int64_t by_count = std::max<int64_t>(1, panels / (4 * std::max(1, at::get_num_threads())));
+  const int64_t claim = std::min(by_size, by_count);
+  trident_kernels::parallel_for_claimed(panels, claim, [&](int64_t begin, int64_t end) {
+    alignas(64) float result[kMaxTileRows * kPanelColumns];
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t column0 = panel * kPanelColumns;
+      const int64_t columns = std::min(kPanelColumns, n - column0);
+      for (int64_t row0 = 0; row0 < rows; row0 += kMaxTileRows) {
+        const int64_t tile = std::min<int64_t>(kMaxTileRows, rows - row0);
+        tiles[tile - 1](packed + panel * panel_bytes, blocks, block_bytes, x, row0, result);
+        for (int64_t r = 0; r < tile; ++r) {
+          storage_t* dst = out + (row0 + r) * n + column0;
+          for (int64_t c = 0; c < columns; ++c) {
+            const float v = result[r * kPanelColumns + c];
+            dst[c] = trident_kernels::round_to<storage_t>(bias ? v + bias[column0 + c] : v);
+          }
+        }
+      }
+    }
+  });
+}
+
+// x [rows, k] (float32, bfloat16 or float16); packed [ceil(n / 16), k / block, block bytes]
+// uint8 as quant_linear.py lays it out; layout 0 (U4) or 1 (I8); path "auto", "avx512_vnni"
+// or "avx2" (the tests run both on one CPU) -> [rows, n] in x's dtype.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                        int64_t out_features, int64_t layout, int64_t block, bool half_scales, c10::string_view path) {
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x [rows, k]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
+              "quant_linear: packed weights [panels, blocks, bytes] uint8");
+  TORCH_CHECK(layout == kU4 ? block == 32 : layout == kI8 && (block == 16 || block == 32),
+              "quant_linear: layout 0 (U4, block 32) or 1 (I8, block 16 or 32)");
+  const int64_t rows = x.size(0), k = x.size(1), n = out_features;
+  const int64_t blocks = packed.size(1), block_bytes = packed.size(2);
+  const int64_t scale_count = layout == kU4 ? 2 : 1;
+  TORCH_CHECK(k % kActivationBlock == 0 && blocks * block == k, "quant_linear: x has ", k,
+              " features, the weights ", blocks * block, " (a multiple of 32)");
+  TORCH_CHECK(packed.size(0) == (n + kPanelColumns - 1) / kPanelColumns &&
+                  block_bytes == code_bytes(layout, block) + scale_count * kPanelColumns * (half_scales ? 2 : 4),
+              "quant_linear: packed weights of another shape or layout");
+  const std::string best = quant_linear_best_path();
+  const bool vnni = path == "avx512_vnni" || (path == "auto" && best == "avx512_vnni");
+  TORCH_CHECK(path == "auto" || path == "avx512_vnni" || path == "avx2", "quant_linear: path auto, avx512_vnni or avx2");
+  TORCH_CHECK(!best.empty() && (!vnni || best == "avx512_vnni"), "quant_linear: the ", std::string(path),
+              " path is not in this build for this CPU");
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({rows, k / kActivationBlock}, x.options().dtype(at::kFloat));
+  at::Tensor sum16 = at::empty({rows, k / 16}, x.options().dtype(at::kInt));
+  const at::Tensor bias_f = trident_kernels::float_bias(bias, n);
+  const QuantizedRows xq{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum16.data_ptr<int32_t>(), k};
+  const auto tiles = pick_tiles(vnni, layout, block, half_scales);
+  trident_kernels::dispatch_float_dtype(x, "quant_linear", [&](auto storage, auto element) {
+    using storage_t = decltype(storage);
+    using element_t = decltype(element);
+    quantize_rows(trident_kernels::bits_of<storage_t, element_t>(xc), rows, k, q.data_ptr<int8_t>(),
+                  scale.data_ptr<float>(), sum16.data_ptr<int32_t>());
+    run_panels(packed.data_ptr<uint8_t>(), n, blocks, block_bytes, xq, rows, tiles,
+               bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, trident_kernels::bits_of<storage_t, element_t>(out));
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(trident, m) {
+  m.def(
+      "quant_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, int layout, int block, bool half_scales, "
+      "str path='auto') -> Tensor");
+  m.def("quant_linear_best_path() -> str");
+}
+
+TORCH_LIBRARY_IMPL(trident, CPU, m) { m.impl("quant_linear", &quant_linear); }
+
+TORCH_LIBRARY_IMPL(trident, CompositeExplicitAutograd, m) {
+  m.impl("quant_linear_best_path", &quant_linear_best_path);
+}

@@ -1,0 +1,189 @@
+"""Linear layers that compute on quantized weights, as GGUF files ship them.
+
+Every GGUF format the served models use converts exactly into one of two canonical layouts
+(the loader does that; this module takes the canonical codes):
+- U4: unsigned 4-bit codes 0..15, a float32 scale and a float32 min per block of 32 along
+  k: w = scale * code + min (Q4_0, Q4_1, Q4_K);
+- I8: signed 8-bit codes, a float32 scale per block of 16 or 32 along k: w = scale * code
+  (Q8_0, Q5_0, Q6_K).
+
+`QuantLinear` repacks them once for csrc/quant_linear.cpp (its header describes the layout
+and the kernels): columns in panels of 16, codes interleaved for vpdpbusd, U4 codes two to a
+byte, and scales (and mins) stored as float16 where every one of them is exactly a float16
+(Q4_0, Q4_1, Q5_0, Q8_0), else as float32 (Q4_K, Q6_K). Nothing is rounded: dequantize()
+gives scale * code (+ min) in float32. Resident bytes per weight: U4 5 bits (float16
+scales) or 6, I8 8.5 to 10.
+
+Without the kernels (a CPU without AVX2, a failed build opted out of), forward dequantizes
+the weights and runs a float32 matmul: correct, and slow.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_worker.cpu_kernels import load_quant_linear
+
+PANEL_COLUMNS = 16
+U4, I8 = 0, 1
+"""The layout numbers csrc/quant_linear.cpp takes."""
+U4_BLOCK = 32
+
+
+def _fits_float16(values: torch.Tensor) -> bool:
+    """Every value is exactly a float16 (a NaN or an overflow is not)."""
+    return bool(torch.equal(values.to(torch.float16).to(torch.float32), values))
+
+
+def _per_panel(values: torch.Tensor, panels: int) -> torch.Tensor:
+    """[n, blocks] -> [panels, blocks, 16], zero columns past n."""
+    n, blocks = values.shape
+    padded = values.new_zeros(panels * PANEL_COLUMNS, blocks)
+    padded[:n] = values
+    return padded.view(panels, PANEL_COLUMNS, blocks).transpose(1, 2)
+
+
+def _as_bytes(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[panels, blocks, 16] float -> [panels, blocks, 16 * itemsize] uint8 in `dtype`."""
+    return values.to(dtype).contiguous().view(torch.uint8)
+
+
+def _code_groups(codes: torch.Tensor, panels: int, block: int) -> torch.Tensor:
+    """uint8 [n, k] -> [panels, k / block, block / 4, 16, 4]: each (block, group) 16 columns
+    of 4 consecutive k, the order of one vpdpbusd operand."""
+    n, k = codes.shape
+    padded = codes.new_zeros(panels * PANEL_COLUMNS, k)
+    padded[:n] = codes
+    return padded.view(panels, PANEL_COLUMNS, k // block, block // 4, 4).permute(0, 2, 3, 1, 4)
+
+
+class QuantLinear(nn.Module):
+    """`y = x @ w.T + bias` on a U4 or I8 weight held packed (module docstring)."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        layout: int,
+        block: int,
+        scale_dtype: torch.dtype,
+        shape: tuple[int, int],
+        bias: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", bias)
+        self.layout, self.block, self.scale_dtype = layout, block, scale_dtype
+        self.out_features, self.in_features = shape
+        self.kernel_path = load_quant_linear()
+        """"avx512_vnni" or "avx2": the kernel's path on this CPU; "": the torch fallback."""
+
+    @classmethod
+    def from_u4(
+        cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None
+    ) -> QuantLinear:
+        """codes uint8 [n, k] (0..15), scales and mins float32 [n, k / 32]: w = scales * codes + mins."""
+        n, k = codes.shape
+        if (
+            codes.dtype != torch.uint8
+            or k % U4_BLOCK
+            or scales.shape != (n, k // U4_BLOCK)
+            or mins.shape != scales.shape
+        ):
+            raise ValueError(
+                f"U4 weights: codes uint8 [n, k], k a multiple of 32, scales and mins [n, k / 32]; got "
+                f"{tuple(codes.shape)} {codes.dtype}, {tuple(scales.shape)}, {tuple(mins.shape)}"
+            )
+        panels = -(-n // PANEL_COLUMNS)
+        groups = _code_groups(codes, panels, U4_BLOCK)  # [panels, blocks, 8, 16, 4]
+        nibbles = groups[:, :, :4] | (groups[:, :, 4:] << 4)  # low nibble k 0..15, high k 16..31
+        scales, mins = scales.float(), mins.float()
+        scale_dtype = torch.float16 if _fits_float16(scales) and _fits_float16(mins) else torch.float32
+        packed = torch.cat(
+            [
+                nibbles.reshape(panels, k // U4_BLOCK, -1),
+                _as_bytes(_per_panel(scales, panels), scale_dtype),
+                _as_bytes(_per_panel(mins, panels), scale_dtype),
+            ],
+            dim=2,
+        ).contiguous()
+        return cls(packed, U4, U4_BLOCK, scale_dtype, (n, k), bias)
+
+    @classmethod
+    def from_i8(cls, codes: torch.Tensor, scales: torch.Tensor, block: int, bias: torch.Tensor | None) -> QuantLinear:
+        """codes int8 [n, k], scales float32 [n, k / block] (block 16 or 32): w = scales * codes."""
+        n, k = codes.shape
+        if codes.dtype != torch.int8 or block not in (16, 32) or k % 32 or scales.shape != (n, k // block):
+            raise ValueError(
+                f"I8 weights: codes int8 [n, k], k a multiple of 32, block 16 or 32, scales [n, k / "
+                f"block]; got {tuple(codes.shape)} {codes.dtype}, block {block}, {tuple(scales.shape)}"
+            )
+        panels = -(-n // PANEL_COLUMNS)
+        biased = (codes.to(torch.int16) + 128).to(torch.uint8)  # unsigned, as vpdpbusd multiplies them
+        groups = _code_groups(biased, panels, block)
+        scales = scales.float()
+        scale_dtype = torch.float16 if _fits_float16(scales) else torch.float32
+        packed = torch.cat(
+            [groups.reshape(panels, k // block, -1), _as_bytes(_per_panel(scales, panels), scale_dtype)], dim=2
+        ).contiguous()
+        return cls(packed, I8, block, scale_dtype, (n, k), bias)
+
+    def _code_bytes(self) -> int:
+        return self.block * 8 if self.layout == U4 else self.block * 16
+
+    def _unpack(self, panels: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
+        """float32 weight rows of the given panels ([p, blocks, bytes]): all 16 columns of each
+        ([p * 16, k]), or with `columns` ([p]) the one column of each ([p, k])."""
+        p, blocks, _ = panels.shape
+        code_bytes, itemsize = self._code_bytes(), self.scale_dtype.itemsize
+        groups = panels[:, :, :code_bytes].reshape(p, blocks, -1, PANEL_COLUMNS, 4)
+        scales = panels[:, :, code_bytes : code_bytes + PANEL_COLUMNS * itemsize].contiguous().view(self.scale_dtype)
+        if self.layout == U4:
+            groups = torch.cat([groups & 15, groups >> 4], dim=2)
+            mins = panels[:, :, code_bytes + PANEL_COLUMNS * itemsize :].contiguous().view(self.scale_dtype)
+        if columns is None:
+            codes = groups.permute(0, 3, 1, 2, 4).reshape(p * PANEL_COLUMNS, blocks, self.block)
+            select = lambda per_column: per_column.transpose(1, 2).reshape(p * PANEL_COLUMNS, blocks, 1)  # noqa: E731
+        else:
+            codes = groups[torch.arange(p), :, :, columns].reshape(p, blocks, self.block)
+            select = lambda per_column: per_column[torch.arange(p), :, columns].reshape(p, blocks, 1)  # noqa: E731
+        codes = codes.float() if self.layout == U4 else codes.float() - 128
+        w = select(scales).float() * codes
+        if self.layout == U4:
+            w = w + select(mins).float()
+        return w.reshape(w.shape[0], self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight, float32 [n, k]: scale * code (+ min), rounded as float32 computes it."""
+        return self._unpack(self.packed, None)[: self.out_features]
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the dequantized weight as `dtype` [len(ids), k]: the embedding lookup
+        when this layer is a tied LM head."""
+        ids = ids.reshape(-1).long()
+        return self._unpack(self.packed[ids // PANEL_COLUMNS], ids % PANEL_COLUMNS).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.kernel_path:
+            y = torch.ops.trident.quant_linear(
+                flat,
+                self.packed,
+                self.bias,
+                self.out_features,
+                self.layout,
+                self.block,
+                self.scale_dtype == torch.float16,
+                self.kernel_path,
+            )
+        else:
+            y = torch.nn.functional.linear(
+                flat.float(), self.dequantize(), None if self.bias is None else self.bias.float()
+            )
+            y = y.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kind = "U4" if self.layout == U4 else f"I8 block {self.block}"
+        path = self.kernel_path or "torch"
+        return f"{self.in_features} -> {self.out_features}, {kind}, {self.scale_dtype} scales, {path}"
