@@ -10,11 +10,12 @@
 // whatever the dtype, so the output is closer to float32 attention than the torch path's
 // (which rounds the scores to the model dtype before its softmax).
 //
-// Three implementations: for bfloat16 with head dim 64 (SmolLM2, most small LLaMAs), an
-// AVX-512 one, which keeps a GQA group's queries and outputs in registers, and an AVX2 one
-// with the same work items; and a portable one (any dtype, any head dim) that the compiler
-// vectorises. Measured on 2 Zen 4 cores, per layer at 32 rows x 256-512 keys in bfloat16:
-// 0.22-0.73 ms against the torch path's 0.82-2.52 ms (docs/benchmarks.md).
+// Three implementations: for bfloat16 with head dim 64 (SmolLM2, most small LLaMAs), 128
+// (Llama 3, Qwen, Mistral) or 256 (Gemma 3) and 1, 2, 3, 4 or 8 query heads per KV head, an
+// AVX-512 one, which keeps what it can of a GQA group's queries and outputs in registers,
+// and an AVX2 one with the same work items; and a portable one (any dtype, any head dim)
+// that the compiler vectorises. Their speed against the torch path is in docs/benchmarks.md
+// (benchmarks/bench_decode_attention.py).
 //
 // A sliding window (Mistral, Gemma 3's local layers) is a row's last `window` keys: the
 // same loops over a shorter span of its indices; 0 means the whole row.
@@ -31,10 +32,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define TRIDENT_FAST_DECODE_BF16_D64 1
+#define TRIDENT_FAST_DECODE_BF16 1
 #include <immintrin.h>
 #endif
 
@@ -83,68 +85,106 @@ inline void softmax_in_place(float* p, int64_t len) {
   for (int64_t t = 0; t < len; ++t) p[t] *= inv;
 }
 
-#ifdef TRIDENT_FAST_DECODE_BF16_D64
-// One head's 64 bfloat16 values span two cache lines.
+#ifdef TRIDENT_FAST_DECODE_BF16
+// Every cache line of one head's kDim bfloat16 values (two for 64, eight for 256).
+template <int kDim>
 inline void prefetch_head(const uint16_t* head) {
-  __builtin_prefetch(head);
-  __builtin_prefetch(head + 32);
+#pragma GCC unroll 8
+  for (int i = 0; i < kDim; i += 32) __builtin_prefetch(head + i);
 }
 #endif
 
 #ifdef __AVX512F__
-// The fast path: bfloat16, head dim 64, AVX-512. One work item is a (row, KV head) and its
-// `kGroup` query heads; their queries (kGroup x 4 vectors) and, in the second pass, their
-// outputs stay in registers for the whole row, so a token costs two 128-byte loads, a
-// widening, 4 * kGroup FMAs per pass and one horizontal sum per query head.
+// The fast path: bfloat16, head dim kDim (64, 128 or 256), AVX-512. One work item is a
+// (row, KV head) and its `kGroup` query heads. A token costs its K and V rows read once
+// (kDim / 16 vectors each, widened), kGroup * kDim / 16 FMAs per pass and one horizontal
+// sum per query head. Where a group's queries fit in 16 registers (64 x up to 4 heads, 128
+// x 2, 256 x 1) they stay there for the whole row; otherwise they are float32 in L1 and
+// feed the FMAs as memory operands (the load ports are idle anyway). The outputs are summed
+// kColumns vectors at a time, in passes over the row's V rows: the first pass prefetches
+// every line of each V row, so later passes read them from cache.
 inline __m512 widen16(const uint16_t* src) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-template <int kGroup>
-void decode_item_bf16_d64(const uint16_t* q, float scale, const uint16_t* kv, const int64_t* tokens, int64_t len,
-                          int64_t token_stride, int64_t k_offset, int64_t v_offset, float* probs, float* out) {
-  __m512 qv[kGroup][4];
+template <int kGroup, int kDim>
+void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const int64_t* tokens, int64_t len,
+                      int64_t token_stride, int64_t k_offset, int64_t v_offset, float* probs, float* out) {
+  constexpr int kVecs = kDim / 16;
+  constexpr bool kQueryInRegisters = kGroup * kVecs <= 16;
+  constexpr int kChains = kVecs >= 8 ? 2 : 1;  // independent FMA chains per score: a long head's sum
+  // Output vectors summed a pass: kGroup x kColumns accumulators <= 16.
+  constexpr int kColumns = std::min(kVecs, kGroup == 1 ? 16 : kGroup == 2 ? 8 : kGroup <= 4 ? 4 : 2);
+  static_assert(kVecs % kColumns == 0, "column passes tile the head");
   const __m512 scale_v = _mm512_set1_ps(scale);
+  __m512 qv[kQueryInRegisters ? kGroup : 1][kVecs];
+  alignas(64) float qf[kQueryInRegisters ? 16 : kGroup * kDim];
+#pragma GCC unroll 16
   for (int g = 0; g < kGroup; ++g)
-    for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_mul_ps(widen16(q + g * 64 + c * 16), scale_v);
+#pragma GCC unroll 16
+    for (int c = 0; c < kVecs; ++c) {
+      const __m512 scaled = _mm512_mul_ps(widen16(q + g * kDim + c * 16), scale_v);
+      if constexpr (kQueryInRegisters)
+        qv[g][c] = scaled;
+      else
+        _mm512_store_ps(qf + g * kDim + c * 16, scaled);
+    }
+  const auto query = [&](int g, int c) {
+    if constexpr (kQueryInRegisters)
+      return qv[g][c];
+    else
+      return _mm512_load_ps(qf + g * kDim + c * 16);
+  };
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchAhead < len) prefetch_head(kv + tokens[t + kPrefetchAhead] * token_stride + k_offset);
+    if (t + kPrefetchAhead < len) prefetch_head<kDim>(kv + tokens[t + kPrefetchAhead] * token_stride + k_offset);
     const uint16_t* k = kv + tokens[t] * token_stride + k_offset;
-    const __m512 k0 = widen16(k), k1 = widen16(k + 16), k2 = widen16(k + 32), k3 = widen16(k + 48);
+    __m512 kc[kVecs];
+#pragma GCC unroll 16
+    for (int c = 0; c < kVecs; ++c) kc[c] = widen16(k + c * 16);
+#pragma GCC unroll 8
     for (int g = 0; g < kGroup; ++g) {
-      __m512 s = _mm512_mul_ps(qv[g][0], k0);
-      s = _mm512_fmadd_ps(qv[g][1], k1, s);
-      s = _mm512_fmadd_ps(qv[g][2], k2, s);
-      s = _mm512_fmadd_ps(qv[g][3], k3, s);
-      probs[g * len + t] = _mm512_reduce_add_ps(s);
+      __m512 s[kChains];
+#pragma GCC unroll 2
+      for (int i = 0; i < kChains; ++i) s[i] = _mm512_mul_ps(query(g, i), kc[i]);
+#pragma GCC unroll 16
+      for (int c = kChains; c < kVecs; ++c) s[c % kChains] = _mm512_fmadd_ps(query(g, c), kc[c], s[c % kChains]);
+      if constexpr (kChains == 2) s[0] = _mm512_add_ps(s[0], s[1]);
+      probs[g * len + t] = _mm512_reduce_add_ps(s[0]);
     }
   }
   for (int g = 0; g < kGroup; ++g) softmax_in_place(probs + g * len, len);
-  __m512 acc[kGroup][4];
-  for (int g = 0; g < kGroup; ++g)
-    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchAhead < len) prefetch_head(kv + tokens[t + kPrefetchAhead] * token_stride + v_offset);
-    const uint16_t* v = kv + tokens[t] * token_stride + v_offset;
-    const __m512 v0 = widen16(v), v1 = widen16(v + 16), v2 = widen16(v + 32), v3 = widen16(v + 48);
-    for (int g = 0; g < kGroup; ++g) {
-      const __m512 w = _mm512_set1_ps(probs[g * len + t]);
-      acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
-      acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
-      acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
-      acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
+  for (int column0 = 0; column0 < kVecs; column0 += kColumns) {
+    __m512 acc[kGroup][kColumns];
+#pragma GCC unroll 8
+    for (int g = 0; g < kGroup; ++g)
+#pragma GCC unroll 16
+      for (int c = 0; c < kColumns; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      if (column0 == 0 && t + kPrefetchAhead < len)
+        prefetch_head<kDim>(kv + tokens[t + kPrefetchAhead] * token_stride + v_offset);
+      const uint16_t* v = kv + tokens[t] * token_stride + v_offset + column0 * 16;
+#pragma GCC unroll 16
+      for (int c = 0; c < kColumns; ++c) {
+        const __m512 vc = widen16(v + c * 16);
+#pragma GCC unroll 8
+        for (int g = 0; g < kGroup; ++g)
+          acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g * len + t]), vc, acc[g][c]);
+      }
     }
+#pragma GCC unroll 8
+    for (int g = 0; g < kGroup; ++g)
+#pragma GCC unroll 16
+      for (int c = 0; c < kColumns; ++c) _mm512_storeu_ps(out + g * kDim + (column0 + c) * 16, acc[g][c]);
   }
-  for (int g = 0; g < kGroup; ++g)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * 64 + c * 16, acc[g][c]);
 }
 
-#elif defined(TRIDENT_FAST_DECODE_BF16_D64)
+#elif defined(TRIDENT_FAST_DECODE_BF16)
 // The AVX2 path (Zen 2/3 and other CPUs without AVX-512), the same work items: a GQA
-// group's queries (kGroup x 8 vectors) do not fit in 16 registers, so they stay in L1 and
-// feed the multiply-adds from memory; the outputs are summed kColumns vectors at a time,
-// in passes over the row's V rows (later passes read them from cache).
+// group's queries do not fit in 16 registers, so they stay in L1 and feed the multiply-adds
+// from memory. Scores: a token's K row is widened kChunk vectors at a time (a head of 64
+// at once), each query head summing into its own kChains accumulators. Outputs: kColumns
+// vectors at a time, in passes over the row's V rows (later passes read them from cache).
 inline __m256 widen8(const uint16_t* src) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
@@ -156,32 +196,43 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-template <int kGroup>
-void decode_item_bf16_d64(const uint16_t* q, float scale, const uint16_t* kv, const int64_t* tokens, int64_t len,
-                          int64_t token_stride, int64_t k_offset, int64_t v_offset, float* probs, float* out) {
+template <int kGroup, int kDim>
+void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const int64_t* tokens, int64_t len,
+                      int64_t token_stride, int64_t k_offset, int64_t v_offset, float* probs, float* out) {
+  constexpr int kVecs = kDim / 8;
+  constexpr int kChunk = kDim == 64 ? 8 : 4;       // K vectors in registers at once
+  constexpr int kChains = kGroup <= 4 ? 2 : 1;     // accumulators per score: kGroup x kChains <= 8
   constexpr int kColumns = kGroup <= 3 ? 4 : kGroup <= 6 ? 2 : 1;  // accumulators: kGroup x kColumns <= 12
-  alignas(32) float qf[kGroup * 64];
-  for (int i = 0; i < kGroup * 64; ++i) qf[i] = trident_kernels::widen(trident_kernels::Bf16Bits{q[i]}) * scale;
+  alignas(32) float qf[kGroup * kDim];
+  for (int i = 0; i < kGroup * kDim; ++i) qf[i] = trident_kernels::widen(trident_kernels::Bf16Bits{q[i]}) * scale;
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchAhead < len) prefetch_head(kv + tokens[t + kPrefetchAhead] * token_stride + k_offset);
+    if (t + kPrefetchAhead < len) prefetch_head<kDim>(kv + tokens[t + kPrefetchAhead] * token_stride + k_offset);
     const uint16_t* k = kv + tokens[t] * token_stride + k_offset;
-    __m256 kc[8];
+    __m256 s[kGroup][kChains];
 #pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) kc[c] = widen8(k + c * 8);
+    for (int g = 0; g < kGroup; ++g)
+#pragma GCC unroll 2
+      for (int i = 0; i < kChains; ++i) s[g][i] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int chunk0 = 0; chunk0 < kVecs; chunk0 += kChunk) {
+      __m256 kc[kChunk];
+#pragma GCC unroll 8
+      for (int c = 0; c < kChunk; ++c) kc[c] = widen8(k + (chunk0 + c) * 8);
+#pragma GCC unroll 8
+      for (int g = 0; g < kGroup; ++g)
+#pragma GCC unroll 8
+        for (int c = 0; c < kChunk; ++c)
+          s[g][c % kChains] =
+              _mm256_fmadd_ps(_mm256_load_ps(qf + g * kDim + (chunk0 + c) * 8), kc[c], s[g][c % kChains]);
+    }
 #pragma GCC unroll 8
     for (int g = 0; g < kGroup; ++g) {
-      const float* qg = qf + g * 64;
-      __m256 even = _mm256_mul_ps(_mm256_load_ps(qg), kc[0]), odd = _mm256_mul_ps(_mm256_load_ps(qg + 8), kc[1]);
-#pragma GCC unroll 8
-      for (int c = 2; c < 8; c += 2) {
-        even = _mm256_fmadd_ps(_mm256_load_ps(qg + c * 8), kc[c], even);
-        odd = _mm256_fmadd_ps(_mm256_load_ps(qg + c * 8 + 8), kc[c + 1], odd);
-      }
-      probs[g * len + t] = horizontal_sum(_mm256_add_ps(even, odd));
+      if constexpr (kChains == 2) s[g][0] = _mm256_add_ps(s[g][0], s[g][1]);
+      probs[g * len + t] = horizontal_sum(s[g][0]);
     }
   }
   for (int g = 0; g < kGroup; ++g) softmax_in_place(probs + g * len, len);
-  for (int column0 = 0; column0 < 8; column0 += kColumns) {
+  for (int column0 = 0; column0 < kVecs; column0 += kColumns) {
     __m256 acc[kGroup][kColumns];
 #pragma GCC unroll 8
     for (int g = 0; g < kGroup; ++g)
@@ -189,7 +240,7 @@ void decode_item_bf16_d64(const uint16_t* q, float scale, const uint16_t* kv, co
       for (int c = 0; c < kColumns; ++c) acc[g][c] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len; ++t) {
       if (column0 == 0 && t + kPrefetchAhead < len)
-        prefetch_head(kv + tokens[t + kPrefetchAhead] * token_stride + v_offset);
+        prefetch_head<kDim>(kv + tokens[t + kPrefetchAhead] * token_stride + v_offset);
       const uint16_t* v = kv + tokens[t] * token_stride + v_offset + column0 * 8;
 #pragma GCC unroll 8
       for (int c = 0; c < kColumns; ++c) {
@@ -202,56 +253,65 @@ void decode_item_bf16_d64(const uint16_t* q, float scale, const uint16_t* kv, co
 #pragma GCC unroll 8
     for (int g = 0; g < kGroup; ++g)
 #pragma GCC unroll 8
-      for (int c = 0; c < kColumns; ++c) _mm256_storeu_ps(out + g * 64 + (column0 + c) * 8, acc[g][c]);
+      for (int c = 0; c < kColumns; ++c) _mm256_storeu_ps(out + g * kDim + (column0 + c) * 8, acc[g][c]);
   }
 }
 #endif
 
-#ifdef TRIDENT_FAST_DECODE_BF16_D64
-template <int kGroup>
-void decode_rows_bf16_d64(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* kv_indices,
-                          const int64_t* kv_lens, c10::BFloat16* out, int64_t rows, int64_t kv_heads, int64_t max_kv,
-                          double scale, int64_t window) {
-  constexpr int64_t dim = 64;
-  const int64_t heads = kv_heads * kGroup, token_stride = 2 * kv_heads * dim;
+#ifdef TRIDENT_FAST_DECODE_BF16
+template <int kGroup, int kDim>
+void decode_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* kv_indices,
+                      const int64_t* kv_lens, c10::BFloat16* out, int64_t rows, int64_t kv_heads, int64_t max_kv,
+                      double scale, int64_t window) {
+  const int64_t heads = kv_heads * kGroup, token_stride = 2 * kv_heads * kDim;
   const auto* q_bits = reinterpret_cast<const uint16_t*>(q);
   const auto* kv_bits = reinterpret_cast<const uint16_t*>(kv);
+  auto* out_bits = reinterpret_cast<trident_kernels::Bf16Bits*>(out);
   trident_kernels::parallel_for_claimed(rows * kv_heads, 2 * kv_heads, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(kGroup * max_kv), result(kGroup * dim);
+    std::vector<float> probs(kGroup * max_kv), result(kGroup * kDim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / kv_heads, kv_head = item % kv_heads;
       const int64_t first_head = kv_head * kGroup;
       const int64_t first_key = window_start(kv_lens[row], window);
-      decode_item_bf16_d64<kGroup>(q_bits + (row * heads + first_head) * dim, static_cast<float>(scale), kv_bits,
-                                   kv_indices + row * max_kv + first_key, kv_lens[row] - first_key, token_stride,
-                                   kv_head * dim,
-                                   (kv_heads + kv_head) * dim, probs.data(), result.data());
-      c10::BFloat16* dst = out + (row * heads + first_head) * dim;
-      for (int64_t i = 0; i < kGroup * dim; ++i) dst[i] = static_cast<c10::BFloat16>(result[i]);
+      decode_item_bf16<kGroup, kDim>(q_bits + (row * heads + first_head) * kDim, static_cast<float>(scale), kv_bits,
+                                     kv_indices + row * max_kv + first_key, kv_lens[row] - first_key, token_stride,
+                                     kv_head * kDim, (kv_heads + kv_head) * kDim, probs.data(), result.data());
+      trident_kernels::Bf16Bits* dst = out_bits + (row * heads + first_head) * kDim;
+#pragma omp simd
+      for (int64_t i = 0; i < kGroup * kDim; ++i)
+        dst[i] = trident_kernels::round_to<trident_kernels::Bf16Bits>(result[i]);
     }
   });
 }
 
-// The query heads per KV head that have a fast path; others take decode_rows.
-bool decode_bf16_d64(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const at::Tensor& lens,
-                     at::Tensor& out, double scale, int64_t window) {
-  const int64_t rows = q.size(0), kv_heads = kv.size(2), group = q.size(1) / kv_heads;
+// The (head dim, query heads per KV head) pairs that have a fast path; others take decode_rows.
+bool decode_bf16(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const at::Tensor& lens,
+                 at::Tensor& out, double scale, int64_t window) {
+  const int64_t rows = q.size(0), dim = q.size(2), kv_heads = kv.size(2), group = q.size(1) / kv_heads;
   const auto run = [&](auto kernel) {
     kernel(q.data_ptr<c10::BFloat16>(), kv.data_ptr<c10::BFloat16>(), idx.data_ptr<int64_t>(),
            lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), rows, kv_heads, idx.size(1), scale, window);
     return true;
   };
-  switch (group) {
-    case 1: return run(decode_rows_bf16_d64<1>);
-    case 2: return run(decode_rows_bf16_d64<2>);
-    case 3: return run(decode_rows_bf16_d64<3>);
-    case 4: return run(decode_rows_bf16_d64<4>);
-    case 8: return run(decode_rows_bf16_d64<8>);
+  const auto of_group = [&](auto dim_constant) {
+    constexpr int kDim = decltype(dim_constant)::value;
+    switch (group) {
+      case 1: return run(decode_rows_bf16<1, kDim>);
+      case 2: return run(decode_rows_bf16<2, kDim>);
+      case 3: return run(decode_rows_bf16<3, kDim>);
+      case 4: return run(decode_rows_bf16<4, kDim>);
+      case 8: return run(decode_rows_bf16<8, kDim>);
+      default: return false;
+    }
+  };
+  switch (dim) {
+    case 64: return of_group(std::integral_constant<int, 64>{});
+    case 128: return of_group(std::integral_constant<int, 128>{});
+    case 256: return of_group(std::integral_constant<int, 256>{});
     default: return false;
   }
 }
 #endif
-
 
 // kDim: the head dim as a compile-time constant (the common 64, 128 and 256, so that the
 // compiler unrolls the per-head loops into registers), or 0 for any other, read from `dim`.
@@ -338,8 +398,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       rows_of(decode_rows<scalar_t, 0>);
     }
   };
-#ifdef TRIDENT_FAST_DECODE_BF16_D64
-  if (q.scalar_type() == at::kBFloat16 && dim == 64 && decode_bf16_d64(qc, kvc, idx, lens, out, scale, window)) return out;
+#ifdef TRIDENT_FAST_DECODE_BF16
+  if (q.scalar_type() == at::kBFloat16 && decode_bf16(qc, kvc, idx, lens, out, scale, window)) return out;
 #endif
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;
