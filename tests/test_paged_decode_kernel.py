@@ -48,8 +48,13 @@ def _reference(q, pool, kv_indices, kv_lens, window=0):
         (torch.float32, 64, 9, 3),
         (torch.float32, 128, 8, 2),
         (torch.float16, 64, 4, 1),
-        (torch.bfloat16, 128, 8, 2),  # Llama 3 / Qwen / Mistral head dim
-        (torch.bfloat16, 256, 4, 1),  # Gemma 3 270M's shape
+        (torch.bfloat16, 128, 8, 2),  # Llama 3 / Qwen / Mistral head dim: the fast path
+        (torch.bfloat16, 128, 2, 1),  # AVX-512: queries in registers
+        (torch.bfloat16, 128, 24, 3),  # 8 per KV head: queries in L1, 2 output vectors a pass
+        (torch.bfloat16, 256, 4, 1),  # Gemma 3 270M's shape: the fast path, outputs in column passes
+        (torch.bfloat16, 256, 1, 1),  # AVX-512: the one query and all 16 outputs in registers
+        (torch.bfloat16, 256, 6, 2),  # 3 per KV head
+        (torch.bfloat16, 256, 16, 2),
         (torch.float32, 256, 4, 1),
     ],
 )
@@ -89,9 +94,10 @@ def test_kernel_rejects_mismatched_shapes(kernel):
 @pytest.mark.parametrize(
     "dtype, dim, heads, kv_heads",
     [
-        (torch.bfloat16, 64, 9, 3),  # the fast path
-        (torch.bfloat16, 256, 4, 1),  # the generic loop, Gemma 3's shape
-        (torch.float32, 128, 8, 2),
+        (torch.bfloat16, 64, 9, 3),  # the fast path at each head dim
+        (torch.bfloat16, 128, 8, 2),
+        (torch.bfloat16, 256, 4, 1),  # Gemma 3's shape
+        (torch.float32, 128, 8, 2),  # the generic loop
     ],
 )
 @pytest.mark.parametrize("window", [1, 16, 512])
