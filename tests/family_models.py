@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from tests.helpers import smollm2_gguf
+from tests.helpers import smollm2_tokenizer
 
 WINDOW = 12
 """Sliding window of the windowed families, in keys: shorter than the long test prompt."""
@@ -93,10 +93,9 @@ def make_family_checkpoint(path: str, name: str, seed: int = 0, scale: float | N
     0.2, or WEIGHT_SCALE's), every norm weight and bias random too (so a norm or bias
     applied wrongly changes the tokens)."""
     scale = scale if scale is not None else WEIGHT_SCALE.get(name, 0.2)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    gguf = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    tok = smollm2_tokenizer()
     os.makedirs(path, exist_ok=True)
     tok.save_pretrained(path)
     cfg = family_config(name, len(tok))

