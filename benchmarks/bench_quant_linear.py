@@ -1,0 +1,122 @@
+"""Linear layers on quantized weights (gpu_worker/quant_linear.py) against the bf16 path
+(packed_linear.PackedLinear: the VNNI kernel up to 64 rows, oneDNN above), in one run.
+
+    python benchmarks/bench_quant_linear.py [--model smollm2|gemma3|both] [--rows 1,4,32,64,300]
+
+For each linear shape of the model (SmolLM2-135M, Gemma 3 270M), random weights in the U4
+layout (what Q4_0/Q4_1/Q4_K become) and the I8 layout (Q8_0/Q5_0 with block 32, Q6_K with
+block 16), and the same weights dequantized to bf16. Each shape gets as many distinct copies
+as make ~`--stream-mb` of bf16 weights, and a timed pass calls every copy once: the weights
+come from memory, as in a decode step, not from cache. Times are microseconds per call (one
+copy), the median of `--repeats` passes. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from gpu_worker.cpu_kernels import load_vnni_linear, load_widening_bf16_linear  # noqa: E402
+from gpu_worker.packed_linear import PackedLinear, WideningBf16Linear  # noqa: E402
+from gpu_worker.quant_linear import QuantLinear  # noqa: E402
+
+SHAPES = {
+    "smollm2": {
+        "q,o": (576, 576),
+        "k,v": (192, 576),
+        "gate,up": (1536, 576),
+        "down": (576, 1536),
+        "head": (49152, 576),
+    },
+    "gemma3": {
+        "q": (1024, 640),
+        "k,v": (256, 640),
+        "o": (640, 1024),
+        "gate,up": (2048, 640),
+        "down": (640, 2048),
+        "head": (262144, 640),
+    },
+}
+"""(out, in) of each linear shape: SmolLM2-135M and Gemma 3 270M."""
+
+
+def random_layers(n: int, k: int) -> dict[str, QuantLinear]:
+    """One weight shape in each layout, scales that fit float16 as the GGUF formats' do."""
+    scales = (torch.rand(n, k // 32) * 0.02 + 0.001).half().float()
+    layers = {
+        "U4": QuantLinear.from_u4(torch.randint(0, 16, (n, k), dtype=torch.uint8), scales, -8 * scales, None),
+        "I8/32": QuantLinear.from_i8(torch.randint(-127, 128, (n, k), dtype=torch.int8), scales / 8, 32, None),
+    }
+    scales16 = torch.rand(n, k // 16) * 0.003 + 1e-4  # Q6_K's d * sc: float32 scales
+    layers["I8/16"] = QuantLinear.from_i8(torch.randint(-32, 32, (n, k), dtype=torch.int8), scales16, 16, None)
+    return layers
+
+
+def bf16_layer(weight: torch.Tensor) -> torch.nn.Module:
+    vnni = load_vnni_linear()
+    if vnni is not None or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return PackedLinear(weight, None, vnni)
+    return WideningBf16Linear(weight, None, load_widening_bf16_linear())
+
+
+def pass_us(layers: list[torch.nn.Module], x: torch.Tensor, repeats: int) -> float:
+    """Median microseconds per layer call over `repeats` passes through all the copies."""
+    for layer in layers[: max(1, len(layers) // 4)]:
+        layer(x)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for layer in layers:
+            layer(x)
+        times.append((time.perf_counter() - t0) / len(layers))
+    return statistics.median(times) * 1e6
+
+
+def bench_shape(name: str, n: int, k: int, rows_list: list[int], stream_mb: int, repeats: int) -> list[str]:
+    copies = max(1, (stream_mb << 20) // (n * k * 2))
+    quant = [random_layers(n, k) for _ in range(copies)]
+    variants = {kind: [layers[kind] for layers in quant] for kind in quant[0]}
+    # The bf16 weights are U4's, dequantized: the same matrix in both.
+    variants = {"bf16": [bf16_layer(layers["U4"].dequantize().bfloat16()) for layers in quant], **variants}
+    lines = []
+    for rows in rows_list:
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        reps = repeats if rows <= 64 else max(2, repeats // 4)
+        us = {label: pass_us(layers, x, reps) for label, layers in variants.items()}
+        ratios = " | ".join(f"{us[label]:.0f} ({us['bf16'] / us[label]:.2f}x)" for label in us if label != "bf16")
+        lines.append(f"| {name} {k}->{n} | {rows} | {copies} | {us['bf16']:.0f} | {ratios} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["smollm2", "gemma3", "both"], default="both")
+    p.add_argument("--rows", default="1,4,32,64,300")
+    p.add_argument("--stream-mb", type=int, default=128, help="bf16 megabytes of copies per shape")
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    ns = p.parse_args(argv)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    rows_list = [int(r) for r in ns.rows.split(",")]
+    probe = QuantLinear.from_u4(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), None)
+    print(f"threads {torch.get_num_threads()}, quantized kernel path: {probe.kernel_path or 'torch fallback'}")
+    print("| shape (in->out) | rows | copies | bf16 us | U4 us (bf16/U4) | I8/32 us | I8/16 us |")
+    print("|---|---|---|---|---|---|---|")
+    models = ["smollm2", "gemma3"] if ns.model == "both" else [ns.model]
+    for model in models:
+        for name, (n, k) in SHAPES[model].items():
+            bench_shape(f"{model} {name}", n, k, rows_list, ns.stream_mb, ns.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Linear layers on quantized weights (gpu_worker/quant_linear.py, csrc/quant_linear.cpp):
+the repacking loses nothing, each kernel path is within the rounding of its int8 activations
+of a float32 reference on the dequantized weights, both paths give the same bits, in the
+AVX-512 build and in the AVX2 build alike, and a row's result does not depend on its batch.
+
+The bound, per output element y = sum_i w_i x_i: the kernel computes sum_i w_i x^_i exactly in
+integers per block, where x^ = sx round(x / sx), sx = max|x| / 127 over the row's block of
+32, so |x - x^| <= sx / 2 (and a hair: x / sx is itself rounded); then float32 sums one
+term a block (a few roundings each), and at the end the output's rounding (bf16: 2^-9)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpu_worker.cpu_kernels import load_quant_linear
+from gpu_worker.quant_linear import QuantLinear
+from tests.helpers import REPO_ROOT
+
+BEST_PATH = load_quant_linear()
+PATHS = [path for path in ("avx512_vnni", "avx2") if path == BEST_PATH or (BEST_PATH and path == "avx2")]
+needs_kernels = pytest.mark.skipif(not BEST_PATH, reason="the quantized kernels need an x86 CPU with AVX2")
+needs_vnni = pytest.mark.skipif(BEST_PATH != "avx512_vnni", reason="this CPU or build has no AVX512-VNNI")
+
+
+def u4_layer(n: int, k: int, float16_scales: bool, bias: bool = False, seed: int = 0) -> QuantLinear:
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    mins = -torch.rand(n, k // 32, generator=g) * 0.1
+    if float16_scales:  # as Q4_0 / Q4_1 ship them; Q4_K's d * sc is no float16
+        scales, mins = scales.half().float(), mins.half().float()
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    return QuantLinear.from_u4(codes, scales, mins, torch.randn(n, generator=g) if bias else None)
+
+
+def i8_layer(n: int, k: int, block: int, float16_scales: bool, bias: bool = False, seed: int = 0) -> QuantLinear:
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.rand(n, k // block, generator=g) * 0.002 + 1e-4
+    if float16_scales:
+        scales = scales.half().float()
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    return QuantLinear.from_i8(codes, scales, block, torch.randn(n, generator=g) if bias else None)
+
+
+LAYERS = {
+    "u4_f16": lambda n, k, bias=False: u4_layer(n, k, True, bias),
+    "u4_f32": lambda n, k, bias=False: u4_layer(n, k, False, bias),
+    "i8_32_f16": lambda n, k, bias=False: i8_layer(n, k, 32, True, bias),
+    "i8_16_f32": lambda n, k, bias=False: i8_layer(n, k, 16, False, bias),
+}
+
+
+def error_bound(layer: QuantLinear, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """What the int8 activations, the float32 sums and the output's rounding may cost, per element."""
+    xf = x.double()
+    rows, k = xf.shape
+    block_max = xf.abs().view(rows, k // 32, 32).amax(dim=2)
+    half_step = (block_max / 127 / 2 * (1 + 2**-20)).repeat_interleave(32, dim=1)
+    w_abs = layer.dequantize().double().abs()
+    activation = half_step @ w_abs.T
+    float32_sums = (k // 32 + 4) * 2**-23 * ((xf.abs() + half_step) @ w_abs.T)
+    if layer.bias is not None:
+        float32_sums += 2**-23 * layer.bias.double().abs()
+    within = activation + float32_sums
+    output = 2**-9 * (reference.abs() + within) if x.dtype == torch.bfloat16 else 0
+    return within + output
+
+
+def reference(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    y = x.double() @ layer.dequantize().double().T
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("layout", list(LAYERS))
+@pytest.mark.parametrize("k", [576, 640, 2048])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_kernel_path_is_within_its_activation_rounding_of_the_float32_reference(path, layout, k, dtype):
+    layer = LAYERS[layout](100, k, bias=k == 640)  # 100 columns: 6 panels of 16 and 4 over
+    layer.kernel_path = path
+    for rows in (1, 3, 32, 64, 300):
+        x = (torch.randn(rows, k) * torch.rand(rows, k).pow(4) * 4).to(dtype)  # blocks of uneven range
+        y = layer(x)
+        assert y.dtype == dtype and y.shape == (rows, 100)
+        ref = reference(layer, x)
+        excess = (y.double() - ref).abs() - error_bound(layer, x, ref)
+        assert excess.max() <= 0, f"{rows} rows: over the bound by {excess.max():.3g}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", list(LAYERS))
+def test_a_row_gives_the_same_bits_whatever_its_batch_and_the_thread_count(layout):
+    layer = LAYERS[layout](200, 576)
+    x = torch.randn(300, 576, dtype=torch.bfloat16)
+    whole = layer(x)
+    for row in (0, 5, 6, 299):
+        assert torch.equal(layer(x[row : row + 1]), whole[row : row + 1])
+    for begin, end in ((0, 64), (7, 39), (100, 300)):
+        assert torch.equal(layer(x[begin:end]), whole[begin:end])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_vnni
+@pytest.mark.parametrize("layout", list(LAYERS))
+def test_the_vnni_and_avx2_paths_give_the_same_bits(layout):
+    layer = LAYERS[layout](100, 640, bias=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(37, 640).to(dtype)
+        layer.kernel_path = "avx512_vnni"
+        vnni = layer(x)
+        layer.kernel_path = "avx2"
+        assert torch.equal(layer(x), vnni)
+
+
+AVX2_BUILD_SCRIPT = """
+import sys, torch
+from tests.test_quant_linear import LAYERS
+from gpu_worker.quant_linear import QuantLinear
+x = torch.load(sys.argv[1])
+layer = LAYERS["u4_f16"](100, 640, bias=True)
+assert layer.kernel_path == "avx2", layer.kernel_path
+torch.save([layer(x), LAYERS["i8_16_f32"](100, 640)(x)], sys.argv[2])
+"""
+
+
+@needs_vnni
+def test_the_avx2_build_gives_the_same_bits_as_the_avx512_build(tmp_path):
+    """torch's dispatch set to AVX2 makes cpu_kernels build (and cache) the AVX2 build, as on a Zen 3."""
+    x = torch.randn(9, 640, dtype=torch.bfloat16)
+    torch.save(x, tmp_path / "x.pt")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    res = subprocess.run(
+        [sys.executable, "-c", AVX2_BUILD_SCRIPT, str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    u4, i8 = torch.load(tmp_path / "y.pt")
+    assert torch.equal(u4, LAYERS["u4_f16"](100, 640, bias=True)(x))
+    assert torch.equal(i8, LAYERS["i8_16_f32"](100, 640)(x))
+
+
+def test_dequantize_gives_exactly_scale_times_code_plus_min():
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (37, 64), dtype=torch.uint8, generator=g)
+    for scales in (torch.rand(37, 2, generator=g).half().float(), torch.rand(37, 2, generator=g) / 3):
+        mins = -scales * 8  # Q4_0's min
+        layer = QuantLinear.from_u4(codes, scales, mins, None)
+        expected = scales.repeat_interleave(32, 1) * codes.float() + mins.repeat_interleave(32, 1)
+        assert torch.equal(layer.dequantize(), expected)
+    signed = torch.randint(-128, 128, (37, 64), dtype=torch.int8, generator=g)
+    for block in (16, 32):
+        for scales in (torch.rand(37, 64 // block, generator=g).half().float(), torch.rand(37, 64 // block) / 3):
+            layer = QuantLinear.from_i8(signed, scales, block, None)
+            assert torch.equal(layer.dequantize(), scales.repeat_interleave(block, 1) * signed.float())
+
+
+@pytest.mark.parametrize("layout", list(LAYERS))
+def test_rows_are_the_dequantized_weight_rows(layout):
+    layer = LAYERS[layout](70, 576)
+    ids = torch.tensor([0, 15, 16, 69, 3, 3])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(layer.rows(ids, dtype), layer.dequantize()[ids].to(dtype))
+    assert torch.equal(layer.rows(ids.view(2, 3), torch.float32), layer.dequantize()[ids])
+
+
+def test_resident_bytes_are_close_to_the_bits_of_the_format():
+    n, k = 64, 2048
+    bits = {name: make(n, k).packed.numel() * 8 / (n * k) for name, make in LAYERS.items()}
+    assert bits == {"u4_f16": 5.0, "u4_f32": 6.0, "i8_32_f16": 8.5, "i8_16_f32": 10.0}
+
+
+@pytest.mark.parametrize("layout", ["u4_f32", "i8_16_f32"])
+def test_the_torch_fallback_is_the_float32_matmul_of_the_dequantized_weights(layout):
+    layer = LAYERS[layout](50, 576, bias=True)
+    layer.kernel_path = ""
+    x = torch.randn(2, 3, 576)
+    expected = torch.nn.functional.linear(x, layer.dequantize(), layer.bias)
+    assert torch.equal(layer(x), expected)
+
+
+def test_malformed_weights_are_refused_with_the_shapes_in_the_message():
+    with pytest.raises(ValueError, match="k a multiple of 32"):
+        QuantLinear.from_u4(torch.zeros(4, 48, dtype=torch.uint8), torch.ones(4, 1), torch.ones(4, 1), None)
+    with pytest.raises(ValueError, match="block 16 or 32"):
+        QuantLinear.from_i8(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1), 64, None)
+    with pytest.raises(ValueError, match="codes int8"):
+        QuantLinear.from_i8(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2), 32, None)
+
+
+@needs_kernels
+def test_an_input_of_the_wrong_width_is_an_error_not_a_crash():
+    layer = LAYERS["u4_f16"](16, 64)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.trident.quant_linear(torch.randn(2, 96), layer.packed, None, 16, 0, 32, True, "auto")
+    with pytest.raises(RuntimeError):
+        layer(torch.randn(2, 96))
