@@ -30,6 +30,7 @@ when the CPU has it).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -37,7 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -99,8 +101,10 @@ class ElementwiseKernels:
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     """(x [tokens, heads, dim], cos, signed_sin [tokens, 1, dim]) -> the rotated x, contiguous."""
     rotary_write_kv: Callable[..., torch.Tensor]
-    """(qkv [tokens, (heads + 2 kv_heads) dim], cos, signed_sin, kv_cache, loc, heads, kv_heads)
-    -> the rotated q [tokens, heads, dim]; the rotated k and v written to kv_cache[loc]."""
+    """(qkv [tokens, (heads + 2 kv_heads) dim], cos, signed_sin, kv_cache, loc, heads, kv_heads[,
+    q_norm, k_norm, eps, unit_offset]) -> the rotated q [tokens, heads, dim]; the rotated k
+    and v written to kv_cache[loc]; with the norm weights, each q and k head RMS-normalised
+    first (Qwen3, Gemma 3)."""
 
 
 _built: bool | None = None
@@ -149,7 +153,9 @@ def _rotary_fake(x, cos, signed_sin):
     return x.new_empty(x.shape)
 
 
-def _rotary_write_kv_fake(qkv, cos, signed_sin, kv_cache, loc, heads, kv_heads):
+def _rotary_write_kv_fake(
+    qkv, cos, signed_sin, kv_cache, loc, heads, kv_heads, q_norm=None, k_norm=None, eps=0.0, unit_offset=False
+):
     return qkv.new_empty(qkv.shape[0], heads, kv_cache.shape[-1])
 
 
@@ -197,6 +203,22 @@ def _copy_sources(build_dir: str) -> list[str]:
     return [os.path.join(src, os.path.basename(path)) for path in SOURCES]
 
 
+@contextmanager
+def _exclusive_build(build_dir: str) -> Iterator[None]:
+    """One process at a time builds or loads from `build_dir`, under an flock that the OS
+    releases when its holder dies. torch's own build lock is a file (`lock`) that a builder
+    killed mid-build leaves behind, after which every later start waits for it forever; with
+    every builder under the flock, such a file found by its holder is stale, and removed."""
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "build.flock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing %s, left by a kernel build that was killed", stale)
+            os.remove(stale)
+        yield
+
+
 def _build() -> bool:
     global _built
     if _built is not None:
@@ -209,19 +231,20 @@ def _build() -> bool:
     try:
         build_dir = kernel_cache_dir(isa)
         logger.info("loading the C++ CPU kernels (%s, %s; the first build takes ~30 s)", isa, build_dir)
-        sources = _copy_sources(build_dir)
         if shutil.which("ninja") is None:  # an installed venv run without activating it holds ninja in its bin/
             os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-        cpp_extension.load(
-            name=f"trident_cpu_kernels_{isa.lower()}",
-            sources=sources,
-            extra_include_paths=[os.path.dirname(sources[0])],
-            extra_cflags=cflags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=build_dir,
-            is_python_module=False,
-            verbose=False,
-        )
+        with _exclusive_build(build_dir):
+            sources = _copy_sources(build_dir)
+            cpp_extension.load(
+                name=f"trident_cpu_kernels_{isa.lower()}",
+                sources=sources,
+                extra_include_paths=[os.path.dirname(sources[0])],
+                extra_cflags=cflags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=build_dir,
+                is_python_module=False,
+                verbose=False,
+            )
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:  # no compiler, a failed build
         if _required and isa in ISA_FLAGS:
             why = (str(e).strip().splitlines() or [repr(e)])[-1]

@@ -46,3 +46,19 @@ def test_the_opt_out_turns_a_failed_build_into_the_torch_fallback(tmp_path):
     res = load_kernels_in_a_fresh_process(tmp_path, required=False, compiler="/bin/false")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "fallback"
+
+
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ISA_FLAGS, reason="the kernels are made for AVX2 and AVX-512 CPUs"
+)
+def test_a_lock_left_by_a_killed_build_does_not_block_later_starts():
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    build_dir = kernel_cache_dir(torch.backends.cpu.get_cpu_capability())
+    os.makedirs(build_dir, exist_ok=True)
+    # What torch's build leaves when its process is SIGKILLed mid-build: its lock file.
+    with open(os.path.join(build_dir, "lock"), "w"):
+        pass
+    res = load_kernels_in_a_fresh_process(cache_home, required=True, compiler=os.environ.get("CXX", "c++"))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "loaded"
+    assert not os.path.exists(os.path.join(build_dir, "lock"))
