@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow, shifted_causal_mask
+from gpu_worker.host_staging import DeviceToHost, StepStaging
 from gpu_worker.sampler import SamplingTable
 from trident.wire.backend import BatchDescriptor
 from trident.wire.codec import unpack_int32
@@ -118,7 +119,7 @@ class BatchState:
         device: torch.device,
         ragged_decode: bool = False,
     ) -> None:
-        self.device = device
+        self.device = torch.device(device)
         self.ragged_decode = ragged_decode
         """The model's decode attention reads each row at its own length (the C++ kernel):
         a step whose rows each have one query needs no grouping by length, so they go in one
@@ -127,6 +128,9 @@ class BatchState:
         self.page_table = np.zeros((max_slots, max_pages_per_row), dtype=np.int64)
         self.row_lens_host = np.zeros(max_slots, dtype=np.int64)
         self.decoding = np.zeros(max_slots, dtype=bool)
+        self.staging = StepStaging(device)
+        """Each step's metadata arrays on their way to the device."""
+        self.readback = DeviceToHost(device)
         self.seq_lens = torch.zeros(max_slots, dtype=torch.int64, device=device)
         """Owned here: KV tokens per slot, on the device."""
         self.last_token = torch.zeros(max_slots, dtype=torch.int64, device=device)
@@ -293,20 +297,22 @@ class BatchState:
         )
 
     def forward_inputs(self, plan: StepPlan) -> ForwardInputs:
-        """The model's flat inputs and attention metadata for a plan."""
-        dev = self.device
+        """The model's flat inputs and attention metadata for a plan: every array staged into
+        the persistent host buffers and sent in one non-blocking copy per dtype (host_staging.py)."""
+        dev, staging = self.device, self.staging
+        staging.begin_step()
         starts = self.row_lens_host[plan.computing_slots]
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, plan.q_lens)])
         out_loc = self._pool_index(np.repeat(plan.computing_slots, plan.q_lens), positions)
-        input_ids = torch.from_numpy(plan.host_ids).to(dev)
+        input_ids = staging.stage(plan.host_ids, torch.int64)
         if plan.short_rows:
-            first = torch.tensor([o for o, _, _ in plan.short_rows], device=dev)
-            input_ids[first] = self.last_token[torch.tensor([s for _, _, s in plan.short_rows], device=dev)]
+            first = staging.stage([o for o, _, _ in plan.short_rows], torch.int64)
+            first_slots = staging.stage([s for _, _, s in plan.short_rows], torch.int64)
         rows = []
         for q_start, n, prefix, slot in plan.extend_rows:
-            kv = self._pool_index(np.full(prefix + n, slot), np.arange(prefix + n))
+            kv = staging.stage(self._pool_index(np.full(prefix + n, slot), np.arange(prefix + n)), torch.int64)
             mask = shifted_causal_mask(n, prefix, dev) if prefix else None
-            rows.append(ExtendRow(q_start, n, prefix, torch.from_numpy(kv).to(dev), mask))
+            rows.append(ExtendRow(q_start, n, prefix, kv, mask))
         short_rows = plan.short_rows
         if self.ragged_decode and short_rows and all(n == 1 for _, n, _ in short_rows):
             grouped = [list(range(len(short_rows)))]
@@ -314,13 +320,14 @@ class BatchState:
             grouped = group_by_length(self.row_lens_host[[s for _, _, s in short_rows]])
         alone = len(grouped) == 1 and not plan.extend_rows
         groups = [self._decode_group([short_rows[i] for i in members], alone) for members in grouped]
-        meta = AttentionMetadata(torch.from_numpy(out_loc).to(dev), groups, rows)
+        meta = AttentionMetadata(staging.stage(out_loc, torch.int64), groups, rows)
+        positions_dev = staging.stage(positions, torch.int64)
+        logits_indices = staging.stage(plan.logit_positions, torch.int64)
+        staging.flush()
+        if plan.short_rows:  # after the flush: this reads staged values on the device
+            input_ids[first] = self.last_token[first_slots]
         return ForwardInputs(
-            **vars(plan),
-            input_ids=input_ids,
-            positions=torch.from_numpy(positions).to(dev),
-            meta=meta,
-            logits_indices=torch.tensor(plan.logit_positions, dtype=torch.int64, device=dev),
+            **vars(plan), input_ids=input_ids, positions=positions_dev, meta=meta, logits_indices=logits_indices
         )
 
     def _pool_index(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -330,7 +337,6 @@ class BatchState:
     def _decode_group(self, rows: list[tuple[int, int, int]], alone: bool) -> DecodeGroup:
         """Padded query indices, key indices and the mask bias of rows batched together;
         `alone`: they are all the rows that compute this step."""
-        dev = self.device
         offsets = np.asarray([o for o, _, _ in rows])
         q_lens = np.asarray([n for _, n, _ in rows])
         slots = np.asarray([s for _, _, s in rows])
@@ -343,19 +349,16 @@ class BatchState:
         kv_idx = np.where(kv[None, :] < kv_lens[:, None], self._pool_index(slots[:, None], kv[None, :]), 0)
         # Query i of a row sits at position prefix+i and sees keys 0..prefix+i.
         visible = kv[None, None, :] <= (prefix[:, None, None] + np.minimum(q, q_lens[:, None] - 1)[:, :, None])
-        # Allocated in its final shape, so that its strides are those of any other bias of that
-        # shape (a view would give its size-1 dims stride 0; the compiled decode graphs are
-        # specialised on strides, compiled_decode.py).
-        bias = np.zeros((len(rows), 1, max_q, 1, len(kv)), dtype=np.float32)
-        bias[:, 0, :, 0, :] = np.where(visible, np.float32(0), np.float32(-np.inf))
+        bias = np.where(visible, np.float32(0), np.float32(-np.inf))
         # A plain decode step: one query per row, the rows in batch order.
         covers_batch = alone and max_q == 1 and bool((offsets == np.arange(len(rows))).all())
+        stage = self.staging.stage
         return DecodeGroup(
-            token_idx=torch.from_numpy(token_idx).to(dev),
-            q_valid=torch.from_numpy(q_valid).to(dev),
-            kv_indices=torch.from_numpy(kv_idx).to(dev),
-            kv_lens=torch.from_numpy(kv_lens.astype(np.int64)).to(dev),
-            bias=torch.from_numpy(bias).to(dev),
+            token_idx=stage(token_idx, torch.int64, token_idx.shape),
+            q_valid=stage(q_valid, torch.bool, q_valid.shape),
+            kv_indices=stage(kv_idx, torch.int64, kv_idx.shape),
+            kv_lens=stage(kv_lens, torch.int64),
+            bias=stage(bias, torch.float32, (len(rows), 1, max_q, 1, len(kv))),
             covers_batch=covers_batch,
         )
 
@@ -372,11 +375,12 @@ class BatchState:
         slots_arr = np.fromiter(grow.keys(), dtype=np.int64, count=len(grow))
         lens_arr = np.fromiter(grow.values(), dtype=np.int64, count=len(grow))
         self.row_lens_host[slots_arr] += lens_arr
-        self.seq_lens[torch.from_numpy(slots_arr).to(self.device)] += torch.from_numpy(lens_arr).to(self.device)
-        if inputs.sampling_slots:
-            self.last_token[torch.tensor(inputs.sampling_slots, device=self.device)] = torch.tensor(
-                last, device=self.device
-            )
+        stage = self.staging.stage
+        slots_dev, lens_dev = stage(slots_arr, torch.int64), stage(lens_arr, torch.int64)
+        sampling_dev, last_dev = stage(inputs.sampling_slots, torch.int64), stage(last, torch.int64)
+        self.staging.flush()
+        self.seq_lens.index_add_(0, slots_dev, lens_dev)  # slots are distinct: the same as +=
+        self.last_token.index_copy_(0, sampling_dev, last_dev)
         for slot in inputs.finishing_prefill_slots:
             self.decoding[slot] = True
 
@@ -390,10 +394,11 @@ class BatchState:
             )
 
     def copy_seq_lens_to_host(self, for_debug_check: bool = False) -> np.ndarray:
-        """A device-to-host copy of seq_lens in batch order; every call is counted."""
+        """seq_lens in batch order on the host; every call is counted. One non-blocking copy
+        of the whole table into a pinned buffer and one event wait (host_staging.py): no
+        index to send over, the batch order is applied on the host."""
         if for_debug_check:
             self.seq_lens_debug_copies += 1
         else:
             self.seq_lens_d2h_copies += 1
-        order = torch.tensor(self.order, dtype=torch.int64, device=self.device)
-        return self.seq_lens[order].to("cpu", dtype=torch.int32).numpy()
+        return self.readback.fetch(self.seq_lens)[self.order].astype(np.int32)

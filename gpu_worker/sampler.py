@@ -1,20 +1,23 @@
 """Sampling on the worker, vectorised over the rows that sample this step.
 
 Per-row parameters live in `SamplingTable`, indexed by slot: written when a request
-joins, read each step. Penalties use per-slot token counts that the table keeps
-current. A row with a seed draws from its own generator, so its tokens do not depend on
-what else shares the batch. A row under a grammar has its matcher in the table's
-`GrammarTable` (grammar.py): its mask is applied last, after penalties and `logit_bias`,
-and the matcher advances on the token the row sampled.
+joins, read each step and sent to the device as one staged array (`RowParams`), so no
+step launches a kernel per row. Penalties use per-slot token counts that the table keeps
+current. A row with a seed draws its noise from a hash of (seed, tokens generated, token
+id), so its tokens do not depend on what else shares the batch. A row under a grammar
+has its matcher in the table's `GrammarTable` (grammar.py): its mask is applied last,
+after penalties and `logit_bias`, and the matcher advances on the token the row sampled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from gpu_worker.grammar import GrammarTable
+from gpu_worker.host_staging import StepStaging
 from trident.wire.backend import RowLogprobs
 from trident.wire.frontend import SamplingParams
 
@@ -22,7 +25,7 @@ NEG_INF = float("-inf")
 
 
 class SamplingTable:
-    """Per-slot sampling state: parameters, generated-token counts, seeded generators."""
+    """Per-slot sampling state: parameters, generated-token counts, penalty tables, grammars."""
 
     def __init__(self, max_slots: int, vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
         self.device = device
@@ -30,11 +33,13 @@ class SamplingTable:
         self.eos_token_ids = eos_token_ids
         self.params: list[SamplingParams | None] = [None] * max_slots
         self.generated = [0] * max_slots
-        self.generators: list[torch.Generator | None] = [None] * max_slots
+        self.staging = StepStaging(device)
+        """Each step's per-row parameters on their way to the device (RowParams)."""
         # Allocated on first use: most workloads never set a penalty.
         self.output_counts: torch.Tensor | None = None
         self.prompt_seen: torch.Tensor | None = None
         self._max_slots = max_slots
+        self._token_hashes: torch.Tensor | None = None
         self.bf16_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
         """The C++ greedy argmax for bf16 logits on CPU (cpu_kernels.py), set by the worker."""
         self.grammars: GrammarTable | None = None
@@ -45,11 +50,6 @@ class SamplingTable:
         if self.grammars is not None:
             self.grammars.add(slot, params.grammar, generated_ids)
         self.generated[slot] = len(generated_ids)
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
-        self.generators[slot] = gen
         if _uses_penalties(params):
             self._ensure_penalty_tables()
             self.output_counts[slot].zero_()
@@ -60,24 +60,31 @@ class SamplingTable:
 
     def remove(self, slot: int) -> None:
         self.params[slot] = None
-        self.generators[slot] = None
         if self.grammars is not None:
             self.grammars.remove(slot)
 
-    def note_prompt_tokens(self, slot: int, token_ids: torch.Tensor) -> None:
+    def note_prompt_tokens(self, slot: int, token_ids: np.ndarray) -> None:
+        """A prompt chunk of `slot`; only a row with penalties sends it to the device."""
         if self.prompt_seen is not None and _uses_penalties(self.params[slot]):
-            self.prompt_seen[slot, token_ids] = True
+            self.prompt_seen[slot, torch.from_numpy(token_ids.astype(np.int64)).to(self.device)] = True
 
-    def note_sampled(self, slots: list[int], tokens: torch.Tensor) -> None:
+    def note_sampled(self, slots: list[int], tokens: torch.Tensor, slots_dev: torch.Tensor | None) -> None:
+        """`slots_dev`: `slots` on the device (RowParams.slots), given whenever penalty
+        tables exist."""
         for s in slots:
             self.generated[s] += 1
         if self.grammars is not None and self.grammars.constrained(slots):
             for s, t in zip(slots, tokens.tolist()):
                 self.grammars.advance(s, t)
         if self.output_counts is not None:
-            idx = torch.tensor(slots, device=self.device)
+            assert slots_dev is not None
             ones = torch.ones(len(slots), dtype=torch.int32, device=self.device)
-            self.output_counts.index_put_((idx, tokens), ones, accumulate=True)
+            self.output_counts.index_put_((slots_dev, tokens), ones, accumulate=True)
+
+    def token_hashes(self) -> torch.Tensor:
+        if self._token_hashes is None:
+            self._token_hashes = hash_token_ids(self.vocab_size, self.device)
+        return self._token_hashes
 
     def _ensure_penalty_tables(self) -> None:
         if self.output_counts is None:
@@ -103,6 +110,83 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A 32-bit integer hash (lowbias32, from Wellons' hash-prospector) of values held in
+    int64, on Python ints or tensors alike. A product may wrap past int64 on a tensor; its
+    low 32 bits, all that is kept, are right either way."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_key(seed: int, generated: int) -> int:
+    """The 32-bit key of a seeded row's draw after `generated` tokens: its noise depends on
+    nothing else in the batch, and a request resumed with its tokens draws as it would have."""
+    seed &= (1 << 64) - 1
+    return _mix32((seed & _MASK32) ^ _mix32((seed >> 32) ^ _mix32(generated & _MASK32)))
+
+
+def hash_token_ids(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Each token id's hash, the per-token half of a seeded draw (computed once per table)."""
+    return _mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) + 0x9E3779B9)
+
+
+def seeded_exponentials(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] from each row's key and `hash_token_ids`, in one set of ops
+    for all rows."""
+    bits = _mix32(keys[:, None] ^ tokens[None, :]) >> 8  # 24 bits: a float32's exact range
+    return -torch.log((bits.float() + 0.5) * (1.0 / (1 << 24)))
+
+
+PARAM_COLUMNS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+
+
+class RowParams:
+    """One step's per-row sampling parameters on the device, sent in one staged copy per
+    dtype: no tensor per parameter, no kernel per row."""
+
+    def __init__(self, params: list[SamplingParams], slots: list[int], table: SamplingTable) -> None:
+        stage, vocab = table.staging.stage, table.vocab_size
+        table.staging.begin_step()
+        self.slots = stage(slots, torch.int64)
+        values = [
+            [p.temperature, p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p]
+            + [p.frequency_penalty, p.presence_penalty, p.repetition_penalty]
+            for p in params
+        ]
+        self.values = stage(values, torch.float32, (len(params), len(PARAM_COLUMNS)))
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+        self.bias_at = stage([[i for i, _, _ in bias], [t for _, t, _ in bias]], torch.int64, (2, len(bias)))
+        self.bias_values = stage([b for _, _, b in bias], torch.float32)
+        stops = [
+            (i, t)
+            for i, (s, p) in enumerate(zip(slots, params))
+            if table.generated[s] < p.min_new_tokens
+            for t in list(p.stop_token_ids) + ([] if p.ignore_eos else table.eos_token_ids)
+        ]
+        self.stops_at = stage([[i for i, _ in stops], [t for _, t in stops]], torch.int64, (2, len(stops)))
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        self.seeded_rows = stage(seeded, torch.int64)
+        self.seeded_keys = stage([row_key(params[i].seed, table.generated[slots[i]]) for i in seeded], torch.int64)
+        table.staging.flush()
+
+    def column(self, name: str) -> torch.Tensor:
+        return self.values[:, PARAM_COLUMNS.index(name)]
+
+
 def sample(
     logits: torch.Tensor,
     slots: list[int],
@@ -112,102 +196,86 @@ def sample(
     """logits [rows, vocab] in the model's dtype -> (token ids [rows] int64, per-row logprobs or []).
 
     A batch of plain greedy rows takes the argmax of the logits as they are (converting
-    them cannot change which is largest); anything else works on float32 logits.
+    them cannot change which is largest) and sends nothing to the device; anything else
+    works on float32 logits with the rows' parameters staged once (RowParams).
     `agree` makes the tensor-parallel ranks take one set of tokens (rank 0's) before any
     per-row state (penalty counts, logprobs, grammar matchers) is updated from them."""
     params = [table.params[s] for s in slots]
     all_greedy = all(p.temperature <= 0.0 for p in params)
-    if not all_greedy or any(p.logprobs or p.logit_bias or p.grammar or _uses_penalties(p) for p in params):
+    plain = all_greedy and not any(p.logprobs or p.logit_bias or p.grammar or _uses_penalties(p) for p in params)
+    plain = plain and not any(table.generated[s] < p.min_new_tokens for s, p in zip(slots, params))
+    rows = None if plain and table.output_counts is None else RowParams(params, slots, table)
+    if not plain:
         logits = logits.float()
     raw_logprobs = None
     if any(p.logprobs for p in params):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    logits = _apply_penalties(logits, slots, params, table)
-    logits = _apply_logit_bias(logits, params)
-    logits = _mask_eos_before_min_tokens(logits, slots, params, table)
+    if rows is not None:
+        logits = _apply_penalties(logits, rows, params, table)
+        logits = _apply_logit_bias_and_stops(logits, rows)
     constrained = table.grammars.constrained(slots) if table.grammars is not None else []
     if constrained:
         logits = table.grammars.apply_masks(logits, slots, constrained)
 
     tokens = table.argmax(logits)
     if not all_greedy:
-        greedy = torch.tensor([p.temperature <= 0.0 for p in params], device=logits.device)
-        temps = torch.tensor([max(p.temperature, 1e-6) for p in params], device=logits.device)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
-        probs = _filter_top_k_top_p_min_p(probs, params)
-        sampled = _draw(probs, slots, table)
-        tokens = torch.where(greedy, tokens, sampled)
+        assert rows is not None
+        temperature = rows.column("temperature")
+        probs = torch.softmax(logits / temperature.clamp_min(1e-6)[:, None], dim=-1)
+        probs = _filter_top_k_top_p_min_p(probs, rows, params)
+        tokens = torch.where(temperature <= 0.0, tokens, _draw(probs, rows, table))
     if agree is not None:
         tokens = agree(tokens)
-    table.note_sampled(slots, tokens)
+    table.note_sampled(slots, tokens, None if rows is None else rows.slots)
     return tokens, _gather_logprobs(raw_logprobs, tokens, params)
 
 
-def _apply_penalties(logits, slots, params, table: SamplingTable) -> torch.Tensor:
+def _apply_penalties(logits, rows: RowParams, params, table: SamplingTable) -> torch.Tensor:
     if table.output_counts is None or not any(_uses_penalties(p) for p in params):
         return logits
-    idx = torch.tensor(slots, device=logits.device)
-    counts = table.output_counts[idx].float()
-    freq = torch.tensor([p.frequency_penalty for p in params], device=logits.device)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=logits.device)[:, None]
-    rep = torch.tensor([p.repetition_penalty for p in params], device=logits.device)[:, None]
-    seen = (counts > 0) | table.prompt_seen[idx]
+    counts = table.output_counts[rows.slots].float()
+    freq, pres, rep = (rows.column(c)[:, None] for c in PARAM_COLUMNS[4:])
+    seen = (counts > 0) | table.prompt_seen[rows.slots]
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
     return logits - freq * counts - pres * (counts > 0).float()
 
 
-def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """OpenAI's logit_bias: each (token, bias) pair added to that row's logit."""
-    pairs = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
-    if not pairs:
+def _apply_logit_bias_and_stops(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """OpenAI's logit_bias (each (token, bias) pair added to its row's logit), then -inf on
+    the stop tokens of rows short of min_new_tokens: one indexed op each, for all rows."""
+    if rows.bias_at.shape[1] == 0 and rows.stops_at.shape[1] == 0:
         return logits
-    rows, tokens, biases = zip(*pairs)
     logits = logits.clone()
-    dev = logits.device
-    logits.index_put_(
-        (torch.tensor(rows, device=dev), torch.tensor(tokens, device=dev)),
-        torch.tensor(biases, dtype=logits.dtype, device=dev),
-        accumulate=True,
-    )
+    if rows.bias_at.shape[1]:
+        logits.index_put_((rows.bias_at[0], rows.bias_at[1]), rows.bias_values.to(logits.dtype), accumulate=True)
+    if rows.stops_at.shape[1]:
+        logits[rows.stops_at[0], rows.stops_at[1]] = NEG_INF
     return logits
 
 
-def _mask_eos_before_min_tokens(logits, slots, params, table: SamplingTable) -> torch.Tensor:
-    rows = [i for i, (s, p) in enumerate(zip(slots, params)) if table.generated[s] < p.min_new_tokens]
-    if not rows:
-        return logits
-    logits = logits.clone()
-    for i in rows:
-        stop_ids = list(params[i].stop_token_ids) + ([] if params[i].ignore_eos else table.eos_token_ids)
-        if stop_ids:
-            logits[i, stop_ids] = NEG_INF
-    return logits
-
-
-def _filter_top_k_top_p_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _filter_top_k_top_p_min_p(probs: torch.Tensor, rows: RowParams, params: list[SamplingParams]) -> torch.Tensor:
     if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
         return probs
-    dev = probs.device
     vocab = probs.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    top_k, top_p, min_p = (rows.column(c)[:, None] for c in ("top_k", "top_p", "min_p"))
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=dev)[None, :]
+    rank = torch.arange(vocab, device=probs.device)[None, :]
     cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank < top_k[:, None]) & (cum_before < top_p[:, None])
-    keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+    keep = (rank < top_k) & (cum_before < top_p)
+    keep &= sorted_probs >= min_p * sorted_probs[:, :1]
     keep[:, 0] = True  # the most likely token always survives
     sorted_probs = sorted_probs * keep
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def _draw(probs: torch.Tensor, slots: list[int], table: SamplingTable) -> torch.Tensor:
-    """Exponential-race sampling: argmax(p / E), E ~ Exp(1), per-row generator if seeded."""
-    noise = torch.empty_like(probs)
-    for i, s in enumerate(slots):
-        noise[i].exponential_(generator=table.generators[s])
+def _draw(probs: torch.Tensor, rows: RowParams, table: SamplingTable) -> torch.Tensor:
+    """Exponential-race sampling: argmax(p / E), E ~ Exp(1). Unseeded rows take E from
+    torch's generator, seeded rows from their keys (seeded_exponentials): two ops for the
+    whole batch, none per row."""
+    noise = torch.empty_like(probs).exponential_()
+    if rows.seeded_rows.numel():
+        noise[rows.seeded_rows] = seeded_exponentials(rows.seeded_keys, table.token_hashes())
     return (probs / noise).argmax(dim=-1)
 
 

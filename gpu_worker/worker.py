@@ -111,9 +111,7 @@ class Worker(WorkerLoop):
             logger.info("%s", self.plan.describe())
 
         t0 = time.monotonic()
-        model = LlamaForCausalLM(self.cfg, self.plan, self.tp)
-        model.load_weights(iter_weights(args.model_path, self.cfg))
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model = self.load_model(args.model_path)
         self.model.rope.to(dtype=torch.float32)
         if args.weight_dtype == "int8":
             check_int8_supported(self.device, self.dtype)
@@ -166,6 +164,13 @@ class Worker(WorkerLoop):
         )
         self.open_sockets(ctx)
 
+    def load_model(self, model_path: str) -> LlamaForCausalLM:
+        """This rank's part of the model on the device in the worker's dtype, weights from the
+        checkpoint (benchmarks/gpu_check.py builds random weights on the device instead)."""
+        model = LlamaForCausalLM(self.cfg, self.plan, self.tp)
+        model.load_weights(iter_weights(model_path, self.cfg))
+        return model.to(device=self.device, dtype=self.dtype).eval()
+
     def summary(self) -> str:
         attention = "kernel" if self.model.decode_kernel is not None else "torch"
         return f"{self.dtype}, decode {'compiled' if self.compiled else 'eager'}, decode attention {attention}"
@@ -180,7 +185,7 @@ class Worker(WorkerLoop):
 
     def note_new_tokens(self, desc: BatchDescriptor, chunks: dict[int, tuple[np.ndarray, bool]]) -> None:
         for slot, (tokens, _) in chunks.items():
-            self.sampling.note_prompt_tokens(slot, torch.from_numpy(tokens.astype("int64")).to(self.device))
+            self.sampling.note_prompt_tokens(slot, tokens)
         if self.drafter:
             for add in desc.added:
                 self.drafter.reset_slot(add.slot)
@@ -206,7 +211,7 @@ class Worker(WorkerLoop):
             tokens, plain_logprobs = sample(
                 plain_logits, [inputs.sampling_slots[i] for i in plain], self.sampling, self.tp.broadcast
             )
-            for i, t in zip(plain, tokens.cpu().numpy()):
+            for i, t in zip(plain, self.state.readback.fetch(tokens)):
                 accepted[i] = t.reshape(1)
             if plain_logprobs:
                 logprobs = [None] * len(inputs.sampling_slots)
