@@ -16,6 +16,7 @@ head_dim**-0.5 (hidden/heads for the 62-layer 27B).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -23,10 +24,13 @@ import numpy as np
 
 from gpu_worker.families import UnsupportedModelError
 from gpu_worker.gguf_header import GGUFHeader, read_gguf_header, tensor_bytes
+from gpu_worker.gguf_repack import SUPPORTED, QuantWeights, repack
 from gpu_worker.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 GGUF_MODEL_TYPES = {
     "llama": "llama",
@@ -176,8 +180,17 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) of every tensor, dequantized (K-quants included)."""
+QUANTIZABLE_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+"""Hugging Face names of the weights `--weight-dtype gguf` keeps in the file's formats: the
+linear layers, the embedding and the LM head. Norms and biases are float tensors anyway."""
+
+
+def iter_gguf_weights(
+    path: str, cfg: ModelConfig, quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantWeights]]:
+    """(Hugging Face name, float32 tensor) of every tensor, dequantized (K-quants included).
+    `quantized`: the linear, embedding and LM-head weights in a format of gguf_repack.py's
+    table come as its U4/I8 weights instead; one outside it is dequantized, and logged."""
     import torch
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -186,15 +199,38 @@ def iter_gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.
     header = read_gguf_header(path)
     arch = gguf_arch(header, path)
     file = np.memmap(path, dtype=np.uint8, mode="r")
+    dense_fallbacks: dict[str, int] = {}
     for t in tqdm(header.tensors, desc="Loading GGUF weights", unit="tensor", leave=False):
         name = hf_name(arch, t.name)
         if name is None:
             raise UnsupportedModelError(f"{path}: tensor {t.name} has no place in the decoder")
-        data = dequantize(tensor_bytes(file, t), GGMLQuantizationType(t.ggml_type))
+        kind = GGMLQuantizationType(t.ggml_type)
+        data: np.ndarray | QuantWeights | None = None
+        if quantized and name.endswith(QUANTIZABLE_SUFFIXES) and len(t.shape) == 2:
+            data = repack(tensor_bytes(file, t), kind, t.shape)
+            if data is None:
+                dense_fallbacks[kind.name] = dense_fallbacks.get(kind.name, 0) + 1
+        if data is None:
+            data = dequantize(tensor_bytes(file, t), kind)
         if arch in _PERMUTED_QK_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
-            data = _unpermute_qk(data, cfg.num_heads)
+            data = _unpermute_rows(data, cfg.num_heads)
         elif arch in _PERMUTED_QK_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
-            data = _unpermute_qk(data, cfg.num_kv_heads)
+            data = _unpermute_rows(data, cfg.num_kv_heads)
         elif arch == "gemma3" and name.endswith("norm.weight"):
             data = data - 1.0
-        yield name, torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
+        if isinstance(data, np.ndarray):
+            yield name, torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
+        else:
+            yield name, data
+    if dense_fallbacks:
+        logger.warning(
+            "--weight-dtype gguf: %s dequantized to dense (formats served as shipped: %s)",
+            ", ".join(f"{n} {kind} tensors" for kind, n in sorted(dense_fallbacks.items())),
+            ", ".join(SUPPORTED),
+        )
+
+
+def _unpermute_rows(data: np.ndarray | QuantWeights, n_heads: int) -> np.ndarray | QuantWeights:
+    if isinstance(data, np.ndarray):
+        return _unpermute_qk(data, n_heads)
+    return data.map_rows(lambda rows: np.ascontiguousarray(_unpermute_qk(rows, n_heads)))

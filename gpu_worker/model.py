@@ -23,6 +23,7 @@ from gpu_worker.attention import AttentionMetadata, paged_attention
 from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
 from gpu_worker.cpu_kernels import Bf16LinearKernel, DecodeKernel, ElementwiseKernels
 from gpu_worker.flat_decode import FlatDecodeLoop
+from gpu_worker.gguf_layers import QuantizedParts, narrow, pad_rows, stacked_linear
 from gpu_worker.int8_weights import Int8Linear
 from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
@@ -226,6 +227,10 @@ class LlamaForCausalLM(nn.Module):
         self._flat_decode: FlatDecodeLoop | None = None
         """Built at the first step that takes it, from the modules as they are then;
         dropped whenever the kernels or the linear layers change."""
+        self.quantized_parts = QuantizedParts()
+        """Weights loaded in a GGUF's own formats, waiting for install_quantized_weights."""
+        self.quantized_embedding: nn.Module | None = None
+        """The embedding as a QuantLinear read by rows (gguf_layers.py); None: embed_tokens."""
 
     def compile_decode(self) -> None:
         self.decode_layer = compile_layer(len({layer.self_attn.window for layer in self.layers}))
@@ -280,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Runs the flat token batch; returns the logits (in the model's dtype: the sampler
         converts them when it needs float32) of the rows in logits_indices."""
-        x = self.tp.embed(input_ids, self.embed_tokens.weight, self.plan.vocab)
+        x = self.tp.embed(input_ids, self._embedding_rows, self.plan.vocab)
         if self.cfg.quirks.embed_scale:
             x = x * torch.tensor(self.cfg.hidden_size**0.5).to(x.dtype)  # float32, then the dtype: Gemma's rounding
         meta.prepare_gather(self.plan.num_kv_heads, self.gather_kv_heads, self.decode_kernel)
@@ -298,6 +303,31 @@ class LlamaForCausalLM(nn.Module):
         if cap := self.cfg.final_logit_softcap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def _embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized_embedding is None:
+            return F.embedding(ids, self.embed_tokens.weight)
+        return self.quantized_embedding.rows(ids, self.norm.weight.dtype)
+
+    def install_quantized_weights(self) -> None:
+        """The weights load_weights kept in the file's formats, as QuantLinear layers
+        (gguf_layers.py); call after the cast to the activation dtype (which would cast
+        their scales). A tied head and the embedding share one."""
+        modules = dict(self.named_modules())
+        for name in list(self.quantized_parts.parts):
+            path = name.removesuffix(".weight")
+            parent_path, _, attr = path.rpartition(".")
+            old = modules[path]
+            rows = self.plan.vocab_rows if attr == "embed_tokens" else old.out_features
+            bias = getattr(old, "bias", None)
+            layer = stacked_linear(self.quantized_parts.pop_stacked(name, rows), None if bias is None else bias.data)
+            if attr == "embed_tokens":
+                self.quantized_embedding = layer
+                if self.lm_head is None:
+                    self.lm_head = layer
+            else:
+                setattr(modules[parent_path] if parent_path else self, attr, layer)
+        self._flat_decode = None
 
     def quantize_weights_int8(self) -> None:
         """Every linear layer and the LM head to weight-only int8 (int8_weights.py); call
@@ -345,6 +375,7 @@ class LlamaForCausalLM(nn.Module):
         row_parallel = {"o_proj": heads, "down_proj": inter_slice}  # sliced along the input dim
         vocab = (plan.vocab[0], plan.vocab[1] - plan.vocab[0])
         loaded: set[str] = set()
+        dense: set[str] = set()
         for name, tensor in weights:
             # Gemma 3's multimodal checkpoints hold the decoder under language_model.
             name = name.removeprefix("model.").removeprefix("language_model.").removeprefix("model.")
@@ -355,18 +386,21 @@ class LlamaForCausalLM(nn.Module):
             ):
                 continue
             parts = name.split(".")
+            offset = 0
             if len(parts) >= 2 and parts[-2] in fused:
                 target, offset, (start, length) = fused[parts[-2]]
                 name = ".".join(parts[:-2] + [target, parts[-1]])
-                tensor = tensor.narrow(0, start, length)
-                dst = params[name].data.narrow(0, offset, length)
+                tensor = narrow(tensor, 0, start, length)
+                dst = None if name in self.quantized_parts else params[name].data.narrow(0, offset, length)
             elif len(parts) >= 2 and parts[-2] in row_parallel and parts[-1] == "bias" and name in params:
                 # The all-reduce sums the ranks' outputs: one rank adds the bias.
                 tensor = tensor if plan.rank == 0 else torch.zeros_like(tensor)
                 dst = params[name].data
             elif len(parts) >= 2 and parts[-2] in row_parallel and name in params:
-                tensor = tensor.narrow(1, *row_parallel[parts[-2]])
+                tensor = narrow(tensor, 1, *row_parallel[parts[-2]])
                 dst = params[name].data
+            elif name in ("embed_tokens.weight", "lm_head.weight") and not isinstance(tensor, torch.Tensor):
+                tensor, dst = pad_rows(narrow(tensor, 0, *vocab), plan.vocab_rows), None
             elif name in ("embed_tokens.weight", "lm_head.weight") and name in params:
                 tensor = tensor.narrow(0, *vocab)
                 dst = params[name].data.narrow(0, 0, vocab[1])  # rows past the vocabulary stay zero
@@ -375,7 +409,16 @@ class LlamaForCausalLM(nn.Module):
                 dst = params[name].data
             else:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            dst.copy_(tensor.to(dst.dtype))
+            if isinstance(tensor, torch.Tensor):
+                if name in self.quantized_parts:
+                    raise ValueError(f"{name}: its parts mix quantized and dense formats; use --weight-dtype bf16")
+                dst.copy_(tensor.to(dst.dtype))
+                dense.add(name)
+            else:
+                if name in dense:
+                    raise ValueError(f"{name}: its parts mix quantized and dense formats; use --weight-dtype bf16")
+                self.quantized_parts.add(name, offset, tensor)
+                params[name].data = torch.empty(0)  # never written: no dense copy (gguf_layers.py)
             loaded.add(name)
         missing = set(params) - loaded
         if missing:

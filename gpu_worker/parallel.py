@@ -35,11 +35,11 @@ import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from gpu_worker.model_config import ModelConfig
 
@@ -179,12 +179,15 @@ class TPGroup:
             dist.all_reduce(x, group=self.device_group)
         return x
 
-    def embed(self, ids: torch.Tensor, weight: torch.Tensor, vocab: tuple[int, int]) -> torch.Tensor:
-        """Vocabulary-parallel lookup: rows this rank does not hold contribute zeros."""
+    def embed(
+        self, ids: torch.Tensor, rows: Callable[[torch.Tensor], torch.Tensor], vocab: tuple[int, int]
+    ) -> torch.Tensor:
+        """Vocabulary-parallel lookup: `rows(local ids)` gives this rank's embedding rows (a
+        dense table or a quantized one); rows this rank does not hold contribute zeros."""
         if self.size == 1:
-            return F.embedding(ids, weight)
+            return rows(ids)
         mine = (ids >= vocab[0]) & (ids < vocab[1])
-        out = F.embedding(torch.where(mine, ids - vocab[0], 0), weight)
+        out = rows(torch.where(mine, ids - vocab[0], 0))
         out.masked_fill_(~mine.unsqueeze(-1), 0)
         return self.all_reduce(out)
 

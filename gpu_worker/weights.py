@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
+from gpu_worker.gguf_repack import QuantWeights
 from gpu_worker.gguf_weights import gguf_config, iter_gguf_weights
 from gpu_worker.model_config import ModelConfig
 
@@ -49,7 +50,12 @@ def _generation_eos_ids(path: str) -> set[int]:
     return set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
 
 
-def iter_weights(model_path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    model_path: str, cfg: ModelConfig, quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantWeights]]:
+    """`quantized` (a GGUF only): the file's own formats for the weights gguf_weights.py keeps so."""
     if model_path.endswith(".gguf"):
-        return iter_gguf_weights(model_path, cfg)
+        return iter_gguf_weights(model_path, cfg, quantized)
+    if quantized:
+        raise ValueError(f"--weight-dtype gguf needs a .gguf model, not {model_path}")
     return iter_safetensors_weights(model_path)

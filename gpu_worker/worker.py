@@ -11,6 +11,7 @@ together inside the forward, and rank 0's sampled tokens are broadcast (parallel
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ from gpu_worker.cpu_kernels import (
     require_kernels,
     wants_decode_kernel,
 )
+from gpu_worker.gguf_layers import weights_left_uninitialised
 from gpu_worker.grammar import GrammarTable
 from gpu_worker.int8_weights import check_supported as check_int8_supported
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
@@ -58,8 +60,21 @@ def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     if device.type == "cuda" or "AVX512" in torch.backends.cpu.get_cpu_capability():
         return torch.bfloat16
-    widening = args.linear_weights == "auto" and args.weight_dtype == "auto" and load_widening_bf16_linear() is not None
+    widening = args.linear_weights == "auto" and args.weight_dtype != "int8" and load_widening_bf16_linear() is not None
     return torch.bfloat16 if widening else torch.float32
+
+
+def resolve_weight_dtype(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> str:
+    """`--weight-dtype auto`: bf16, weights dequantized into --dtype (README says why);
+    --dtype float32 stays the exact path the parity tests use."""
+    gguf_input = args.model_path.endswith(".gguf")
+    if args.weight_dtype == "gguf":
+        if not gguf_input:
+            raise ValueError(f"--weight-dtype gguf serves a .gguf file's own formats; {args.model_path} is not one")
+        if device.type != "cpu":
+            raise ValueError("--weight-dtype gguf runs on --device cpu (csrc/quant_linear.cpp)")
+        return "gguf"
+    return "bf16" if args.weight_dtype == "auto" else args.weight_dtype
 
 
 def kv_pool_tokens(
@@ -111,9 +126,13 @@ class Worker(WorkerLoop):
             logger.info("%s", self.plan.describe())
 
         t0 = time.monotonic()
-        self.model = self.load_model(args.model_path)
+        self.weight_dtype = resolve_weight_dtype(args, self.device, self.dtype)
+        quantized = self.weight_dtype == "gguf"
+        self.model = self.load_model(args.model_path, quantized)
         self.model.rope.to(dtype=torch.float32)
-        if args.weight_dtype == "int8":
+        if quantized:
+            self.model.install_quantized_weights()
+        elif self.weight_dtype == "int8":
             check_int8_supported(self.device, self.dtype)
             self.model.quantize_weights_int8()
         elif wants_packed_linear(args.linear_weights, self.device, self.dtype):
@@ -124,7 +143,14 @@ class Worker(WorkerLoop):
                 self.model.widen_linear_weights(kernel)
             else:
                 logger.warning("bf16 on a CPU without bf16 arithmetic, and no AVX2 kernel: matmuls are slow")
-        logger.info("loaded %s in %.1f s (%s, %s)", args.model_path, time.monotonic() - t0, self.dtype, self.device)
+        logger.info(
+            "loaded %s in %.1f s (%s, weights %s, %s)",
+            args.model_path,
+            time.monotonic() - t0,
+            self.dtype,
+            self.weight_dtype,
+            self.device,
+        )
 
         # Every rank must hold the same pages: the scheduler allocates from one pool.
         pool_tokens = self.tp.agree_min(kv_pool_tokens(args, self.cfg, self.dtype, self.device, self.plan.num_kv_heads))
@@ -164,16 +190,18 @@ class Worker(WorkerLoop):
         )
         self.open_sockets(ctx)
 
-    def load_model(self, model_path: str) -> LlamaForCausalLM:
+    def load_model(self, model_path: str, quantized: bool) -> LlamaForCausalLM:
         """This rank's part of the model on the device in the worker's dtype, weights from the
         checkpoint (benchmarks/gpu_check.py builds random weights on the device instead)."""
-        model = LlamaForCausalLM(self.cfg, self.plan, self.tp)
-        model.load_weights(iter_weights(model_path, self.cfg))
+        with weights_left_uninitialised() if quantized else contextlib.nullcontext():
+            model = LlamaForCausalLM(self.cfg, self.plan, self.tp)
+        model.load_weights(iter_weights(model_path, self.cfg, quantized))
         return model.to(device=self.device, dtype=self.dtype).eval()
 
     def summary(self) -> str:
         attention = "kernel" if self.model.decode_kernel is not None else "torch"
-        return f"{self.dtype}, decode {'compiled' if self.compiled else 'eager'}, decode attention {attention}"
+        compiled = "compiled" if self.compiled else "eager"
+        return f"{self.dtype}, weights {self.weight_dtype}, decode {compiled}, decode attention {attention}"
 
     def agree_on_step(self, step_id: int, failed: bool) -> str | None:
         return self.tp.check_step(step_id, failed=failed)

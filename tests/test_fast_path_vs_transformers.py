@@ -106,8 +106,9 @@ def reference_logits(path: str, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0]
 
 
-def teacher_forced_logits(path: str, ids: list[int], monkeypatch) -> torch.Tensor:
-    """Logits predicting ids[PROMPT_TOKENS:], each from a decode step of the default worker."""
+def teacher_forced_logits(path: str, ids: list[int], monkeypatch, weight_dtype: str = "bf16") -> torch.Tensor:
+    """Logits predicting ids[PROMPT_TOKENS:], each from a decode step of the default worker
+    (with `weight_dtype`: bf16, the weights dequantized at load; gguf, the file's formats)."""
     from gpu_worker.flat_decode import FlatDecodeLoop
     from gpu_worker.worker import Worker
 
@@ -115,7 +116,13 @@ def teacher_forced_logits(path: str, ids: list[int], monkeypatch) -> torch.Tenso
     real_run = FlatDecodeLoop.run
     monkeypatch.setattr(FlatDecodeLoop, "run", lambda self, *a: flat_runs.append(1) or real_run(self, *a))
 
-    args = ServerArgs(model_path=path, max_total_tokens=4096, max_running_requests=4, run_dir=tempfile.mkdtemp())
+    args = ServerArgs(
+        model_path=path,
+        weight_dtype=weight_dtype,
+        max_total_tokens=4096,
+        max_running_requests=4,
+        run_dir=tempfile.mkdtemp(),
+    )
     ctx = ChildContext(args, "worker", 0)
     try:
         worker = Worker(ctx)

@@ -98,9 +98,11 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str,
         Flag(
             MODEL,
-            "int8: linear layers as weight-only int8 with per-channel scales (CPU; faster at batch 1, "
-            "slower from ~8 running requests); auto: the same as --dtype",
-            choices=("auto", "int8"),
+            "weights of the linear layers, LM head and embedding. gguf: a GGUF's own block formats as "
+            "shipped (Q4_0/1, Q4_K, Q5_0, Q6_K, Q8_0; CPU); bf16: dequantized at load into --dtype; "
+            "int8: weight-only int8 with per-channel scales (CPU; faster at batch 1, slower from ~8 "
+            "running requests); auto: bf16 (README: the rule and why)",
+            choices=("auto", "gguf", "bf16", "int8"),
         ),
     ] = "auto"
     linear_weights: Annotated[
