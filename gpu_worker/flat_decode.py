@@ -45,8 +45,9 @@ class FlatLayer(NamedTuple):
 
     input_norm: torch.Tensor
     qkv_proj: RowsLinear
-    norm_qk: Callable[[torch.Tensor], torch.Tensor]
-    """Attention.norm_qk: per-head q/k norms where the family has them."""
+    qk_norm_args: tuple[torch.Tensor, torch.Tensor, float, bool] | tuple[()]
+    """Attention.qk_norm_args: the per-head q/k norms rotary_write_kv applies, where the
+    family has them."""
     o_proj: RowsLinear
     post_attention_norm: torch.Tensor
     """LLaMA: the MLP's input norm; sandwich norms: the norm of the attention output."""
@@ -70,7 +71,7 @@ class FlatLayer(NamedTuple):
         return cls(
             layer.input_layernorm.weight,
             rows_linear(attn.qkv_proj),
-            attn.norm_qk,
+            attn.qk_norm_args(),
             rows_linear(attn.o_proj),
             layer.post_attention_layernorm.weight,
             None if pre_ffn is None else pre_ffn.weight,
@@ -120,9 +121,10 @@ class FlatDecodeLoop:
                 h = ops.rms_norm(x, layer.input_norm, eps, unit)
             else:
                 x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps, unit)
-            qkv = layer.norm_qk(layer.qkv_proj(h))
+            qkv = layer.qkv_proj(h)
             cos, signed_sin = rotary_tables[layer.rope]
-            q = ops.rotary_write_kv(qkv, cos, signed_sin, kv_cache, loc, self.num_heads, self.num_kv_heads)
+            heads, kv_heads = self.num_heads, self.num_kv_heads
+            q = ops.rotary_write_kv(qkv, cos, signed_sin, kv_cache, loc, heads, kv_heads, *layer.qk_norm_args)
             out = paged_attention(q, None, None, kv_cache, meta, None, self.decode_kernel, layer.window, layer.scale)
             attn = layer.o_proj(out.reshape(-1, self.q_size))
             if layer.pre_feedforward_norm is None or layer.post_feedforward_norm is None:

@@ -114,14 +114,18 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """kv_cache: this layer's tensor of the pool (kv_pool.py)."""
-        qkv = self.norm_qk(self.qkv_proj(x))
+        qkv = self.qkv_proj(x)
         kernels = eager_kernels(self.kernels)
         if kernels is not None and not meta.extend_rows:
-            # A decode step reads K/V from the pool only: one op rotates q and writes the new
-            # K/V there, where the lines below take ~10 ops a layer.
-            q = kernels.rotary_write_kv(qkv, *rotary, kv_cache, meta.out_cache_loc, self.num_heads, self.num_kv_heads)
+            # A decode step reads K/V from the pool only: one op norms q and k (where the
+            # family does), rotates q and writes the new K/V there, where the lines below
+            # take ~10 ops a layer.
+            q = kernels.rotary_write_kv(
+                qkv, *rotary, kv_cache, meta.out_cache_loc, self.num_heads, self.num_kv_heads, *self.qk_norm_args()
+            )
             k = v = None
         else:
+            qkv = self.norm_qk(qkv)
             # q and k sit side by side in qkv: one rotary over both heads at once.
             qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
             qk = kernels.rotary(qk, *rotary) if kernels else apply_rotary(qk, rotary)
@@ -130,6 +134,12 @@ class Attention(nn.Module):
             write_kv(kv_cache, meta.out_cache_loc, k, v)
         out = paged_attention(q, k, v, kv_cache, meta, self.kv_head_map, self.decode_kernel, self.window, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+
+    def qk_norm_args(self) -> tuple[torch.Tensor, torch.Tensor, float, bool] | tuple[()]:
+        """rotary_write_kv's trailing arguments: the q and k norms, if the family has them."""
+        if self.q_norm is None or self.k_norm is None:
+            return ()
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset
 
     def norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv with each q and k head RMS-normalised (Qwen3, Gemma 3), before the rotary;

@@ -151,6 +151,34 @@ def test_rotary_write_kv_gives_the_rotary_q_and_writes_what_write_kv_writes(kern
     assert torch.equal(got_cache, want_cache)  # the new tokens' K/V, and nothing else touched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 19])
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["qwen3_norm", "gemma_norm"])
+def test_rotary_write_kv_with_qk_norms_equals_the_norm_ops_then_the_rotary(kernels, dtype, tokens, dim, unit_offset):
+    """Qwen3's and Gemma 3's per-head q/k norms inside the op: the bits of rms_norm on each
+    head, then the rotary and the write, as the modules did it in three ops and a cat."""
+    heads, kv_heads, pool = 8, 2, 50
+    qkv = (3 * torch.randn(tokens, (heads + 2 * kv_heads) * dim)).to(dtype)
+    tables = RotaryEmbedding(dim, 10000.0, 4096).tables(torch.randint(0, 4096, (tokens,)), dtype)
+    loc = torch.randperm(pool)[:tokens]
+    q_norm, k_norm = _torch_norm(dim, dtype, unit_offset), _torch_norm(dim, dtype, unit_offset)
+    want_cache = torch.randn(pool, 2, kv_heads, dim).to(dtype)
+    got_cache = want_cache.clone()
+    q_size, kv_size = heads * dim, kv_heads * dim
+    q = kernels.rms_norm(qkv[:, :q_size].reshape(-1, dim), q_norm.weight, q_norm.eps, unit_offset)
+    k = kernels.rms_norm(qkv[:, q_size : q_size + kv_size].reshape(-1, dim), k_norm.weight, k_norm.eps, unit_offset)
+    normed = torch.cat((q.view(tokens, q_size), k.view(tokens, kv_size), qkv[:, q_size + kv_size :]), dim=-1)
+    want_q = kernels.rotary_write_kv(normed, *tables, want_cache, loc, heads, kv_heads)
+    got_q = kernels.rotary_write_kv(
+        qkv, *tables, got_cache, loc, heads, kv_heads, q_norm.weight, k_norm.weight, q_norm.eps, unit_offset
+    )
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_cache, want_cache)
+    if unit_offset:  # and Gemma's norm is the torch module's, up to the last bit
+        assert_same_up_to_last_bit(q, q_norm(qkv[:, :q_size].reshape(-1, dim)))
+
+
 def test_rotary_write_kv_refuses_a_pool_index_out_of_range(kernels):
     qkv, cache = torch.randn(2, 5 * 8), torch.zeros(4, 2, 1, 8)
     tables = RotaryEmbedding(8, 10000.0, 64).tables(torch.tensor([0, 1]), torch.float32)

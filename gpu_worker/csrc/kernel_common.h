@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -63,6 +64,31 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x < -87.f ? 0.f : p * scale;
+}
+
+// One row's RMSNorm in the reference's rounding order, src and dst of `dim` values (they
+// may be the same): normalised in float32; LLaMA's weight * round(normed), or with
+// unit_offset Gemma's round(normed * (1 + weight)) in float32.
+template <typename storage_t>
+inline void rms_normalize_row(const storage_t* src, const storage_t* weight, storage_t* dst, int64_t dim, float eps,
+                              bool unit_offset) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < dim; ++i) {
+    const float v = widen(src[i]);
+    squares += v * v;
+  }
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+  if (unit_offset) {
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) dst[i] = round_to<storage_t>(widen(src[i]) * inv * (1.f + widen(weight[i])));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) {
+      const float normed = widen(round_to<storage_t>(widen(src[i]) * inv));
+      dst[i] = round_to<storage_t>(widen(weight[i]) * normed);
+    }
+  }
 }
 
 // The grain of an at::parallel_for over rows of `row_elements` elements: below ~16K elements

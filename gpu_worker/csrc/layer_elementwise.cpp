@@ -1,6 +1,7 @@
 // The elementwise steps of a decoder layer between its matmuls, one op each instead of
-// several: SwiGLU's silu(gate) * up (GeGLU's gelu_tanh(gate) * up for Gemma), the rotary embedding of q and k, and (in decode steps)
-// that rotary together with the write of the new K and V into the pool.
+// several: SwiGLU's silu(gate) * up (GeGLU's gelu_tanh(gate) * up for Gemma), the rotary
+// embedding of q and k, and (in decode steps) that rotary together with the per-head q/k
+// norms where the family has them and the write of the new K and V into the pool.
 //
 // In torch, SwiGLU is split + silu + mul and the rotary is mul + cat + mul + add over
 // sliced views: each op its own dispatch and OpenMP region, ~5-25 us apiece at decode
@@ -22,12 +23,15 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 namespace {
 
 using trident_kernels::bits_of;
 using trident_kernels::dispatch_float_dtype;
 using trident_kernels::exp_nonpositive;
+using trident_kernels::rms_normalize_row;
 using trident_kernels::round_to;
 using trident_kernels::rows_per_task;
 using trident_kernels::widen;
@@ -138,8 +142,14 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 // dim]; the rotated k and the v of token t go straight into kv_cache[loc[t]] ([pool tokens,
 // 2, kv_heads, dim]). In torch this is a rotary, five slices and views, a stack and an
 // index_copy_ (~10 ops a layer); the K bits are the rotary's.
+//
+// With q_norm and k_norm (Qwen3, Gemma 3: [dim] weights, in qkv's dtype), each q and k head
+// is RMS-normalised first, as rms_norm would (rounded to the dtype, then rotated): the same
+// bits without two norm ops, their slices and the cat that puts qkv back together.
 at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
-                           at::Tensor& kv_cache, const at::Tensor& loc, int64_t heads, int64_t kv_heads) {
+                           at::Tensor& kv_cache, const at::Tensor& loc, int64_t heads, int64_t kv_heads,
+                           const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                           double eps, bool unit_offset) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && kv_cache.dim() == 4 && kv_cache.is_contiguous() &&
                   kv_cache.size(1) == 2 && kv_cache.size(2) == kv_heads,
               "rotary_write_kv: qkv [tokens, (heads + 2 kv_heads) dim], kv_cache [pool, 2, kv_heads, dim]");
@@ -150,6 +160,16 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
   TORCH_CHECK(loc.dim() == 1 && loc.size(0) == tokens && loc.scalar_type() == at::kLong,
               "rotary_write_kv: loc, int64 [tokens]");
   check_tables(qkv, cos, signed_sin, tokens, dim, "rotary_write_kv");
+  const bool normed = q_norm.has_value() && q_norm->defined();
+  TORCH_CHECK(normed == (k_norm.has_value() && k_norm->defined()), "rotary_write_kv: q_norm and k_norm go together");
+  at::Tensor q_weight, k_weight;
+  if (normed) {
+    q_weight = q_norm->contiguous();
+    k_weight = k_norm->contiguous();
+    TORCH_CHECK(q_weight.numel() == dim && k_weight.numel() == dim && q_weight.scalar_type() == qkv.scalar_type() &&
+                    k_weight.scalar_type() == qkv.scalar_type(),
+                "rotary_write_kv: q_norm and k_norm [dim] in qkv's dtype");
+  }
   const at::Tensor cc = cos.contiguous(), sc = signed_sin.contiguous(), slots = loc.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t pool = kv_cache.size(0);
@@ -163,15 +183,28 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
     const storage_t* src = reinterpret_cast<const storage_t*>(qkv.data_ptr<element_t>());
     const storage_t* cos_t = bits_of<storage_t, element_t>(cc);
     const storage_t* sin_t = bits_of<storage_t, element_t>(sc);
+    const storage_t* q_w = normed ? bits_of<storage_t, element_t>(q_weight) : nullptr;
+    const storage_t* k_w = normed ? bits_of<storage_t, element_t>(k_weight) : nullptr;
     storage_t* q_out = bits_of<storage_t, element_t>(q);
     storage_t* pool_bits = bits_of<storage_t, element_t>(kv_cache);
+    const float norm_eps = static_cast<float>(eps);
     at::parallel_for(0, tokens, rows_per_task((heads + 2 * kv_heads) * dim), [&](int64_t begin, int64_t end) {
+      std::vector<storage_t> head(normed ? dim : 0);
+      // One head rotated into `dst`, from its normalised copy where the family norms it.
+      const auto rotate = [&](const storage_t* x, const storage_t* weight, const storage_t* c, const storage_t* s,
+                              storage_t* dst) {
+        if (weight != nullptr) {
+          rms_normalize_row(x, weight, head.data(), dim, norm_eps, unit_offset);
+          x = head.data();
+        }
+        rotate_head(x, c, s, dst, dim / 2);
+      };
       for (int64_t t = begin; t < end; ++t) {
         const storage_t* row = src + t * row_stride;
         const storage_t *c = cos_t + t * dim, *s = sin_t + t * dim;
         storage_t* entry = pool_bits + slot[t] * kv_token;  // K of every KV head, then V of every KV head
-        for (int64_t h = 0; h < heads; ++h) rotate_head(row + h * dim, c, s, q_out + (t * heads + h) * dim, dim / 2);
-        for (int64_t h = 0; h < kv_heads; ++h) rotate_head(row + (heads + h) * dim, c, s, entry + h * dim, dim / 2);
+        for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, q_w, c, s, q_out + (t * heads + h) * dim);
+        for (int64_t h = 0; h < kv_heads; ++h) rotate(row + (heads + h) * dim, k_w, c, s, entry + h * dim);
         std::copy_n(row + (heads + kv_heads) * dim, kv_heads * dim, entry + kv_heads * dim);
       }
     });
@@ -187,7 +220,7 @@ TORCH_LIBRARY_FRAGMENT(trident, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
   m.def(
       "rotary_write_kv(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor loc, int heads, "
-      "int kv_heads) -> Tensor");
+      "int kv_heads, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0., bool unit_offset=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(trident, CPU, m) {

@@ -29,6 +29,7 @@ namespace {
 
 using trident_kernels::bits_of;
 using trident_kernels::dispatch_float_dtype;
+using trident_kernels::rms_normalize_row;
 using trident_kernels::round_to;
 using trident_kernels::rows_per_task;
 using trident_kernels::widen;
@@ -48,24 +49,7 @@ void rms_norm_rows(const storage_t* x, const storage_t* delta, storage_t* sum, c
         for (int64_t i = 0; i < dim; ++i) sr[i] = round_to<storage_t>(widen(src[i]) + widen(dr[i]));
         src = sr;
       }
-      storage_t* dst = out + row * dim;
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < dim; ++i) {
-        const float v = widen(src[i]);
-        squares += v * v;
-      }
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
-      if (unit_offset) {
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) dst[i] = round_to<storage_t>(widen(src[i]) * inv * (1.f + widen(weight[i])));
-      } else {
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) {
-          const float normed = widen(round_to<storage_t>(widen(src[i]) * inv));
-          dst[i] = round_to<storage_t>(widen(weight[i]) * normed);
-        }
-      }
+      rms_normalize_row(src, weight, out + row * dim, dim, eps, unit_offset);
     }
   });
 }
