@@ -196,16 +196,18 @@ def sample(
     """logits [rows, vocab] in the model's dtype -> (token ids [rows] int64, per-row logprobs or []).
 
     A batch of plain greedy rows takes the argmax of the logits as they are (converting
-    them cannot change which is largest) and sends nothing to the device; anything else
+    them cannot change which is largest) and sends nothing to the device. Greedy rows that
+    need only their stop tokens masked (short of min_tokens) also keep the logits' dtype: a
+    float32 copy of a large vocabulary's logits costs many times the argmax. Anything else
     works on float32 logits with the rows' parameters staged once (RowParams).
     `agree` makes the tensor-parallel ranks take one set of tokens (rank 0's) before any
     per-row state (penalty counts, logprobs, grammar matchers) is updated from them."""
     params = [table.params[s] for s in slots]
     all_greedy = all(p.temperature <= 0.0 for p in params)
-    plain = all_greedy and not any(p.logprobs or p.logit_bias or p.grammar or _uses_penalties(p) for p in params)
-    plain = plain and not any(table.generated[s] < p.min_new_tokens for s, p in zip(slots, params))
+    greedy_as_is = all_greedy and not any(p.logprobs or p.logit_bias or p.grammar or _uses_penalties(p) for p in params)
+    plain = greedy_as_is and not any(table.generated[s] < p.min_new_tokens for s, p in zip(slots, params))
     rows = None if plain and table.output_counts is None else RowParams(params, slots, table)
-    if not plain:
+    if not greedy_as_is:
         logits = logits.float()
     raw_logprobs = None
     if any(p.logprobs for p in params):

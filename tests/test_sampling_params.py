@@ -369,3 +369,38 @@ def test_greedy_tokens_take_the_first_of_tied_maxima_as_argmax_does():
     logits[3, 2] = logits[3, 7]  # and one earlier in row 3
     assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
     assert greedy_tokens(logits)[0] == 7 and greedy_tokens(logits)[3] == 2
+
+
+def test_greedy_rows_short_of_min_tokens_mask_their_stop_tokens_in_the_logits_own_dtype():
+    """min_tokens (as benchmarks send it) needs only the stop tokens masked: the bf16 argmax
+    runs on the model's logits, and picks what the float32 path picks."""
+    from gpu_worker.cpu_kernels import load_greedy_argmax
+    from gpu_worker.sampler import SamplingTable, sample
+    from trident.wire.frontend import SamplingParams
+
+    vocab, eos = 4096, 5
+    logits = torch.randn(3, vocab).to(torch.bfloat16)
+    logits[:, eos] = 50.0  # EOS is every row's largest logit, stop token 9 the next
+    logits[:, 9] = 40.0
+    rows = [
+        SamplingParams(max_new_tokens=8, min_new_tokens=4),  # EOS masked
+        SamplingParams(max_new_tokens=8),  # nothing masked
+        SamplingParams(max_new_tokens=8, min_new_tokens=4, stop_token_ids=[9]),  # EOS and 9 masked
+    ]
+
+    def run(row_logits: torch.Tensor) -> tuple[list[int], list[torch.dtype]]:
+        table = SamplingTable(3, vocab, [eos], torch.device("cpu"))
+        kernel, seen = load_greedy_argmax(), []
+        assert kernel is not None, "the C++ kernels did not build"
+        table.bf16_argmax = lambda x: seen.append(x.dtype) or kernel(x)
+        for slot, params in enumerate(rows):
+            table.add(slot, params, [])
+        tokens, _ = sample(row_logits, [0, 1, 2], table)
+        return tokens.tolist(), seen
+
+    without_stops = logits[2].float()
+    without_stops[[eos, 9]] = float("-inf")
+    tokens, argmax_dtypes = run(logits)
+    assert tokens == [9, eos, int(without_stops.argmax())]
+    assert tokens == run(logits.float())[0]
+    assert argmax_dtypes == [torch.bfloat16]
