@@ -99,7 +99,10 @@ def make_worker(
     compile_decode: str = "off",
     decode_attention: str = "auto",
     linear_weights: str = "auto",
+    worker_class: type | None = None,
+    **server_args: object,
 ):
+    """A Worker (or `worker_class`) of these settings; `server_args`: any other ServerArgs field."""
     from gpu_worker.worker import Worker
 
     args = ServerArgs(
@@ -113,8 +116,9 @@ def make_worker(
         max_running_requests=max_running,
         run_dir=tempfile.mkdtemp(prefix="trident-bench-"),
         log_level="warning",
+        **server_args,
     )
-    return Worker(ChildContext(args, "worker", 0))
+    return (worker_class or Worker)(ChildContext(args, "worker", 0))
 
 
 def measure(worker, batch: int, prompt_len: int, steps: int, warmup: int) -> dict:
