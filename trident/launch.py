@@ -103,8 +103,23 @@ def ready_banner(args: ServerArgs) -> str:
     )
 
 
+def cuda_missing() -> str | None:
+    """Why `--device cuda` cannot run here, or None. torch is imported only when CUDA is
+    asked for (it costs every other start a second)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"--device cuda, but torch {torch.__version__} is a CPU-only build (README: 'On a GPU')"
+    return f"--device cuda, but torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    if ns.device == "cuda" and (why := cuda_missing()):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     if ns.tp_size < 1 or ns.dp_size < 1:
         print(f"error: --tp-size and --dp-size must be at least 1, not {ns.tp_size} and {ns.dp_size}", file=sys.stderr)
         return 2
