@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M GGUF")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--weight-dtype", default="auto", choices=["auto", "int8"])
+    p.add_argument("--weight-dtype", default="auto", choices=["auto", "gguf", "bf16", "int8"])
     p.add_argument("--compile", default="off", choices=["auto", "on", "off"], help="compiled decode steps")
     p.add_argument(
         "--ab-compile",
