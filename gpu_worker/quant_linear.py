@@ -20,7 +20,10 @@ the weights and runs a float32 matmul: correct, and slow.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.cpu_kernels import load_quant_linear
@@ -76,7 +79,17 @@ class QuantLinear(nn.Module):
         self.layout, self.block, self.scale_dtype = layout, block, scale_dtype
         self.out_features, self.in_features = shape
         self.kernel_path = load_quant_linear()
-        """"avx512_vnni" or "avx2": the kernel's path on this CPU; "": the torch fallback."""
+
+    @property
+    def kernel_path(self) -> str:
+        """ "avx512_vnni" or "avx2": the kernel's path on this CPU (the tests set the other one
+        too); "": the torch fallback."""
+        return self._kernel_path
+
+    @kernel_path.setter
+    def kernel_path(self, path: str) -> None:
+        self._kernel_path = path
+        self._rows = self.rows_fn()
 
     @classmethod
     def from_u4(
@@ -164,24 +177,20 @@ class QuantLinear(nn.Module):
         return self._unpack(self.packed[ids // PANEL_COLUMNS], ids % PANEL_COLUMNS).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.kernel_path:
-            y = torch.ops.trident.quant_linear(
-                flat,
-                self.packed,
-                self.bias,
-                self.out_features,
-                self.layout,
-                self.block,
-                self.scale_dtype == torch.float16,
-                self.kernel_path,
+        if x.dim() == 2:
+            return self._rows(x)
+        return self._rows(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+    def rows_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """forward on 2-D rows as a plain function (flat_decode.py): a decode step makes ~200
+        calls, and each attribute lookup and check in forward costs a few microseconds."""
+        packed, bias, n, layout, block = self.packed, self.bias, self.out_features, self.layout, self.block
+        if not self.kernel_path:
+            return lambda rows: F.linear(rows.float(), self.dequantize(), None if bias is None else bias.float()).to(
+                rows.dtype
             )
-        else:
-            y = torch.nn.functional.linear(
-                flat.float(), self.dequantize(), None if self.bias is None else self.bias.float()
-            )
-            y = y.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        op, half, path = torch.ops.trident.quant_linear.default, self.scale_dtype == torch.float16, self.kernel_path
+        return lambda rows: op(rows, packed, bias, n, layout, block, half, path)
 
     def extra_repr(self) -> str:
         kind = "U4" if self.layout == U4 else f"I8 block {self.block}"

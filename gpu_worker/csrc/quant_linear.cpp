@@ -84,12 +84,17 @@ bool cpu_has_avx512_vnni() {
 }
 
 // "avx512_vnni", "avx2" or "" (none in this build on this CPU): the path "auto" takes.
-std::string quant_linear_best_path() {
+std::string find_best_path() {
   if (cpu_has_avx512_vnni()) return "avx512_vnni";
 #ifdef __AVX2__
   if (cpu_has_avx2_fma()) return "avx2";
 #endif
   return "";
+}
+
+std::string quant_linear_best_path() {
+  static const std::string best = find_best_path();
+  return best;
 }
 
 int64_t code_bytes(int64_t layout, int64_t block) { return layout == kU4 ? block * 8 : block * 16; }
@@ -351,7 +356,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
   TORCH_CHECK(packed.size(0) == (n + kPanelColumns - 1) / kPanelColumns &&
                   block_bytes == code_bytes(layout, block) + scale_count * kPanelColumns * (half_scales ? 2 : 4),
               "quant_linear: packed weights of another shape or layout");
-  const std::string best = quant_linear_best_path();
+  static const std::string best = find_best_path();
   const bool vnni = path == "avx512_vnni" || (path == "auto" && best == "avx512_vnni");
   TORCH_CHECK(path == "auto" || path == "avx512_vnni" || path == "avx2", "quant_linear: path auto, avx512_vnni or avx2");
   TORCH_CHECK(!best.empty() && (!vnni || best == "avx512_vnni"), "quant_linear: the ", std::string(path),
@@ -359,17 +364,21 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   const at::Tensor xc = x.contiguous();
-  at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
-  at::Tensor scale = at::empty({rows, k / kActivationBlock}, x.options().dtype(at::kFloat));
-  at::Tensor sum16 = at::empty({rows, k / 16}, x.options().dtype(at::kInt));
+  // The quantized rows live in a buffer kept by the calling thread: a decode step makes ~200
+  // calls, and four allocations a call were a fifth of a small layer's time.
+  thread_local std::vector<int32_t> scratch;
+  const int64_t scale_count_x = rows * (k / kActivationBlock), sum_count = rows * (k / 16);
+  scratch.resize(static_cast<size_t>(scale_count_x + sum_count + (rows * k + 3) / 4));
+  float* x_scale = reinterpret_cast<float*>(scratch.data());
+  int32_t* x_sum16 = scratch.data() + scale_count_x;
+  int8_t* x_codes = reinterpret_cast<int8_t*>(x_sum16 + sum_count);
   const at::Tensor bias_f = trident_kernels::float_bias(bias, n);
-  const QuantizedRows xq{q.data_ptr<int8_t>(), scale.data_ptr<float>(), sum16.data_ptr<int32_t>(), k};
+  const QuantizedRows xq{x_codes, x_scale, x_sum16, k};
   const auto tiles = pick_tiles(vnni, layout, block, half_scales);
   trident_kernels::dispatch_float_dtype(x, "quant_linear", [&](auto storage, auto element) {
     using storage_t = decltype(storage);
     using element_t = decltype(element);
-    quantize_rows(trident_kernels::bits_of<storage_t, element_t>(xc), rows, k, q.data_ptr<int8_t>(),
-                  scale.data_ptr<float>(), sum16.data_ptr<int32_t>());
+    quantize_rows(trident_kernels::bits_of<storage_t, element_t>(xc), rows, k, x_codes, x_scale, x_sum16);
     run_panels(packed.data_ptr<uint8_t>(), n, blocks, block_bytes, xq, rows, tiles,
                bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, trident_kernels::bits_of<storage_t, element_t>(out));
   });
