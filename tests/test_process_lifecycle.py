@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+import psutil
+
 from tests.helpers import REPO_ROOT, Server, wait_until
 
 
@@ -14,11 +16,19 @@ def run_dir_of(server: Server) -> str:
     return server.http().get("/server_info").json()["run_dir"]
 
 
+def mapped_libraries(process: psutil.Process) -> set[str]:
+    return {os.path.basename(m.path) for m in process.memory_maps()}
+
+
 def test_sigterm_leaves_no_process_and_no_run_directory(tmp_path):
     server = Server(["--dtype", "float32", "--max-total-tokens", "2048"])
     try:
-        titles = sorted(" ".join(p.cmdline()).strip() for p in server.process_tree()[1:])
-        assert titles == ["trident::scheduler", "trident::tokenizer", "trident::worker[tp0]"]
+        children = {" ".join(p.cmdline()).strip(): p for p in server.process_tree()[1:]}
+        assert sorted(children) == ["trident::scheduler", "trident::tokenizer", "trident::worker[tp0]"]
+        # The tokenizer tokenizes without torch (tokenizer_proc/torchless.py): loading it was
+        # most of that process's start-up CPU, taken from the worker loading beside it.
+        assert "libtorch_cpu.so" in mapped_libraries(children["trident::worker[tp0]"])
+        assert "libtorch_cpu.so" not in mapped_libraries(children["trident::tokenizer"])
         run_dir = run_dir_of(server)
         assert os.stat(run_dir).st_mode & 0o777 == 0o700
         res = server.client().completions.create(

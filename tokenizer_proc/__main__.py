@@ -23,13 +23,17 @@ import uvicorn
 import uvloop
 import zmq.asyncio
 
-from tokenizer_proc.app import create_app
-from tokenizer_proc.metrics import Metrics
-from tokenizer_proc.request_manager import RequestManager
-from tokenizer_proc.state import FrontendState
-from tokenizer_proc.tokenization import load_tokenizer
-from trident.wire.child import ChildContext, start_child, tune_gc
-from trident.wire.control import ProtocolMismatch
+from tokenizer_proc.torchless import import_transformers_without_torch
+
+import_transformers_without_torch()  # before the modules below import transformers
+
+from tokenizer_proc.app import create_app  # noqa: E402
+from tokenizer_proc.metrics import Metrics  # noqa: E402
+from tokenizer_proc.request_manager import RequestManager  # noqa: E402
+from tokenizer_proc.state import FrontendState  # noqa: E402
+from tokenizer_proc.tokenization import load_tokenizer  # noqa: E402
+from trident.wire.child import ChildContext, start_child, tune_gc  # noqa: E402
+from trident.wire.control import ProtocolMismatch  # noqa: E402
 
 logger = logging.getLogger("tokenizer_proc")
 

@@ -15,8 +15,6 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-import xgrammar
-
 from tokenizer_proc.errors import APIError
 from trident.wire.frontend import GrammarSpec
 
@@ -36,6 +34,10 @@ def library_reason(err: Exception) -> str:
 @lru_cache(maxsize=256)
 def _parse(spec: GrammarSpec) -> str:
     """'' if `spec` parses, else the library's reason (cached: clients reuse schemas)."""
+    # Imported on the first grammar, not at start-up: xgrammar imports torch, which this
+    # process otherwise never loads (torchless.py); that first request waits for it once.
+    import xgrammar
+
     try:
         if spec.kind == "json_schema":
             xgrammar.Grammar.from_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)
