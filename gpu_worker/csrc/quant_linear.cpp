@@ -65,8 +65,6 @@ struct QuantizedRows {
   const float* scale;      // [rows, k / 32]
   const int32_t* sum16;    // [rows, k / 16]: sum of q over each 16 k
   int64_t k;
-  const float* x = nullptr;          // MEASURE ONLY: x in float32 [rows, k]
-  const float* x_sum32 = nullptr;    // MEASURE ONLY: [rows, k / 32]
 };
 
 bool cpu_has_avx2_fma() {
@@ -288,45 +286,6 @@ void vnni_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
   for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(result + r * kPanelColumns, acc[r]);
 }
 
-// MEASURE ONLY: U4 with x kept in float32, the codes widened in registers.
-template <bool kHalfScales, int kRows>
-void float_x_u4_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const QuantizedRows& x, int64_t row0,
-                     float* result) {
-  constexpr int64_t kScaleBytes = kHalfScales ? 2 : 4;
-  const __m512i nibble = _mm512_set1_epi32(0x0F);
-  __m512 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* wb = panel + b * block_bytes;
-    __m512 dot[kRows];
-    for (int r = 0; r < kRows; ++r) dot[r] = _mm512_setzero_ps();
-    for (int g = 0; g < 4; ++g) {
-      const __m512i v = _mm512_loadu_si512(wb + 64 * g);
-      for (int j = 0; j < 4; ++j) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * j), nibble));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * j + 4), nibble));
-        for (int r = 0; r < kRows; ++r) {
-          const float* xr = x.x + (row0 + r) * x.k + b * 32;
-          dot[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xr[4 * g + j]), dot[r]);
-          dot[r] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xr[16 + 4 * g + j]), dot[r]);
-        }
-      }
-    }
-    const __m512 sw = load_scales16<kHalfScales>(wb + 256);
-    const __m512 mw = load_scales16<kHalfScales>(wb + 256 + 16 * kScaleBytes);
-    for (int r = 0; r < kRows; ++r) {
-      acc[r] = _mm512_fmadd_ps(sw, dot[r], acc[r]);
-      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.x_sum32[(row0 + r) * (x.k / 32) + b]), acc[r]);
-    }
-  }
-  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(result + r * kPanelColumns, acc[r]);
-}
-
-template <bool kHalfScales, int... kRows>
-std::array<TileFn, kMaxTileRows> float_x_table(std::integer_sequence<int, kRows...>) {
-  return {&float_x_u4_tile<kHalfScales, kRows + 1>...};
-}
-
 #pragma GCC pop_options
 #endif  // __AVX512F__
 
@@ -398,8 +357,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
                   block_bytes == code_bytes(layout, block) + scale_count * kPanelColumns * (half_scales ? 2 : 4),
               "quant_linear: packed weights of another shape or layout");
   static const std::string best = find_best_path();
-  const bool vnni = path == "avx512_vnni" || path == "avx512_float_x" || (path == "auto" && best == "avx512_vnni");
-  TORCH_CHECK(path == "auto" || path == "avx512_vnni" || path == "avx2" || path == "avx512_float_x", "quant_linear: path auto, avx512_vnni or avx2");
+  const bool vnni = path == "avx512_vnni" || (path == "auto" && best == "avx512_vnni");
+  TORCH_CHECK(path == "auto" || path == "avx512_vnni" || path == "avx2", "quant_linear: path auto, avx512_vnni or avx2");
   TORCH_CHECK(!best.empty() && (!vnni || best == "avx512_vnni"), "quant_linear: the ", std::string(path),
               " path is not in this build for this CPU");
   at::Tensor out = at::empty({rows, n}, x.options());
@@ -414,20 +373,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
   int32_t* x_sum16 = scratch.data() + scale_count_x;
   int8_t* x_codes = reinterpret_cast<int8_t*>(x_sum16 + sum_count);
   const at::Tensor bias_f = trident_kernels::float_bias(bias, n);
-  QuantizedRows xq{x_codes, x_scale, x_sum16, k};
-  auto tiles = pick_tiles(vnni, layout, block, half_scales);
-  at::Tensor x_float, x_sum32;  // MEASURE ONLY
-#ifdef __AVX512F__
-  if (path == "avx512_float_x") {
-    TORCH_CHECK(layout == kU4, "measure only: U4");
-    x_float = xc.to(at::kFloat).contiguous();
-    x_sum32 = x_float.view({rows, k / 32, 32}).sum(2).contiguous();
-    xq.x = x_float.data_ptr<float>();
-    xq.x_sum32 = x_sum32.data_ptr<float>();
-    tiles = half_scales ? float_x_table<true>(std::make_integer_sequence<int, kMaxTileRows>{})
-                        : float_x_table<false>(std::make_integer_sequence<int, kMaxTileRows>{});
-  }
-#endif
+  const QuantizedRows xq{x_codes, x_scale, x_sum16, k};
+  const auto tiles = pick_tiles(vnni, layout, block, half_scales);
   trident_kernels::dispatch_float_dtype(x, "quant_linear", [&](auto storage, auto element) {
     using storage_t = decltype(storage);
     using element_t = decltype(element);
