@@ -21,6 +21,15 @@ def smollm2_server():
 
 
 @pytest.fixture(scope="session")
+def smollm2_plain_loop_server():
+    """The default model in float32 with overlap off; restarts are tested on it, so it is kept
+    apart from `smollm2_server`."""
+    server = Server(["--dtype", "float32", "--max-total-tokens", "16384", "--check-seq-lens", "--disable-overlap"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def hf_reference(smollm2_path):
     """Hugging Face transformers on the same GGUF, float32: the correctness reference."""
     import os

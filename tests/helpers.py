@@ -109,6 +109,13 @@ class Server:
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=120)
 
+    def scheduler_stats(self) -> dict:
+        """The scheduler's last published statistics (`GET /server_info`); zero counters
+        before its first frame, when nothing has run."""
+        with self.http() as http:
+            stats = http.get("/server_info").json()["scheduler_stats"]
+        return stats or {"generation_tokens": 0, "prefill_tokens_computed": 0, "steps": 0}
+
     def stop(self) -> None:
         tree = self.process_tree()
         if self.proc.poll() is None:
@@ -235,6 +242,27 @@ def wait_until(pred, timeout: float, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+def serve_greedy(server: Server, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], dict]:
+    """Greedy outputs of token-id prompts, sent together, and the server's statistics once
+    they count every generated token (the scheduler publishes them periodically)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    http = server.http()
+    before = server.scheduler_stats()["generation_tokens"]
+
+    def one(ids: list[int]) -> list[int]:
+        params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+        r = http.post("/generate", json={"input_ids": ids, "sampling_params": params})
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outputs = list(pool.map(one, prompts))
+    target = before + len(prompts) * max_new
+    assert wait_until(lambda: server.scheduler_stats()["generation_tokens"] >= target, 10)
+    return outputs, server.scheduler_stats()
 
 
 def record_workload(tmp_path, seed: int, num_prompts: int, max_new_tokens: int, chunk: int) -> str:

@@ -7,11 +7,12 @@ against the worker's seq_lens at every step and every sync.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import numpy as np
 import pytest
 
-from tests.helpers import Server, make_random_llama, running_server, wait_until
+from tests.helpers import Server, make_random_llama, running_server, serve_greedy, wait_until
 
 MAX_NEW = 24
 OVERLAP = {"overlap_on": [], "overlap_off": ["--disable-overlap"]}
@@ -42,46 +43,21 @@ def retraction_workload() -> list[list[int]]:
 RETRACTION_NEW = 64
 
 
-def scheduler_stats(http) -> dict:
-    """The last published statistics; zeros before the first frame (nothing has run)."""
-    return http.get("/server_info").json()["scheduler_stats"] or {"generation_tokens": 0}
-
-
 def server_args(model: str, *flags: str) -> list[str]:
     return ["--model", model, "--dtype", "float32", "--check-seq-lens", *flags]
 
 
-def serve_on(server: Server, prompts: list[list[int]], max_new: int = MAX_NEW) -> tuple[list[list[int]], dict]:
-    """Greedy outputs of the prompts, sent together, and the server's statistics after them."""
-    http = server.http()
-    before = scheduler_stats(http)["generation_tokens"]
-
-    def one(ids: list[int]) -> list[int]:
-        body = {
-            "input_ids": ids,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
-        }
-        r = http.post("/generate", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["output_ids"]
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        outputs = list(pool.map(one, prompts))
-    assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] >= before + len(prompts) * max_new, 10)
-    return outputs, scheduler_stats(http)
-
-
 def serve(model: str, flags: list[str], prompts: list[list[int]], max_new: int = MAX_NEW):
     with running_server(server_args(model, *flags)) as server:
-        return serve_on(server, prompts, max_new)
+        return serve_greedy(server, prompts, max_new)
 
 
 @pytest.fixture(scope="module")
 def references(tiny_model) -> dict[str, list[list[int]]]:
     """Both workloads on one plain server (no overlap, a pool that never fills)."""
     with running_server(server_args(tiny_model, "--disable-overlap", "--max-total-tokens", "65536")) as server:
-        outputs, _ = serve_on(server, repetitive_workload())
-        retraction_outputs, _ = serve_on(server, retraction_workload(), RETRACTION_NEW)
+        outputs, _ = serve_greedy(server, repetitive_workload(), MAX_NEW)
+        retraction_outputs, _ = serve_greedy(server, retraction_workload(), RETRACTION_NEW)
     return {"repetitive": outputs, "retraction": retraction_outputs}
 
 
@@ -132,7 +108,7 @@ def test_greedy_output_is_identical_with_overlap_and_speculation_batched_and_chu
 ):
     shared = SHARED_SERVERS.get((overlap, spec))
     if shared:
-        outputs, stats = serve_on(request.getfixturevalue(shared), repetitive_workload())
+        outputs, stats = serve_greedy(request.getfixturevalue(shared), repetitive_workload(), MAX_NEW)
     else:
         outputs, stats = serve(tiny_model, BATCHED_FLAGS + OVERLAP[overlap] + SPEC[spec], repetitive_workload())
     assert outputs == reference
@@ -161,7 +137,7 @@ def test_exactly_one_seq_lens_copy_per_overlapped_step(overlapped_server, plain_
 
     def run(server: Server) -> dict:
         http = server.http()
-        before = scheduler_stats(http)["generation_tokens"]
+        before = server.scheduler_stats()["generation_tokens"]
 
         def one(i: int) -> int:
             body = {
@@ -172,8 +148,8 @@ def test_exactly_one_seq_lens_copy_per_overlapped_step(overlapped_server, plain_
 
         with ThreadPoolExecutor(24) as pool:
             assert list(pool.map(one, range(24))) == [200] * 24
-        assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] >= before + sum(lengths), 10)
-        return scheduler_stats(http)
+        assert wait_until(lambda: server.scheduler_stats()["generation_tokens"] >= before + sum(lengths), 10)
+        return server.scheduler_stats()
 
     overlapped = run(overlapped_server)
     assert overlapped["steps"] >= 200
@@ -183,10 +159,8 @@ def test_exactly_one_seq_lens_copy_per_overlapped_step(overlapped_server, plain_
     assert plain["steps"] >= 200 and plain["overlapped_steps"] == 0 and plain["seq_lens_d2h_copies"] == 0
 
 
-@pytest.mark.parametrize(
-    "flags", [["--disable-overlap"], ["--speculative-algorithm", "ngram"]], ids=["overlap_off", "spec_overlap_on"]
-)
-def test_real_smollm2_greedy_text_is_identical_with_overlap_and_speculation(flags, smollm2_server, smollm2_path):
+@pytest.mark.parametrize("variant", ["overlap_off", "spec_overlap_on"])
+def test_real_smollm2_greedy_text_is_identical_with_overlap_and_speculation(variant, smollm2_server, request):
     prompts = [
         "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox",
         "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
@@ -199,7 +173,12 @@ def test_real_smollm2_greedy_text_is_identical_with_overlap_and_speculation(flag
         return http.post("/generate", json=body).json()["output_ids"]
 
     want = [reference(p) for p in prompts]
-    with running_server(["--dtype", "float32", "--check-seq-lens", "--max-total-tokens", "8192", *flags]) as server:
+    with ExitStack() as stack:
+        if variant == "overlap_off":
+            server = request.getfixturevalue("smollm2_plain_loop_server")
+        else:
+            args = ["--dtype", "float32", "--check-seq-lens", "--max-total-tokens", "8192"]
+            server = stack.enter_context(running_server([*args, "--speculative-algorithm", "ngram"]))
         other = server.http()
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests.helpers import Server, make_random_llama, running_server, wait_until
+from tests.helpers import Server, make_random_llama, running_server, serve_greedy, wait_until
 
 MAX_NEW = 20
 
@@ -32,37 +32,6 @@ def workload() -> list[list[int]]:
     return prompts
 
 
-def scheduler_stats(http) -> dict:
-    """The last published statistics; zeros before the first frame (nothing has run)."""
-    return http.get("/server_info").json()["scheduler_stats"] or {"generation_tokens": 0, "prefill_tokens_computed": 0}
-
-
-def serve_on(
-    server: Server, prompts: list[list[int]] | None = None, max_new: int = MAX_NEW
-) -> tuple[list[list[int]], dict]:
-    """Greedy outputs of the prompts, sent together, and the server's statistics after them."""
-    prompts = prompts or workload()
-    http = server.http()
-    before = scheduler_stats(http)["generation_tokens"]
-
-    def one(ids: list[int]) -> list[int]:
-        r = http.post(
-            "/generate",
-            json={
-                "input_ids": ids,
-                "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
-            },
-        )
-        assert r.status_code == 200, r.text
-        return r.json()["output_ids"]
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        outputs = list(pool.map(one, prompts))
-    # Stats are published periodically: wait for the frame that counts every token.
-    assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] >= before + len(prompts) * max_new, 10)
-    return outputs, scheduler_stats(http)
-
-
 def server_args(model: str, *extra: str) -> list[str]:
     return ["--model", model, "--dtype", "float32", "--check-seq-lens", *extra]
 
@@ -71,7 +40,7 @@ def serve_workload(
     extra_args: list[str], model: str, prompts: list[list[int]] | None = None, max_new: int = MAX_NEW
 ) -> tuple[list[list[int]], dict]:
     with running_server(server_args(model, *extra_args)) as server:
-        return serve_on(server, prompts, max_new)
+        return serve_greedy(server, prompts or workload(), max_new)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +48,8 @@ def references(tiny_model) -> dict[str, list[list[int]]]:
     """Both workloads on one plain server (no overlap, no prefix cache, a pool that never fills)."""
     flags = ["--max-total-tokens", "65536", "--disable-overlap", "--disable-radix-cache"]
     with running_server(server_args(tiny_model, *flags)) as server:
-        outputs, _ = serve_on(server)
-        retraction_outputs, stats = serve_on(server, retraction_workload(), RETRACTION_NEW)
+        outputs, _ = serve_greedy(server, workload(), MAX_NEW)
+        retraction_outputs, stats = serve_greedy(server, retraction_workload(), RETRACTION_NEW)
     assert all(len(o) == MAX_NEW for o in outputs)
     assert stats["retractions"] == 0
     return {"workload": outputs, "retraction": retraction_outputs}
@@ -120,7 +89,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_output_is_identical_under_scheduler_config(name, tiny_model, reference, request):
     if name in SHARED_SERVERS:
-        outputs, _ = serve_on(request.getfixturevalue(SHARED_SERVERS[name]))
+        outputs, _ = serve_greedy(request.getfixturevalue(SHARED_SERVERS[name]), workload(), MAX_NEW)
     else:
         outputs, _ = serve_workload(["--max-total-tokens", "65536", *CONFIGS[name]], tiny_model)
     assert outputs == reference
@@ -157,7 +126,7 @@ def test_shared_system_prompt_cuts_prefill_work_tenfold(cache_on_server, cache_o
 
     def computed_prefill(server: Server) -> int:
         http = server.http()
-        before = scheduler_stats(http)
+        before = server.scheduler_stats()
         body = {"sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
         assert http.post("/generate", json={"input_ids": prompts[0], **body}).status_code == 200
         with ThreadPoolExecutor(15) as pool:
@@ -167,8 +136,8 @@ def test_shared_system_prompt_cuts_prefill_work_tenfold(cache_on_server, cache_o
         assert codes == [200] * 15
         # Stats are published periodically: wait for the frame that counts every token.
         target = before["generation_tokens"] + 16 * 4
-        assert wait_until(lambda: scheduler_stats(http)["generation_tokens"] == target, 10)
-        return scheduler_stats(http)["prefill_tokens_computed"] - before["prefill_tokens_computed"]
+        assert wait_until(lambda: server.scheduler_stats()["generation_tokens"] == target, 10)
+        return server.scheduler_stats()["prefill_tokens_computed"] - before["prefill_tokens_computed"]
 
     with_cache = computed_prefill(cache_on_server)
     without_cache = computed_prefill(cache_off_server)

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers import Server, running_server, wait_until
+from tests.helpers import Server, wait_until
 from tests.structured_schemas import SCHEMAS, WEATHER_TOOL
 from tests.workload import child
 
@@ -237,23 +237,16 @@ def test_constrained_and_unconstrained_rows_batched_together(smollm2_server):
     assert constrained[0] == alone[0] and plain[1] == alone[1]
 
 
-@pytest.fixture(scope="module")
-def plain_loop_server():
-    """Overlap off, and restarts under test: kept apart from the shared server."""
-    with running_server(["--dtype", "float32", "--max-total-tokens", "16384", "--disable-overlap"]) as server:
-        yield server
-
-
-def test_overlap_on_and_off_give_the_same_constrained_greedy_text(smollm2_server, plain_loop_server):
+def test_overlap_on_and_off_give_the_same_constrained_greedy_text(smollm2_server, smollm2_plain_loop_server):
     for prompt in PROMPTS[:3]:
-        assert _greedy_constrained(smollm2_server, prompt) == _greedy_constrained(plain_loop_server, prompt)
+        assert _greedy_constrained(smollm2_server, prompt) == _greedy_constrained(smollm2_plain_loop_server, prompt)
 
 
 @pytest.mark.parametrize("victim", ["trident::worker[tp0]", "trident::scheduler"], ids=["worker", "scheduler"])
-def test_constrained_request_survives_a_sigkill_with_the_same_text(smollm2_server, plain_loop_server, victim):
+def test_constrained_request_survives_a_sigkill_with_the_same_text(smollm2_server, smollm2_plain_loop_server, victim):
     prompt = PROMPTS[4]
     expected = _greedy_constrained(smollm2_server, prompt)
-    server = plain_loop_server
+    server = smollm2_plain_loop_server
     before = {p.pid for p in server.process_tree()}
     process = child(server, victim)
     with ThreadPoolExecutor(1) as pool:
