@@ -91,10 +91,14 @@ inline void rms_normalize_row(const storage_t* src, const storage_t* weight, sto
   }
 }
 
-// The grain of an at::parallel_for over rows of `row_elements` elements: below ~16K elements
-// a second thread costs more than it saves.
+// The grain of an at::parallel_for over rows of `row_elements` elements: a task of at least
+// 64K elements, so a decode step's norms, rotary and gated activation (32 rows of a few
+// thousand) run on the calling thread. On an idle core a second thread would pay for
+// itself from ~16K elements, but the worker's cores are shared with the scheduler and
+// tokenizer: a region then waits until its teammate is scheduled again, which can be
+// 100x the op's own work (docs/benchmarks.md).
 inline int64_t rows_per_task(int64_t row_elements) {
-  return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elements, 1));
+  return std::max<int64_t>(1, 65536 / std::max<int64_t>(row_elements, 1));
 }
 
 // Runs body(begin, end) over [0, n) in chunks of `chunk`, which the region's threads claim
