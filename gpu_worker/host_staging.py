@@ -75,6 +75,10 @@ class StepStaging:
         self.staged_arrays = 0
         """Arrays staged; `transfers` stays a few per step however many there are."""
 
+    def pinned(self) -> bool:
+        """Every host buffer is page-locked (what a GPU needs for an asynchronous copy)."""
+        return bool(self._arenas) and all(a.host.is_pinned() for a in self._arenas.values())
+
     def begin_step(self) -> None:
         """Rewinds every buffer, once the copies that read them have completed."""
         self._copied.wait()

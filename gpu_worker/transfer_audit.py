@@ -5,8 +5,9 @@ where no copy crosses a bus, and on a GPU. On a CPU every tensor is on "the devi
 call is counted by what it would do on a GPU: `.to(device)` and `torch.tensor(...,
 device=...)` are host-to-device copies (blocking unless `non_blocking=True`); `.item()`,
 `.tolist()` and `.cpu()` read a device tensor on the host (a synchronisation on a GPU);
-`copy_` is counted with its `non_blocking` flag. Used by benchmarks/gpu_check.py and the
-tests of the staging path; never on the serving path.
+`copy_` is counted with its `non_blocking` flag. Where a GPU is present, only calls that
+cross between host and GPU are counted. Used by benchmarks/gpu_check.py and the tests of
+the staging path; never on the serving path.
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ def _names_a_device(args: tuple, kwargs: dict) -> bool:
 def _to_host(args: tuple, kwargs: dict) -> bool:
     target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
     return target is not None and torch.device(target).type == "cpu" and torch.cuda.is_available()
+
+
+def _stays_on_its_device(name: str, args: tuple, kwargs: dict) -> bool:
+    """On a machine with a GPU: a copy between tensors on one device, `.to` the device a
+    tensor is already on, or reading a host tensor crosses nothing."""
+    if name in _HOST_READS and args and isinstance(args[0], torch.Tensor):
+        return args[0].device.type == "cpu"
+    if name == "copy_" and len(args) >= 2:
+        return args[0].device == args[1].device
+    if name == "to" and args and isinstance(args[0], torch.Tensor):
+        target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+        return target is None or torch.device(target) == args[0].device
+    return False
 
 
 class TransferAudit(TorchFunctionMode):
@@ -52,6 +66,8 @@ class TransferAudit(TorchFunctionMode):
     @staticmethod
     def _kind(name: str, args: tuple, kwargs: dict) -> str | None:
         non_blocking = bool(kwargs.get("non_blocking", False))
+        if torch.cuda.is_available() and _stays_on_its_device(name, args, kwargs):
+            return None
         if name in _HOST_READS:
             return "host_read"
         if name in ("to", "cuda") and (_names_a_device(args, kwargs) or name == "cuda"):

@@ -233,11 +233,11 @@ class Worker(WorkerLoop):
         accepted: list[np.ndarray] = [None] * len(inputs.sampling_slots)  # type: ignore[list-item]
         logprobs: list = []
         if plain:
-            rows = ends[plain] - 1
-            # When every logit row is a plain row's, in order (a decode step), they are used as they are.
-            plain_logits = logits if len(rows) == len(logits) else logits[torch.from_numpy(rows).to(self.device)]
             tokens, plain_logprobs = sample(
-                plain_logits, [inputs.sampling_slots[i] for i in plain], self.sampling, self.tp.broadcast
+                self._logit_rows(logits, ends[plain] - 1),
+                [inputs.sampling_slots[i] for i in plain],
+                self.sampling,
+                self.tp.broadcast,
             )
             for i, t in zip(plain, self.state.readback.fetch(tokens)):
                 accepted[i] = t.reshape(1)
@@ -245,19 +245,40 @@ class Worker(WorkerLoop):
                 logprobs = [None] * len(inputs.sampling_slots)
                 for i, lp in zip(plain, plain_logprobs):
                     logprobs[i] = lp
-        for i, slot in enumerate(inputs.sampling_slots):
-            if slot in inputs.drafts:
-                accepted[i] = self._verify(logits[ends[i] - inputs.num_logits[i] : ends[i]], inputs.drafts[slot], slot)
+        verifying = [i for i, s in enumerate(inputs.sampling_slots) if s in inputs.drafts]
+        if verifying:
+            for i, tokens in zip(verifying, self._verify(logits, inputs, ends, verifying)):
+                accepted[i] = tokens
         self.state.advance(inputs, accepted)
         if self.drafter:
             for slot, toks in zip(inputs.sampling_slots, accepted):
                 self.drafter.note_tokens(slot, toks)
         return accepted, logprobs
 
-    def _verify(self, logits: torch.Tensor, draft: np.ndarray, slot: int) -> np.ndarray:
-        """Greedy verification: keep drafts while they equal the model's argmax, plus one."""
-        targets = self.tp.broadcast(self.sampling.argmax(logits)).cpu().numpy()
-        matches = targets[:-1] == draft
-        accepted_drafts = len(draft) if matches.all() else int(np.argmin(matches))
-        self.sampling.generated[slot] += accepted_drafts + 1
-        return targets[: accepted_drafts + 1]
+    def _logit_rows(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """The logits of `rows` (increasing); when they are every row (a decode step), the
+        logits as they are. The index goes through the step's staging, not a copy of its own."""
+        if len(rows) == len(logits):
+            return logits
+        index = self.state.staging.stage(rows, torch.int64)
+        self.state.staging.flush()
+        return logits.index_select(0, index)
+
+    def _verify(self, logits: torch.Tensor, inputs: StepPlan, ends: np.ndarray, rows: list[int]) -> list[np.ndarray]:
+        """Greedy verification of every drafting row at once (one argmax, one broadcast, one
+        read-back, not one of each per row): a row keeps its drafts while they equal the
+        model's argmax, plus one."""
+        spans = [np.arange(ends[i] - inputs.num_logits[i], ends[i]) for i in rows]
+        targets = self.state.readback.fetch(
+            self.tp.broadcast(self.sampling.argmax(self._logit_rows(logits, np.concatenate(spans))))
+        )
+        out, start = [], 0
+        for i, span in zip(rows, spans):
+            slot = inputs.sampling_slots[i]
+            draft, row = inputs.drafts[slot], targets[start : start + len(span)]
+            start += len(span)
+            matches = row[:-1] == draft
+            accepted_drafts = len(draft) if matches.all() else int(np.argmin(matches))
+            self.sampling.generated[slot] += accepted_drafts + 1
+            out.append(row[: accepted_drafts + 1])
+        return out
