@@ -112,6 +112,8 @@ def run_llamacpp(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
             str(rounds),
             "--seed",
             str(args.seed),
+            "--threads",
+            str(args.llamacpp_threads),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
         doc = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -126,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="a packaged model (smollm2-135m, gemma-3-270m) or a .gguf")
     p.add_argument("--llamacpp-python", default="/work/llamacpp-venv/bin/python")
+    p.add_argument(
+        "--llamacpp-threads",
+        type=int,
+        default=2,
+        help="llama.cpp's threads (its workers spin at every op: on a loaded machine 1 is steadier)",
+    )
     p.add_argument("--weight-dtypes", default="gguf,bf16", help="trident's --weight-dtype values to run")
     p.add_argument("--engines", default="trident,llamacpp", help="which to run, in this order each round")
     p.add_argument("--stream-prompts", type=int, default=4, help="requests of the one-stream workload")
