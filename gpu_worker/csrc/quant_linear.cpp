@@ -57,13 +57,17 @@ namespace {
 constexpr int64_t kPanelColumns = 16;
 constexpr int64_t kActivationBlock = 32;
 constexpr int64_t kU4 = 0, kI8 = 1;
-constexpr int kMaxTileRows = 6;
+// Rows a tile computes at most: on AVX-512, two zmm registers a row (its block's integer sum
+// and its float32 sum) of the 32; AVX2 has 16 ymm registers and needs four a row.
+constexpr int kMaxTileRows = 8;
+constexpr int kAvx2TileRows = 3;
 
 // The activations of one call, quantized per row and per 32 k.
 struct QuantizedRows {
   const int8_t* q;         // [rows, k]
   const float* scale;      // [rows, k / 32]
   const int32_t* sum16;    // [rows, k / 16]: sum of q over each 16 k
+  const float* sum32;      // [rows, k / 32]: scale * the sum of q over each 32 k (U4's min term)
   int64_t k;
 };
 
@@ -99,34 +103,68 @@ std::string quant_linear_best_path() {
 
 int64_t code_bytes(int64_t layout, int64_t block) { return layout == kU4 ? block * 8 : block * 16; }
 
+#ifdef __AVX2__
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const trident_kernels::Bf16Bits* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+inline int32_t sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// Each 32 k of each row: scale = max|x| / 127, codes = round(x / scale) (to nearest even), and
+// their sums. A NaN is no larger than the max, and its code is -127 (max(NaN, -127) is -127).
 template <typename storage_t>
-void quantize_rows(const storage_t* x, int64_t rows, int64_t k, int8_t* q, float* scale, int32_t* sum16) {
+void quantize_rows(const storage_t* x, int64_t rows, int64_t k, int8_t* q, float* scale, int32_t* sum16,
+                   float* sum32) {
   const int64_t blocks = k / kActivationBlock;
   at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 lowest = _mm256_set1_ps(-127.f), highest = _mm256_set1_ps(127.f);
+    const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t i = begin; i < end; ++i) {
       const storage_t* src = x + i * kActivationBlock;  // rows are contiguous: block i of the whole
-      float v[kActivationBlock];
-      float amax = 0.f;
-      for (int j = 0; j < kActivationBlock; ++j) {
-        v[j] = trident_kernels::widen(src[j]);
-        amax = std::max(amax, std::fabs(v[j]));
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = load8(src + 8 * j);
+        amax = _mm256_max_ps(_mm256_and_ps(v[j], magnitude), amax);  // a NaN lane keeps amax
       }
-      const float inverse = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* dst = q + i * kActivationBlock;
-      int32_t sums[2] = {0, 0};
-      for (int j = 0; j < kActivationBlock; ++j) {
-        // The clamp also turns a NaN into a code, where a cast of NaN to int is undefined.
-        const float scaled = std::min(127.f, std::max(-127.f, v[j] * inverse));
-        const int32_t code = static_cast<int32_t>(std::nearbyint(scaled));
-        dst[j] = static_cast<int8_t>(code);
-        sums[j / 16] += code;
+      const float block_max = max8(amax);
+      const __m256 inverse = _mm256_set1_ps(block_max > 0.f ? 127.f / block_max : 0.f);
+      __m256i codes[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256 scaled = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[j], inverse), lowest), highest);
+        codes[j] = _mm256_cvtps_epi32(scaled);
       }
-      scale[i] = amax / 127.f;
-      sum16[2 * i] = sums[0];
-      sum16[2 * i + 1] = sums[1];
+      // packs interleaves the 128-bit halves: the permute puts the 32 bytes back in k order.
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]),
+                                               _mm256_packs_epi32(codes[2], codes[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kActivationBlock),
+                          _mm256_permutevar8x32_epi32(bytes, in_order));
+      const int32_t first = sum8(_mm256_add_epi32(codes[0], codes[1]));
+      const int32_t second = sum8(_mm256_add_epi32(codes[2], codes[3]));
+      scale[i] = block_max / 127.f;
+      sum32[i] = scale[i] * static_cast<float>(first + second);
+      sum16[2 * i] = first;
+      sum16[2 * i + 1] = second;
     }
   });
 }
+
+#endif  // __AVX2__
 
 // The integer sum of a row's codes over weight block b (16 or 32 k).
 template <int64_t kBlock>
@@ -210,8 +248,7 @@ void avx2_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
                                        acc[r][half]);
         if constexpr (kLayout == kU4) {
           const __m256 mw = load_scales8<kHalfScales>(wb + kCodeBytes + (16 + 8 * half) * kScaleBytes);
-          const float x_sum = sx * static_cast<float>(block_code_sum<kBlock>(x, row, b));
-          acc[r][half] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x_sum), acc[r][half]);
+          acc[r][half] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.sum32[row * (x.k / 32) + b]), acc[r][half]);
         }
       }
     }
@@ -244,7 +281,8 @@ void vnni_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = panel + b * block_bytes;
-    // Two integer sums a row, so that one row's vpdpbusd chain is half as long.
+    // One row alone gets two integer sums, so that its chain of vpdpbusd is half as long;
+    // more rows are chains enough.
     __m512i even[kRows], odd[kRows];
     for (int r = 0; r < kRows; ++r) even[r] = odd[r] = _mm512_setzero_si512();
     if constexpr (kLayout == kU4) {
@@ -255,7 +293,8 @@ void vnni_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
         for (int r = 0; r < kRows; ++r) {
           const int8_t* qr = x.q + (row0 + r) * x.k + b * kBlock + 4 * g;
           even[r] = _mm512_dpbusd_epi32(even[r], lo, _mm512_set1_epi32(load_i32(qr)));
-          odd[r] = _mm512_dpbusd_epi32(odd[r], hi, _mm512_set1_epi32(load_i32(qr + 16)));
+          __m512i& second = kRows == 1 ? odd[r] : even[r];
+          second = _mm512_dpbusd_epi32(second, hi, _mm512_set1_epi32(load_i32(qr + 16)));
         }
       }
     } else {
@@ -265,7 +304,8 @@ void vnni_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
         for (int r = 0; r < kRows; ++r) {
           const int8_t* qr = x.q + (row0 + r) * x.k + b * kBlock + 4 * g;
           even[r] = _mm512_dpbusd_epi32(even[r], v0, _mm512_set1_epi32(load_i32(qr)));
-          odd[r] = _mm512_dpbusd_epi32(odd[r], v1, _mm512_set1_epi32(load_i32(qr + 4)));
+          __m512i& second = kRows == 1 ? odd[r] : even[r];
+          second = _mm512_dpbusd_epi32(second, v1, _mm512_set1_epi32(load_i32(qr + 4)));
         }
       }
     }
@@ -273,13 +313,12 @@ void vnni_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
     for (int r = 0; r < kRows; ++r) {
       const int64_t row = row0 + r;
       const float sx = x.scale[row * (x.k / kActivationBlock) + b * kBlock / kActivationBlock];
-      __m512i dot = _mm512_add_epi32(even[r], odd[r]);
+      __m512i dot = kRows == 1 ? _mm512_add_epi32(even[r], odd[r]) : even[r];
       if constexpr (kLayout == kI8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * block_code_sum<kBlock>(x, row, b)));
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_set1_ps(sx)), _mm512_cvtepi32_ps(dot), acc[r]);
       if constexpr (kLayout == kU4) {
         const __m512 mw = load_scales16<kHalfScales>(wb + kCodeBytes + 16 * kScaleBytes);
-        const float x_sum = sx * static_cast<float>(block_code_sum<kBlock>(x, row, b));
-        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x_sum), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sum32[row * (x.k / 32) + b]), acc[r]);
       }
     }
   }
@@ -311,7 +350,8 @@ std::array<TileFn, kMaxTileRows> pick_tiles(bool vnni, int64_t layout, int64_t b
 
 template <typename storage_t>
 void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_bytes, const QuantizedRows& x,
-                int64_t rows, const std::array<TileFn, kMaxTileRows>& tiles, const float* bias, storage_t* out) {
+                int64_t rows, const std::array<TileFn, kMaxTileRows>& tiles, int64_t tile_rows, const float* bias,
+                storage_t* out) {
   const int64_t panels = (n + kPanelColumns - 1) / kPanelColumns;
   const int64_t panel_bytes = blocks * block_bytes;
   // Claims of ~32 KB of weights, and at least 4 claims a thread where the panels allow.
@@ -323,8 +363,8 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t column0 = panel * kPanelColumns;
       const int64_t columns = std::min(kPanelColumns, n - column0);
-      for (int64_t row0 = 0; row0 < rows; row0 += kMaxTileRows) {
-        const int64_t tile = std::min<int64_t>(kMaxTileRows, rows - row0);
+      for (int64_t row0 = 0; row0 < rows; row0 += tile_rows) {
+        const int64_t tile = std::min<int64_t>(tile_rows, rows - row0);
         tiles[tile - 1](packed + panel * panel_bytes, blocks, block_bytes, x, row0, result);
         for (int64_t r = 0; r < tile; ++r) {
           storage_t* dst = out + (row0 + r) * n + column0;
@@ -368,20 +408,23 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
   // calls, and four allocations a call were a fifth of a small layer's time.
   thread_local std::vector<int32_t> scratch;
   const int64_t scale_count_x = rows * (k / kActivationBlock), sum_count = rows * (k / 16);
-  scratch.resize(static_cast<size_t>(scale_count_x + sum_count + (rows * k + 3) / 4));
+  scratch.resize(static_cast<size_t>(2 * scale_count_x + sum_count + (rows * k + 3) / 4));
   float* x_scale = reinterpret_cast<float*>(scratch.data());
-  int32_t* x_sum16 = scratch.data() + scale_count_x;
+  float* x_sum32 = x_scale + scale_count_x;
+  int32_t* x_sum16 = scratch.data() + 2 * scale_count_x;
   int8_t* x_codes = reinterpret_cast<int8_t*>(x_sum16 + sum_count);
   const at::Tensor bias_f = trident_kernels::float_bias(bias, n);
-  const QuantizedRows xq{x_codes, x_scale, x_sum16, k};
+  const QuantizedRows xq{x_codes, x_scale, x_sum16, x_sum32, k};
   const auto tiles = pick_tiles(vnni, layout, block, half_scales);
+#ifdef __AVX2__
   trident_kernels::dispatch_float_dtype(x, "quant_linear", [&](auto storage, auto element) {
     using storage_t = decltype(storage);
     using element_t = decltype(element);
-    quantize_rows(trident_kernels::bits_of<storage_t, element_t>(xc), rows, k, x_codes, x_scale, x_sum16);
-    run_panels(packed.data_ptr<uint8_t>(), n, blocks, block_bytes, xq, rows, tiles,
+    quantize_rows(trident_kernels::bits_of<storage_t, element_t>(xc), rows, k, x_codes, x_scale, x_sum16, x_sum32);
+    run_panels(packed.data_ptr<uint8_t>(), n, blocks, block_bytes, xq, rows, tiles, vnni ? kMaxTileRows : kAvx2TileRows,
                bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, trident_kernels::bits_of<storage_t, element_t>(out));
   });
+#endif
   return out;
 }
 
