@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import zmq.asyncio
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from tests.helpers import REPO_ROOT
 from tokenizer_proc.app import create_app
 from tokenizer_proc.detokenizer import IncrementalDecoder, RequestDetokenizer, StopStringMatcher
 from tokenizer_proc.errors import APIError, validation_error_message
@@ -55,6 +59,34 @@ def _stream(tok, text: str, stop=(), stop_token_ids=(), finish: str = "length", 
         if step.stop_string_hit:
             return pieces, True
     return pieces, False
+
+
+COLD_CACHE_LOAD = """
+import json, sys
+from tokenizer_proc.torchless import import_transformers_without_torch
+import_transformers_without_torch()
+from tokenizer_proc.tokenization import load_tokenizer
+tok = load_tokenizer(sys.argv[1])
+print(json.dumps([tok.encode(sys.argv[2]), "torch" in sys.modules]))
+"""
+
+
+def test_a_gguf_tokenizer_loads_from_a_cold_cache_in_a_process_without_torch(tok, tmp_path):
+    """A first start after install: transformers' GGUF reader needs torch, which the tokenizer
+    process hides from it; the conversion runs in a child interpreter and gives the same ids."""
+    text = "Hello world, <|im_end|> ünïcode\n\tdef f(x):"
+    done = subprocess.run(
+        [sys.executable, "-c", COLD_CACHE_LOAD, _gguf_path(), text],
+        cwd=REPO_ROOT,
+        env={**os.environ, "HOME": str(tmp_path)},  # an empty ~/.cache/trident
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ids, torch_loaded = json.loads(done.stdout.splitlines()[-1])
+    assert ids == list(tok.encode(text)) and not torch_loaded
+    assert os.listdir(tmp_path / ".cache" / "trident" / "tokenizers")  # cached for the next start
 
 
 # ---- incremental detokenization ---------------------------------------------------------

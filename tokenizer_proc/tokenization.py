@@ -12,6 +12,8 @@ import hashlib
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,20 +73,40 @@ def _gguf_tokenizer(path: str) -> Any:
     st = os.stat(path)
     key = f"{path}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
     cached = os.path.join(CACHE_DIR, "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:20])
-    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(cached)
-    directory, filename = os.path.split(path)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-    staging = None
+    if not os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(_convert_gguf_tokenizer(path, cached))
+    return AutoTokenizer.from_pretrained(cached)
+
+
+_CONVERT = (
+    "import sys; from transformers import AutoTokenizer; directory, name, out = sys.argv[1:]; "
+    "AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(out)"
+)
+
+
+def _convert_gguf_tokenizer(path: str, cached: str) -> str:
+    """The GGUF's tokenizer rebuilt by transformers and saved, in a child interpreter:
+    transformers' GGUF reader needs torch, which the tokenizer process keeps hidden from it
+    (torchless.py). Returns `cached`, or a private directory where the cache is unwritable."""
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         staging = tempfile.mkdtemp(dir=os.path.dirname(cached))
-        tokenizer.save_pretrained(staging)
+    except OSError:  # a read-only or full cache: convert for this process only
+        staging = tempfile.mkdtemp()
+    directory, name = os.path.split(path)
+    done = subprocess.run([sys.executable, "-c", _CONVERT, directory, name, staging], capture_output=True, text=True)
+    if done.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        lines = done.stderr.strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"the tokenizer conversion exited with {done.returncode}")
+    try:
         os.replace(staging, cached)  # whole or absent, even with several loaders at once
-    except OSError:  # read-only or full, or another loader got there first: no harm
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-    return tokenizer
+        return cached
+    except OSError:  # another loader got there first: use its copy
+        if not os.path.isfile(os.path.join(cached, "tokenizer.json")):
+            return staging
+        shutil.rmtree(staging, ignore_errors=True)
+        return cached
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
