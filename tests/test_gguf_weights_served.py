@@ -25,16 +25,17 @@ from tests.test_fast_path_vs_transformers import (
     teacher_forced_logits,
 )
 from tests.test_faults import kill_worker
-from tests.workload import BASE, run_with_fault, settled_generation_tokens
+from tests.workload import BASE, prompts, run_with_fault, settled_generation_tokens
 
 pytestmark = pytest.mark.timeout(1800)
 
 # model: (least top-1 agreement, largest logit error), set just under / over what was measured.
 BOUNDS = {
     "smollm2": (0.93, 4.5),  # measured 0.9377 over 626 positions, 4.248
-    "gemma3": (0.0, 99.0),
+    "gemma3": (0.945, 7.0),  # measured 0.9489 over 626 positions, 6.782
 }
 GGUF = ["--weight-dtype", "gguf"]
+MAX_NEW = 64
 
 
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
@@ -55,6 +56,21 @@ def test_gguf_weights_agree_with_transformers_float32_under_teacher_forcing(mode
     assert error <= largest_error
 
 
+def text_prompts() -> list[list[int]]:
+    """Twelve prompts of real text, 4 to 60 tokens (the fault workload's lengths): random
+    token ids leave SmolLM2 near ties everywhere, where int8 activations (quant_linear.py)
+    turn a float32 rounding difference of another chunking into another greedy token."""
+    from tokenizer_proc.tokenization import load_tokenizer
+
+    ids = load_tokenizer(smollm2_gguf()).encode(TEXT)
+    lengths = [len(p) for p in prompts()]
+    return [ids[40 * i : 40 * i + n] for i, n in enumerate(lengths)]
+
+
+def run(server: Server, fault=None) -> list[list[int]]:
+    return run_with_fault(server, fault, text_prompts(), MAX_NEW)
+
+
 def prefill_tokens_computed(server: Server) -> int:
     """Prompt tokens the server ran through the model so far (radix-cache hits are not)."""
     settled_generation_tokens(server)  # waits for the statistics of the last run
@@ -66,19 +82,19 @@ def gguf_reference() -> list[list[int]]:
     """The workload on the plainest quantized server: no overlap, no radix cache."""
     flags = ["--model", smollm2_gguf(), *BASE, *GGUF, "--disable-overlap", "--disable-radix-cache"]
     with running_server(flags) as server:
-        return run_with_fault(server, None)
+        return run(server)
 
 
 def test_overlap_chunks_radix_hits_and_a_killed_worker_keep_the_greedy_tokens(gguf_reference):
     flags = ["--model", smollm2_gguf(), *BASE, *GGUF, "--chunked-prefill-size", "16"]
     with running_server(flags) as server:
-        assert run_with_fault(server, None) == gguf_reference
+        assert run(server) == gguf_reference
         first_prefill = prefill_tokens_computed(server)
-        assert run_with_fault(server, None) == gguf_reference  # the same prompts again: radix-cache hits
+        assert run(server) == gguf_reference  # the same prompts again: radix-cache hits
         assert prefill_tokens_computed(server) - first_prefill < first_prefill
-        assert run_with_fault(server, kill_worker) == gguf_reference
+        assert run(server, kill_worker) == gguf_reference
 
 
 def test_tensor_parallel_2_keeps_the_greedy_tokens(gguf_reference):
     with running_server(["--model", smollm2_gguf(), *BASE, *GGUF, "--tp-size", "2"]) as server:
-        assert run_with_fault(server, None) == gguf_reference
+        assert run(server) == gguf_reference

@@ -48,20 +48,22 @@ def settled_generation_tokens(server: Server) -> int:
     return generation_tokens(server)
 
 
-def run_with_fault(server: Server, fault) -> list[list[int]]:
-    """Sends the workload concurrently and applies `fault` once generation is under way (on a
-    server shared between tests: under way in this run)."""
+def run_with_fault(
+    server: Server, fault, prompt_ids: list[list[int]] | None = None, max_new: int = MAX_NEW
+) -> list[list[int]]:
+    """Sends the workload (or `prompt_ids`) concurrently and applies `fault` once generation
+    is under way (on a server shared between tests: under way in this run)."""
     http = server.http()
     before = settled_generation_tokens(server) if fault is not None else 0
+    params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
 
     def one(ids: list[int]) -> list[int]:
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}
-        r = http.post("/generate", json=body, timeout=300)
+        r = http.post("/generate", json={"input_ids": ids, "sampling_params": params}, timeout=300)
         assert r.status_code == 200, r.text
         return r.json()["output_ids"]
 
     with ThreadPoolExecutor(NUM_REQUESTS) as pool:
-        futures = [pool.submit(one, p) for p in prompts()]
+        futures = [pool.submit(one, p) for p in prompt_ids or prompts()]
         if fault is not None:
             assert wait_until(lambda: generation_tokens(server) > before + NUM_REQUESTS * 5, 60)
             fault(server)
