@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 
@@ -109,6 +110,8 @@ class Launcher:
         self.worker_generations = [0] * args.dp_size
         self.stop_requested: Callable[[], bool] = lambda: False
         """Set by launch.py to its signal flag: a start-up wait gives up when it turns true."""
+        self.signal_wakeup: socket.socket | None = None
+        """Set by launch.py: readable when a signal arrived (signal.set_wakeup_fd)."""
 
     # ------------------------------------------------------------------ start
 
@@ -228,9 +231,13 @@ class Launcher:
                 poller.register(self.nodes.sock, zmq.POLLIN)
             for child in self.children:
                 poller.register(child.sentinel, zmq.POLLIN)
+            if self.signal_wakeup is not None:
+                poller.register(self.signal_wakeup, zmq.POLLIN)
             events = dict(poller.poll(self._poll_ms()))
             if stop_requested():
                 break  # children dying now are being stopped, not failing
+            if self.signal_wakeup in events:
+                self.signal_wakeup.recv(4096)  # a signal that asks for no stop
             if self.control.sock in events:
                 for msg in self.control.recv_nowait():
                     self._on_control(msg)
