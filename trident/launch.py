@@ -141,11 +141,6 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    # Python writes a byte here on each signal, which wakes the supervisor's poll at once
-    # instead of at its next timeout (up to half a second later).
-    signal_wakeup, signal_writer = socket.socketpair()
-    signal_writer.setblocking(False)
-    signal.set_wakeup_fd(signal_writer.fileno())
     try:
         args = server_args_from_cli(ns, model_path, served_name, run_dir)
     except (ClusterError, UsageError) as e:
@@ -156,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     write_server_args(args, args_file)
     launcher = Launcher(args, args_file)
     launcher.stop_requested = lambda: stop["requested"]
-    launcher.signal_wakeup = signal_wakeup
+    # Python writes a byte to this pair on each signal, which wakes the supervisor's poll at
+    # once instead of at its next timeout (up to half a second later).
+    launcher.signal_wakeup, signal_writer = socket.socketpair()
+    signal_writer.setblocking(False)
+    previous_wakeup_fd = signal.set_wakeup_fd(signal_writer.fileno())
     code = 0
     try:
         if args.node_rank > 0:
@@ -170,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         launcher.stop_all()
+        signal.set_wakeup_fd(previous_wakeup_fd)  # main() may run inside another program (tests)
+        signal_writer.close()
+        launcher.signal_wakeup.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
 
