@@ -11,8 +11,9 @@
   (csrc/layer_elementwise.cpp);
 - `torch.ops.trident.greedy_argmax` (csrc/greedy_argmax.cpp): each row's greedy token from
   bf16 logits (sampler.py, `SamplingTable.argmax`);
-- `torch.ops.trident.quant_linear` (csrc/quant_linear.cpp): a linear layer on 4- and 8-bit
-  quantized weights (GGUF's formats, repacked by quant_linear.py).
+- `torch.ops.trident.quant_linear` and `.quant_linear_rows` (csrc/quant_linear.cpp): a linear
+  layer on 4- and 8-bit quantized weights (GGUF's formats, repacked by quant_linear.py), and
+  its weight's rows (the embedding lookup of a tied LM head).
 
 The first use compiles the files with torch's extension builder (~30 s on two cores; the
 result is cached under ~/.cache/trident/cpu_kernels (XDG_CACHE_HOME), so later starts take
@@ -131,6 +132,10 @@ def _widening_pack_weight_fake(weight):
 
 def _quant_linear_fake(x, packed, bias, out_features, layout, block, half_scales, path="auto"):
     return x.new_empty(x.shape[0], out_features)
+
+
+def _quant_linear_rows_fake(packed, ids, layout, block, half_scales, dtype):
+    return packed.new_empty(ids.numel(), packed.shape[1] * block, dtype=dtype)
 
 
 def _greedy_argmax_fake(logits):
@@ -263,6 +268,7 @@ def _build() -> bool:
     torch.library.register_fake("trident::widening_bf16_linear")(_bf16_linear_fake)
     torch.library.register_fake("trident::greedy_argmax")(_greedy_argmax_fake)
     torch.library.register_fake("trident::quant_linear")(_quant_linear_fake)
+    torch.library.register_fake("trident::quant_linear_rows")(_quant_linear_rows_fake)
     torch.library.register_fake("trident::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("trident::add_rms_norm")(_add_rms_norm_fake)
     torch.library.register_fake("trident::silu_and_mul")(_gated_activation_fake)

@@ -173,6 +173,9 @@ class QuantLinear(nn.Module):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the dequantized weight as `dtype` [len(ids), k]: the embedding lookup
         when this layer is a tied LM head."""
+        if self.kernel_path:
+            half = self.scale_dtype == torch.float16
+            return torch.ops.trident.quant_linear_rows(self.packed, ids, self.layout, self.block, half, dtype)
         ids = ids.reshape(-1).long()
         return self._unpack(self.packed[ids // PANEL_COLUMNS], ids % PANEL_COLUMNS).to(dtype)
 

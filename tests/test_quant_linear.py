@@ -168,13 +168,22 @@ def test_dequantize_gives_exactly_scale_times_code_plus_min():
             assert torch.equal(layer.dequantize(), scales.repeat_interleave(block, 1) * signed.float())
 
 
+@pytest.mark.parametrize("path", [*PATHS[:1], ""])
 @pytest.mark.parametrize("layout", list(LAYERS))
-def test_rows_are_the_dequantized_weight_rows(layout):
+def test_rows_are_the_dequantized_weight_rows(layout, path):
     layer = LAYERS[layout](70, 576)
+    layer.kernel_path = path  # "": the torch fallback
     ids = torch.tensor([0, 15, 16, 69, 3, 3])
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert torch.equal(layer.rows(ids, dtype), layer.dequantize()[ids].to(dtype))
     assert torch.equal(layer.rows(ids.view(2, 3), torch.float32), layer.dequantize()[ids])
+
+
+@needs_kernels
+def test_a_row_id_past_the_weight_is_an_error_not_a_read_past_it():
+    layer = LAYERS["u4_f16"](20, 64)  # two panels: ids up to 31 are inside the packed tensor
+    with pytest.raises(RuntimeError, match="out of range"):
+        layer.rows(torch.tensor([3, 32]), torch.float32)
 
 
 def test_resident_bytes_are_close_to_the_bits_of_the_format():

@@ -430,16 +430,84 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
   return out;
 }
 
+inline float scale_at(const uint8_t* p, bool half_scales, int64_t column) {
+  if (half_scales) {
+    c10::Half h;
+    std::memcpy(&h, p + 2 * column, sizeof(h));
+    return static_cast<float>(h);
+  }
+  float f;
+  std::memcpy(&f, p + 4 * column, sizeof(f));
+  return f;
+}
+
+// Rows `ids` of the dequantized weight in `dtype`: scale * code (+ min) in float32, one
+// rounding each, as quant_linear.py's dequantize (the embedding lookup of a tied LM head).
+at::Tensor quant_linear_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t layout, int64_t block,
+                             bool half_scales, at::ScalarType dtype) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
+              "quant_linear_rows: packed weights [panels, blocks, bytes] uint8");
+  TORCH_CHECK(layout == kU4 ? block == 32 : layout == kI8 && (block == 16 || block == 32),
+              "quant_linear_rows: layout 0 (U4, block 32) or 1 (I8, block 16 or 32)");
+  const int64_t blocks = packed.size(1), block_bytes = packed.size(2), k = blocks * block;
+  const int64_t scale_bytes = half_scales ? 2 : 4, codes = code_bytes(layout, block);
+  const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t count = flat_ids.numel(), limit = packed.size(0) * kPanelColumns;
+  const int64_t* id = flat_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < limit, "quant_linear_rows: id ", id[i], " out of range");
+  at::Tensor out = at::empty({count, k}, packed.options().dtype(dtype));
+  const uint8_t* data = packed.data_ptr<uint8_t>();
+  trident_kernels::dispatch_float_dtype(out, "quant_linear_rows", [&](auto storage, auto element) {
+    using storage_t = decltype(storage);
+    storage_t* dst = trident_kernels::bits_of<storage_t, decltype(element)>(out);
+    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t column = id[i] % kPanelColumns;
+        const uint8_t* panel = data + (id[i] / kPanelColumns) * blocks * block_bytes;
+        storage_t* row = dst + i * k;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint8_t* wb = panel + b * block_bytes;
+          const float scale = scale_at(wb + codes, half_scales, column);
+          if (layout == kU4) {  // 32 k in 4 groups, two nibbles a byte
+            const float min = scale_at(wb + codes + kPanelColumns * scale_bytes, half_scales, column);
+            for (int64_t g = 0; g < 4; ++g) {
+              const uint8_t* lane = wb + 64 * g + 4 * column;
+              for (int64_t j = 0; j < 4; ++j) {
+                const float lo = scale * static_cast<float>(lane[j] & 15), hi = scale * static_cast<float>(lane[j] >> 4);
+                row[b * 32 + 4 * g + j] = trident_kernels::round_to<storage_t>(lo + min);
+                row[b * 32 + 16 + 4 * g + j] = trident_kernels::round_to<storage_t>(hi + min);
+              }
+            }
+          } else {
+            for (int64_t g = 0; g < block / 4; ++g) {
+              const uint8_t* lane = wb + 64 * g + 4 * column;
+              for (int64_t j = 0; j < 4; ++j)
+                row[b * block + 4 * g + j] =
+                    trident_kernels::round_to<storage_t>(scale * static_cast<float>(static_cast<int32_t>(lane[j]) - 128));
+            }
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(trident, m) {
   m.def(
       "quant_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, int layout, int block, bool half_scales, "
       "str path='auto') -> Tensor");
+  m.def("quant_linear_rows(Tensor packed, Tensor ids, int layout, int block, bool half_scales, ScalarType dtype) -> Tensor");
   m.def("quant_linear_best_path() -> str");
 }
 
-TORCH_LIBRARY_IMPL(trident, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(trident, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_rows", &quant_linear_rows);
+}
 
 TORCH_LIBRARY_IMPL(trident, CompositeExplicitAutograd, m) {
   m.impl("quant_linear_best_path", &quant_linear_best_path);
