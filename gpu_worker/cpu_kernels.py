@@ -134,7 +134,7 @@ def _quant_linear_fake(x, packed, bias, out_features, layout, block, half_scales
     return x.new_empty(x.shape[0], out_features)
 
 
-def _quant_linear_rows_fake(packed, ids, layout, block, half_scales, dtype):
+def _quant_linear_rows_fake(packed, ids, out_features, layout, block, half_scales, dtype):
     return packed.new_empty(ids.numel(), packed.shape[1] * block, dtype=dtype)
 
 

@@ -175,7 +175,8 @@ class QuantLinear(nn.Module):
         when this layer is a tied LM head."""
         if self.kernel_path:
             half = self.scale_dtype == torch.float16
-            return torch.ops.trident.quant_linear_rows(self.packed, ids, self.layout, self.block, half, dtype)
+            n = self.out_features
+            return torch.ops.trident.quant_linear_rows(self.packed, ids, n, self.layout, self.block, half, dtype)
         ids = ids.reshape(-1).long()
         return self._unpack(self.packed[ids // PANEL_COLUMNS], ids % PANEL_COLUMNS).to(dtype)
 

@@ -181,9 +181,10 @@ def test_rows_are_the_dequantized_weight_rows(layout, path):
 
 @needs_kernels
 def test_a_row_id_past_the_weight_is_an_error_not_a_read_past_it():
-    layer = LAYERS["u4_f16"](20, 64)  # two panels: ids up to 31 are inside the packed tensor
-    with pytest.raises(RuntimeError, match="out of range"):
-        layer.rows(torch.tensor([3, 32]), torch.float32)
+    layer = LAYERS["u4_f16"](20, 64)  # two panels: ids 20 to 31 are padding, 32 past the tensor
+    for past in (20, 32):
+        with pytest.raises(RuntimeError, match="out of range"):
+            layer.rows(torch.tensor([3, past]), torch.float32)
 
 
 def test_resident_bytes_are_close_to_the_bits_of_the_format():

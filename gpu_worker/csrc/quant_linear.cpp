@@ -29,8 +29,8 @@
 // Each output element is summed block by block in k order whatever the batch and the thread
 // count: a row's result does not depend on the rows beside it. Rounded once, at the end.
 //
-// Registered as torch.ops.trident.quant_linear / quant_linear_best_path; the fake kernel for
-// tracing is in cpu_kernels.py.
+// Registered as torch.ops.trident.quant_linear / quant_linear_rows / quant_linear_best_path;
+// the fake kernels for tracing are in cpu_kernels.py.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -374,8 +374,8 @@ inline float scale_at(const uint8_t* p, bool half_scales, int64_t column) {
 
 // Rows `ids` of the dequantized weight in `dtype`: scale * code (+ min) in float32, one
 // rounding each, as quant_linear.py's dequantize (the embedding lookup of a tied LM head).
-at::Tensor quant_linear_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t layout, int64_t block,
-                             bool half_scales, at::ScalarType dtype) {
+at::Tensor quant_linear_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t out_features, int64_t layout,
+                             int64_t block, bool half_scales, at::ScalarType dtype) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quant_linear_rows: packed weights [panels, blocks, bytes] uint8");
   TORCH_CHECK(layout == kU4 ? block == 32 : layout == kI8 && (block == 16 || block == 32),
@@ -383,7 +383,9 @@ at::Tensor quant_linear_rows(const at::Tensor& packed, const at::Tensor& ids, in
   const int64_t blocks = packed.size(1), block_bytes = packed.size(2), k = blocks * block;
   const int64_t scale_bytes = half_scales ? 2 : 4, codes = code_bytes(layout, block);
   const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
-  const int64_t count = flat_ids.numel(), limit = packed.size(0) * kPanelColumns;
+  TORCH_CHECK(packed.size(0) == (out_features + kPanelColumns - 1) / kPanelColumns,
+              "quant_linear_rows: packed weights of another shape");
+  const int64_t count = flat_ids.numel(), limit = out_features;
   const int64_t* id = flat_ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i)
     TORCH_CHECK(id[i] >= 0 && id[i] < limit, "quant_linear_rows: id ", id[i], " out of range");
@@ -431,7 +433,8 @@ TORCH_LIBRARY_FRAGMENT(trident, m) {
   m.def(
       "quant_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, int layout, int block, bool half_scales, "
       "str path='auto') -> Tensor");
-  m.def("quant_linear_rows(Tensor packed, Tensor ids, int layout, int block, bool half_scales, ScalarType dtype) -> Tensor");
+  m.def("quant_linear_rows(Tensor packed, Tensor ids, int out_features, int layout, int block, bool half_scales, "
+      "ScalarType dtype) -> Tensor");
   m.def("quant_linear_best_path() -> str");
 }
 
