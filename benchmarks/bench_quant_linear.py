@@ -9,6 +9,8 @@ block 16), and the same weights dequantized to bf16. Each shape gets as many dis
 as make ~`--stream-mb` of bf16 weights, and a timed pass calls every copy once: the weights
 come from memory, as in a decode step, not from cache. Times are microseconds per call (one
 copy), the best of `--repeats` passes, the variants taking turns within each repeat.
+`--step` instead times one decode step's linear layers of SmolLM2 as its file ships them
+(30 layers of distinct Q4_1 weights as U4, the tied Q8_0 head as I8/32) against bf16, ms.
 `--clock thread` times one thread's CPU time instead of the wall clock (and runs one
 thread): on cores shared with other work, the ratios then hold still. Prints a Markdown table.
 """
@@ -95,6 +97,27 @@ def bench_shape(name: str, n: int, k: int, rows_list: list[int], stream_mb: int,
     return lines
 
 
+def smollm2_step(rows_list: list[int], repeats: int, clock) -> None:
+    shapes = SHAPES["smollm2"]
+    per_layer = [shapes["q,o"]] * 2 + [shapes["k,v"]] * 2 + [shapes["gate,up"]] * 2 + [shapes["down"]]
+    quant = [random_layers(n, k)["U4"] for _ in range(30) for n, k in per_layer]
+    quant.append(random_layers(*shapes["head"])["I8/32"])
+    variants = {"file formats": quant, "bf16": [bf16_layer(layer.dequantize().bfloat16()) for layer in quant]}
+    print("| rows | file formats ms | bf16 ms | ratio |")
+    print("|---|---|---|---|")
+    for rows in rows_list:
+        x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+        best = dict.fromkeys(variants, float("inf"))
+        for _ in range(repeats):
+            for label, layers in variants.items():
+                t0 = clock()
+                for layer in layers:
+                    layer(x[layer.in_features])
+                best[label] = min(best[label], (clock() - t0) * 1e3)
+        ours, bf16 = best["file formats"], best["bf16"]
+        print(f"| {rows} | {ours:.2f} | {bf16:.2f} | {bf16 / ours:.2f}x |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["smollm2", "gemma3", "both"], default="both")
@@ -103,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall")
+    p.add_argument("--step", action="store_true", help="SmolLM2's decode step as the file ships it")
     ns = p.parse_args(argv)
     clock = time.thread_time if ns.clock == "thread" else time.perf_counter
     if ns.clock == "thread":
@@ -112,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     rows_list = [int(r) for r in ns.rows.split(",")]
     probe = QuantLinear.from_u4(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), None)
     print(f"threads {torch.get_num_threads()}, {ns.clock} clock, quantized path: {probe.kernel_path or 'torch'}")
+    if ns.step:
+        smollm2_step(rows_list, ns.repeats, clock)
+        return 0
     print("| shape (in->out) | rows | copies | bf16 us | U4 us (bf16/U4) | I8/32 us | I8/16 us |")
     print("|---|---|---|---|---|---|---|")
     models = ["smollm2", "gemma3"] if ns.model == "both" else [ns.model]

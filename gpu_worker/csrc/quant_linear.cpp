@@ -64,6 +64,9 @@ constexpr int64_t kU4 = 0, kI8 = 1;
 // and its float32 sum) of the 32; AVX2 has 16 ymm registers and needs four a row.
 constexpr int kMaxTileRows = 8;
 constexpr int kAvx2TileRows = 3;
+// How far ahead of its reads a tile of several rows prefetches the weights (past a panel's
+// end: into the next one, which follows it in memory and is most often the thread's next).
+constexpr int64_t kPrefetchBytes = 2048;
 
 
 bool cpu_has_avx2_fma() {
@@ -214,6 +217,9 @@ void vnni_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = panel + b * block_bytes;
+    if constexpr (kRows > 1)  // one row alone ran slower with it (docs/benchmarks.md)
+      for (int64_t line = 0; line < block_bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
     // One row alone gets two integer sums, so that its chain of vpdpbusd is half as long;
     // more rows are chains enough.
     __m512i even[kRows], odd[kRows];
