@@ -48,3 +48,15 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.warning("mallopt refused a setting: large temporaries may be mapped and unmapped every step")
     return ok
+
+
+def release_freed_memory() -> None:
+    """Gives the heap's free pages back to the system once (glibc's malloc_trim), after the
+    weights are loaded: the temporaries of loading (float32 tensors of a checkpoint, a GGUF's
+    repacked blocks) are freed by then, and under the policy above their pages would stay
+    resident for the worker's lifetime (docs/benchmarks.md: a Gemma 3 270M gguf worker 1.98
+    GB resident without this, 0.73 GB with it)."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass

@@ -35,6 +35,7 @@ from gpu_worker.gguf_layers import weights_left_uninitialised
 from gpu_worker.grammar import GrammarTable
 from gpu_worker.int8_weights import check_supported as check_int8_supported
 from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
+from gpu_worker.malloc_policy import release_freed_memory
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.ngram_drafter import NgramDrafter
@@ -143,6 +144,7 @@ class Worker(WorkerLoop):
                 self.model.widen_linear_weights(kernel)
             else:
                 logger.warning("bf16 on a CPU without bf16 arithmetic, and no AVX2 kernel: matmuls are slow")
+        release_freed_memory()
         logger.info(
             "loaded %s in %.1f s (%s, weights %s, %s)",
             args.model_path,
