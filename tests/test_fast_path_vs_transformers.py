@@ -69,7 +69,7 @@ pytestmark = pytest.mark.timeout(1800)  # a 262k-vocabulary model loaded twice, 
 # the top-1 only where transformers' own top two are close to a tie.
 BOUNDS = {
     "smollm2": (0.955, 1.7, 0.5),  # measured 0.9601 over 626 positions, 1.507, 0.390
-    "gemma3": (0.96, 3.6, 0.7),  # measured 0.9696 over 626 positions, 3.314, 0.535
+    "gemma3": (0.96, 3.4, 0.8),  # measured 0.9649 over 626 positions, 3.088, 0.746 (head-dim-256 decode kernel)
 }
 
 
