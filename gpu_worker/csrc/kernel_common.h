@@ -22,6 +22,16 @@ struct Bf16Bits {
 };
 static_assert(sizeof(Bf16Bits) == sizeof(c10::BFloat16), "read in place of c10::BFloat16");
 
+// The CPU runs AVX2 with FMA: the widening bf16 linear's path, and the quantized linear's
+// where the CPU has no AVX512-VNNI.
+inline bool cpu_has_avx2_fma() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
 inline float widen(float v) { return v; }
 inline float widen(c10::Half v) { return static_cast<float>(v); }
 inline float widen(Bf16Bits v) {

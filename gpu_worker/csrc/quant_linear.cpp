@@ -55,6 +55,7 @@
 
 namespace {
 
+using trident_kernels::cpu_has_avx2_fma;
 using trident_kernels::kActivationBlock;
 using trident_kernels::QuantizedRows;
 
@@ -68,14 +69,6 @@ constexpr int kAvx2TileRows = 3;
 // end: into the next one, which follows it in memory and is most often the thread's next).
 constexpr int64_t kPrefetchBytes = 2048;
 
-
-bool cpu_has_avx2_fma() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
 
 bool cpu_has_avx512_vnni() {
 #if defined(__AVX512F__) && defined(__GNUC__)

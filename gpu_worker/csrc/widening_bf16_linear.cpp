@@ -39,6 +39,7 @@
 namespace {
 
 using trident_kernels::Bf16Bits;
+using trident_kernels::cpu_has_avx2_fma;
 
 constexpr int64_t kPanelColumns = 16;
 constexpr int kTileRows = 6;
@@ -47,14 +48,6 @@ constexpr int64_t kPanelsPerClaim = 4;
 // Prefill batches go through the panels this many rows at a time, so that the rows being
 // multiplied (96 x 576 float32 = 216 KB) stay in L2 while every panel reads them.
 constexpr int64_t kRowBlock = 16 * kTileRows;
-
-bool cpu_has_avx2_fma() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
 
 // weight [n, k] bfloat16 -> [ceil(n / 16), k, 16] bfloat16, zero columns past n.
 at::Tensor widening_pack_weight(const at::Tensor& weight) {
