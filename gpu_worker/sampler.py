@@ -139,8 +139,11 @@ def hash_token_ids(vocab_size: int, device: torch.device) -> torch.Tensor:
 def seeded_exponentials(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Exp(1) noise [rows, vocab] from each row's key and `hash_token_ids`, in one set of ops
     for all rows."""
-    bits = _mix32(keys[:, None] ^ tokens[None, :]) >> 8  # 24 bits: a float32's exact range
-    return -torch.log((bits.float() + 0.5) * (1.0 / (1 << 24)))
+    # 23 bits, so that bits + 0.5 is exact in float32 and the uniform stays below 1: with
+    # 24, the top value rounded up to 1.0, and a noise of 0 made a forbidden token's 0 / 0
+    # (grammar, top-k) a NaN that argmax picks.
+    bits = _mix32(keys[:, None] ^ tokens[None, :]) >> 9
+    return -torch.log((bits.float() + 0.5) * (1.0 / (1 << 23)))
 
 
 PARAM_COLUMNS = (

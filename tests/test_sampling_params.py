@@ -404,3 +404,14 @@ def test_greedy_rows_short_of_min_tokens_mask_their_stop_tokens_in_the_logits_ow
     assert tokens == [9, eos, int(without_stops.argmax())]
     assert tokens == run(logits.float())[0]
     assert argmax_dtypes == [torch.bfloat16]
+
+
+def test_seeded_noise_is_never_zero_so_forbidden_tokens_stay_forbidden():
+    """A noise of 0 turns a forbidden token's probability 0 into 0 / 0, a NaN that argmax
+    picks: 2,000 keys over SmolLM2's vocabulary gave 5 zeros when the uniform could round to 1."""
+    from gpu_worker.sampler import hash_token_ids, seeded_exponentials
+
+    tokens = hash_token_ids(49152, torch.device("cpu"))
+    keys = torch.arange(2000, dtype=torch.int64) * 2654435761 % (1 << 32)
+    noise = torch.cat([seeded_exponentials(keys[i : i + 200], tokens) for i in range(0, 2000, 200)])
+    assert bool((noise > 0).all()) and bool(torch.isfinite(noise).all())

@@ -78,6 +78,8 @@ def test_regex_and_ebnf_hold_on_generate(smollm2_server, field, holds):
         text = r.json()["text"]
         if field == "regex":
             assert holds(text), text
+        elif r.json()["meta_info"]["finish_reason"] == "length":  # [a-z]+ may run to the token limit
+            assert re.fullmatch(r"The answer is (yes|no) because [a-z]*", text), text
         else:
             assert re.fullmatch(r"The answer is (yes|no) because [a-z]+\.", text), text
 
