@@ -287,13 +287,22 @@ class Scheduler:
 
     def recover_from_worker_loss(self, reason: str) -> None:
         """Every running request goes back to the front of the queue as a prefill of its
-        prompt plus the tokens it already produced; KV and prefix cache start empty."""
-        running = [r for r in self.batch.reqs if not r.finished]
+        prompt plus the tokens it already produced; KV and prefix cache start empty.
+
+        Running means in the batch, or owed a token by a step that was in flight: a request
+        whose last tokens are in flight has already left the batch (`ends_with_steps_in_flight`)
+        and would otherwise be held by nobody, its client never answered."""
+        queued = set(self.waiting.queue)
+        in_flight = [r for step in self.link.in_flight for r in step.sampling_reqs]
+        running = [r for r in dict.fromkeys([*self.batch.reqs, *in_flight]) if not r.finished and r not in queued]
         for req in reversed(running):
             req.reset_kv_state()
             self.waiting.push_front(req)
         for req in self.waiting.queue:
             req.pending_results = 0
+        # The lost group's rows are dropped whole: a finished one (aborted, or ended by a
+        # processed step) was told already, and no remove_rows will forget it now.
+        self.reqs = {rid: r for rid, r in self.reqs.items() if not r.finished}
         self.counters.resumed_requests += len(running)
         logger.warning("worker group lost (%s): %d requests requeued; reconnecting", reason, len(running))
         self.install_workers(self.io.connect_workers(self.args.startup_timeout_s))
