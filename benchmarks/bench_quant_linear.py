@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from gpu_worker.cpu_kernels import load_vnni_linear, load_widening_bf16_linear  # noqa: E402
-from gpu_worker.packed_linear import PackedLinear, WideningBf16Linear  # noqa: E402
+from gpu_worker.packed_linear import Bf16KernelLinear, PackedLinear  # noqa: E402
 from gpu_worker.quant_linear import QuantLinear  # noqa: E402
 
 SHAPES = {
@@ -66,7 +66,7 @@ def bf16_layer(weight: torch.Tensor) -> torch.nn.Module:
     vnni = load_vnni_linear()
     if vnni is not None or torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return PackedLinear(weight, None, vnni)
-    return WideningBf16Linear(weight, None, load_widening_bf16_linear())
+    return Bf16KernelLinear(weight, None, load_widening_bf16_linear())
 
 
 def best_us(variants: dict[str, list[torch.nn.Module]], x: torch.Tensor, repeats: int, clock) -> dict[str, float]:

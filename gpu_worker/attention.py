@@ -24,6 +24,11 @@ kernel takes the window itself. The pool keeps every key: only the masks change.
 On CPU, groups of one query per row go instead to a C++ kernel that reads each row's keys
 where the pool has them (csrc/paged_decode_attention.cpp, `--decode-attention`): no copy,
 no padding; 3-4x faster per layer than the gather and matmuls in bfloat16 (measured).
+
+With batch invariance (batch_invariance.py) every query of a step goes to that kernel, a
+prompt chunk's tokens and a draft's tokens too, each as its own row (`QueryKeys`): a query's
+output is then the same bits whether it is decoded, prefilled, verified, chunked or read
+over a cached prefix, and whatever else runs in its step.
 """
 
 from __future__ import annotations
@@ -80,11 +85,33 @@ class DecodeGroup:
 
 
 @dataclass
+class QueryKeys:
+    """Every query token of a step as its own row of the decode kernel (batch invariance):
+    query t reads the first kv_lens[t] keys of row kv_rows[t] of kv_table."""
+
+    kv_table: torch.Tensor
+    """Pool index of each computing sequence's keys, through this step's tokens, padded with
+    0, int64 [sequences, max_kv]."""
+    kv_rows: torch.Tensor
+    """Each query token's row of kv_table, int64 [num_tokens]."""
+    kv_lens: torch.Tensor
+    """Keys each query token sees, itself included (its position + 1), int64 [num_tokens]."""
+
+
+@dataclass
 class AttentionMetadata:
     out_cache_loc: torch.Tensor
     """Pool index each new token's K/V is written to, [num_tokens]."""
     decode_groups: list[DecodeGroup]
     extend_rows: list[ExtendRow]
+    query_keys: QueryKeys | None = None
+    """Set (by batch_state.py) when every query of a step with prompt chunks or drafts goes
+    through the decode kernel; the groups and rows above then only describe the step."""
+
+    def reads_pool_only(self) -> bool:
+        """Attention reads K/V from the pool only, so the step's new K/V can be written there
+        before it (the fused rotary_write_kv op) and need not be kept at hand."""
+        return not self.extend_rows or self.query_keys is not None
 
     def is_plain_decode(self) -> bool:
         """Every row one query (no draft to verify) and no prompt chunk: the step reads K/V
@@ -99,6 +126,8 @@ class AttentionMetadata:
         layout: arange(kv_heads) for plain GQA, or one entry per query head when a
         tensor-parallel rank's heads straddle KV groups (parallel.py).
         """
+        if self.query_keys is not None:
+            return
         kv_or_v = torch.arange(2, device=kv_head_of.device)[:, None, None, None]
         for g in self.decode_groups:
             if kernel is not None and kernel_serves(g):
@@ -108,6 +137,8 @@ class AttentionMetadata:
 
     def prepare_windows(self, windows: set[int], kernel: DecodeKernel | None = None) -> None:
         """Builds, once per forward, the masks of each sliding window (in keys) some layer uses."""
+        if self.query_keys is not None:
+            return
         for window in windows:
             for g in self.decode_groups:
                 if kernel is None or not kernel_serves(g):
@@ -135,8 +166,8 @@ def paged_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, dim], this step's k/v: [num_tokens, kv_heads, dim] (already in
-    kv_cache [pool tokens, 2, kv_heads, dim]; None in a step without extend rows, which
-    reads the pool only) -> [num_tokens, heads, dim].
+    kv_cache [pool tokens, 2, kv_heads, dim]; None in a step that reads the pool only,
+    `meta.reads_pool_only()`) -> [num_tokens, heads, dim].
 
     Query head h reads KV head h // (heads // kv_heads) (SDPA's GQA grouping), unless
     `kv_head_map` gives each query head's KV head: a tensor-parallel rank whose heads
@@ -145,6 +176,9 @@ def paged_attention(
     `window`: the layer's sliding window in keys (0: none; prepare_windows must have been
     given it); `scale`: the score scale (None: dim ** -0.5)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if (keys := meta.query_keys) is not None:
+        assert kernel is not None, "query_keys are built only for the decode kernel"
+        return kernel(q, kv_cache, keys.kv_table, keys.kv_lens, scale, window, keys.kv_rows)
     if len(meta.decode_groups) == 1 and meta.decode_groups[0].covers_batch:
         g = meta.decode_groups[0]
         if kernel is not None:

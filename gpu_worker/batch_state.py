@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow, shifted_causal_mask
+from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow, QueryKeys, shifted_causal_mask
 from gpu_worker.host_staging import DeviceToHost, StepStaging
 from gpu_worker.sampler import SamplingTable
 from trident.wire.backend import BatchDescriptor
@@ -118,12 +118,16 @@ class BatchState:
         sampling: SamplingTable,
         device: torch.device,
         ragged_decode: bool = False,
+        every_query_through_kernel: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.ragged_decode = ragged_decode
         """The model's decode attention reads each row at its own length (the C++ kernel):
         a step whose rows each have one query needs no grouping by length, so they go in one
         group (one kernel call per layer, no scatter of outputs)."""
+        self.every_query_through_kernel = every_query_through_kernel
+        """Batch invariance (batch_invariance.py): steps with prompt chunks or drafts carry
+        `QueryKeys`, so that every query goes through the decode kernel as its own row."""
         self.page_size = page_size
         self.page_table = np.zeros((max_slots, max_pages_per_row), dtype=np.int64)
         self.row_lens_host = np.zeros(max_slots, dtype=np.int64)
@@ -308,10 +312,13 @@ class BatchState:
         if plan.short_rows:
             first = staging.stage([o for o, _, _ in plan.short_rows], torch.int64)
             first_slots = staging.stage([s for _, _, s in plan.short_rows], torch.int64)
+        query_keys = None
+        if self.every_query_through_kernel and (plan.extend_rows or len(plan.q_lens) < len(positions)):
+            query_keys = self._query_keys(plan, starts, positions)
         rows = []
         for q_start, n, prefix, slot in plan.extend_rows:
             kv = staging.stage(self._pool_index(np.full(prefix + n, slot), np.arange(prefix + n)), torch.int64)
-            mask = shifted_causal_mask(n, prefix, dev) if prefix else None
+            mask = shifted_causal_mask(n, prefix, dev) if prefix and query_keys is None else None
             rows.append(ExtendRow(q_start, n, prefix, kv, mask))
         short_rows = plan.short_rows
         if self.ragged_decode and short_rows and all(n == 1 for _, n, _ in short_rows):
@@ -320,7 +327,7 @@ class BatchState:
             grouped = group_by_length(self.row_lens_host[[s for _, _, s in short_rows]])
         alone = len(grouped) == 1 and not plan.extend_rows
         groups = [self._decode_group([short_rows[i] for i in members], alone) for members in grouped]
-        meta = AttentionMetadata(staging.stage(out_loc, torch.int64), groups, rows)
+        meta = AttentionMetadata(staging.stage(out_loc, torch.int64), groups, rows, query_keys)
         positions_dev = staging.stage(positions, torch.int64)
         logits_indices = staging.stage(plan.logit_positions, torch.int64)
         staging.flush()
@@ -328,6 +335,21 @@ class BatchState:
             input_ids[first] = self.last_token[first_slots]
         return ForwardInputs(
             **vars(plan), input_ids=input_ids, positions=positions_dev, meta=meta, logits_indices=logits_indices
+        )
+
+    def _query_keys(self, plan: StepPlan, starts: np.ndarray, positions: np.ndarray) -> QueryKeys:
+        """Each of the step's query tokens as its own row of the decode kernel: its sequence's
+        keys through this step, of which it sees those up to its own position."""
+        kv_lens = starts + plan.q_lens
+        kv = np.arange(int(kv_lens.max()))
+        table = np.where(
+            kv[None, :] < kv_lens[:, None], self._pool_index(plan.computing_slots[:, None], kv[None, :]), 0
+        )
+        stage = self.staging.stage
+        return QueryKeys(
+            kv_table=stage(table, torch.int64, table.shape),
+            kv_rows=stage(np.repeat(np.arange(len(kv_lens)), plan.q_lens), torch.int64),
+            kv_lens=stage(positions + 1, torch.int64),
         )
 
     def _pool_index(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -70,8 +70,9 @@ ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
-"""(q, kv_cache, kv_indices, kv_lens, scale, window) -> out; window 0: every key of the row."""
+DecodeKernel = Callable[..., torch.Tensor]
+"""(q, kv_cache, kv_indices, kv_lens, scale, window[, kv_rows]) -> out; window 0: every key of
+the row; kv_rows: each query row's row of kv_indices (default: its own)."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ _required = True
 """A failed build on an AVX2 or AVX-512 CPU raises KernelBuildError (require_kernels)."""
 
 
-def _decode_attention_fake(q, kv_cache, kv_indices, kv_lens, scale, window=0):
+def _decode_attention_fake(q, kv_cache, kv_indices, kv_lens, scale, window=0, kv_rows=None):
     return torch.empty_like(q)
 
 

@@ -27,7 +27,7 @@ from gpu_worker.gguf_layers import QuantizedParts, narrow, pad_rows, stacked_lin
 from gpu_worker.int8_weights import Int8Linear
 from gpu_worker.kv_pool import KVPool, write_kv
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.packed_linear import PackedLinear, WideningBf16Linear, replace_linear_layers
+from gpu_worker.packed_linear import Bf16KernelLinear, PackedLinear, replace_linear_layers
 from gpu_worker.parallel import ShardPlan, TPGroup
 from gpu_worker.rope import RotaryEmbedding
 
@@ -116,10 +116,10 @@ class Attention(nn.Module):
         """kv_cache: this layer's tensor of the pool (kv_pool.py)."""
         qkv = self.qkv_proj(x)
         kernels = eager_kernels(self.kernels)
-        if kernels is not None and not meta.extend_rows:
-            # A decode step reads K/V from the pool only: one op norms q and k (where the
-            # family does), rotates q and writes the new K/V there, where the lines below
-            # take ~10 ops a layer.
+        if kernels is not None and meta.reads_pool_only():
+            # Attention reads K/V from the pool only: one op norms q and k (where the family
+            # does), rotates q and writes the new K/V there, where the lines below take ~10
+            # ops a layer.
             q = kernels.rotary_write_kv(
                 qkv, *rotary, kv_cache, meta.out_cache_loc, self.num_heads, self.num_kv_heads, *self.qk_norm_args()
             )
@@ -350,10 +350,10 @@ class LlamaForCausalLM(nn.Module):
         and the cast."""
         self._replace_linear_layers(lambda weight, bias: PackedLinear(weight, bias, vnni))
 
-    def widen_linear_weights(self, kernel: Bf16LinearKernel) -> None:
-        """Every linear layer and the LM head to `WideningBf16Linear` (packed_linear.py), for
+    def use_bf16_kernel_linear(self, kernel: Bf16LinearKernel) -> None:
+        """Every linear layer and the LM head to `Bf16KernelLinear` (packed_linear.py), for
         bf16 on CPUs without bf16 arithmetic; call after load_weights and the cast."""
-        self._replace_linear_layers(lambda weight, bias: WideningBf16Linear(weight, bias, kernel))
+        self._replace_linear_layers(lambda weight, bias: Bf16KernelLinear(weight, bias, kernel))
 
     def _replace_linear_layers(self, make) -> None:
         """`make(weight, bias)` for every linear layer and for the LM head; a tied head gets

@@ -20,8 +20,12 @@ measured on 2 Zen 4 cores (docs/benchmarks.md), SmolLM2's 120 layer weights in o
 79.7. From ~128 rows the two are level, and at prefill sizes oneDNN is ~10 % faster.
 
 On a CPU without bf16 arithmetic (AVX2: Zen 2/3, older Intel), oneDNN has no fast bf16
-matmul, and every bf16 batch goes to `WideningBf16Linear` (csrc/widening_bf16_linear.cpp)
+matmul, and every bf16 batch goes to `Bf16KernelLinear` (csrc/widening_bf16_linear.cpp)
 instead: bf16 weights widened to float32 in registers.
+
+With batch invariance on (the default; batch_invariance.py), every bf16 batch goes to
+`Bf16KernelLinear` on any CPU: oneDNN picks its blocking, and so its summation order, by
+the number of rows.
 """
 
 from __future__ import annotations
@@ -99,12 +103,16 @@ class PackedLinear(nn.Module):
         return vnni_or_onednn
 
 
-class WideningBf16Linear(nn.Module):
-    """bf16 `y = x @ weight.T + bias` through csrc/widening_bf16_linear.cpp, at every batch
-    size: on a CPU with AVX2 but no bf16 arithmetic, where torch's bf16 matmul is a slow
-    path. Measured on 2 Zen 3 cores (docs/benchmarks.md), SmolLM2's MLP up-projection
-    (576 -> 6,144 fused) at 1 / 32 / 200 rows: 0.17 / 1.29 / 7.6 ms, against 0.37 / 2.69 /
-    9.5 ms for float32 `F.linear` on float32 weights twice the size."""
+class Bf16KernelLinear(nn.Module):
+    """bf16 `y = x @ weight.T + bias` through one of our kernels (`Bf16LinearKernel`) at every
+    batch size, prompt chunks included, so that each output is summed in one order whatever
+    the batch (batch_invariance.py): the AVX512-BF16 one (csrc/vnni_linear.cpp) where the
+    CPU has it, else the AVX2 one (csrc/widening_bf16_linear.cpp).
+
+    The AVX2 kernel is also what a CPU with no bf16 arithmetic needs, where torch's bf16
+    matmul is a slow path: measured on 2 Zen 3 cores (docs/benchmarks.md), SmolLM2's MLP
+    up-projection (576 -> 6,144 fused) at 1 / 32 / 200 rows: 0.17 / 1.29 / 7.6 ms, against
+    0.37 / 2.69 / 9.5 ms for float32 `F.linear` on float32 weights twice the size."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Bf16LinearKernel) -> None:
         super().__init__()
@@ -138,14 +146,18 @@ def replace_linear_layers(module: nn.Module, make: Callable[[torch.Tensor, torch
     return count
 
 
-def wants_widening_linear(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """`auto` in bf16 on a CPU whose oneDNN has no fast bf16 matmul (no bf16 instructions):
-    `WideningBf16Linear` then, where `F.linear` would take torch's slow bf16 path."""
+def own_kernel_linear(setting: str, device: torch.device, dtype: torch.dtype, batch_invariant: bool) -> bool:
+    """`auto` in bf16 on CPU: our kernel at every batch size (`Bf16KernelLinear`) where batch
+    invariance asks for one summation order (batch_invariance.py), or where oneDNN has no
+    fast bf16 matmul (a CPU without bf16 instructions)."""
     return (
         setting == "auto"
         and device.type == "cpu"
         and dtype == torch.bfloat16
-        and not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        and (
+            batch_invariant
+            or not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        )
     )
 
 

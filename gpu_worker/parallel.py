@@ -137,6 +137,8 @@ class TPGroup:
         self.cpu_group: dist.ProcessGroup | None = None
         """Always gloo: the step-id check and start-up agreement, which must not touch the GPU stream."""
         self._store: dist.TCPStore | None = None
+        self.sum_in_rank_order = False
+        """all_reduce adds the ranks' parts in rank order (batch invariance; set by the worker)."""
 
     @classmethod
     def init(
@@ -175,6 +177,16 @@ class TPGroup:
     # ---------------------------------------------------------------- model collectives
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x, in place. With `sum_in_rank_order` above 2 ranks, the parts
+        are gathered and added in rank order: a ring all-reduce adds each element in an order
+        that depends on where the tensor's size puts it (at 2 ranks, a + b == b + a)."""
+        if self.size > 2 and self.sum_in_rank_order:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous(), group=self.device_group)
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            return x.copy_(total)
         if self.size > 1:
             dist.all_reduce(x, group=self.device_group)
         return x

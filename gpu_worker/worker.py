@@ -20,6 +20,7 @@ import numpy as np
 import psutil
 import torch
 
+from gpu_worker.batch_invariance import batch_invariance_off_because
 from gpu_worker.batch_state import BatchState, StepPlan
 from gpu_worker.compiled_decode import wants_compile, warm_up
 from gpu_worker.cpu_kernels import load_decode_attention as load_decode_kernel
@@ -39,7 +40,7 @@ from gpu_worker.malloc_policy import release_freed_memory
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.ngram_drafter import NgramDrafter
-from gpu_worker.packed_linear import wants_packed_linear, wants_widening_linear
+from gpu_worker.packed_linear import own_kernel_linear, wants_packed_linear
 from gpu_worker.parallel import ShardPlan, TPGroup, dist_port
 from gpu_worker.sampler import SamplingTable, sample
 from gpu_worker.weights import iter_weights, load_config
@@ -128,6 +129,9 @@ class Worker(WorkerLoop):
 
         t0 = time.monotonic()
         self.weight_dtype = resolve_weight_dtype(args, self.device, self.dtype)
+        off_because = batch_invariance_off_because(
+            args, self.device, self.dtype, self.weight_dtype, self.plan.uniform_gqa
+        )
         quantized = self.weight_dtype == "gguf"
         self.model = self.load_model(args.model_path, quantized)
         self.model.rope.to(dtype=torch.float32)
@@ -136,14 +140,17 @@ class Worker(WorkerLoop):
         elif self.weight_dtype == "int8":
             check_int8_supported(self.device, self.dtype)
             self.model.quantize_weights_int8()
-        elif wants_packed_linear(args.linear_weights, self.device, self.dtype):
-            self.model.pack_linear_weights(load_vnni_linear() if self.dtype == torch.bfloat16 else None)
-        elif wants_widening_linear(args.linear_weights, self.device, self.dtype):
-            kernel = load_widening_bf16_linear()
+        elif own_kernel_linear(args.linear_weights, self.device, self.dtype, off_because is None):
+            kernel = (load_vnni_linear() if off_because is None else None) or load_widening_bf16_linear()
             if kernel is not None:
-                self.model.widen_linear_weights(kernel)
+                self.model.use_bf16_kernel_linear(kernel)
+            elif off_because is None:
+                off_because = "no bf16 linear kernel of ours for this CPU"
+                self.model.pack_linear_weights()
             else:
                 logger.warning("bf16 on a CPU without bf16 arithmetic, and no AVX2 kernel: matmuls are slow")
+        elif wants_packed_linear(args.linear_weights, self.device, self.dtype):
+            self.model.pack_linear_weights(load_vnni_linear() if self.dtype == torch.bfloat16 else None)
         release_freed_memory()
         logger.info(
             "loaded %s in %.1f s (%s, weights %s, %s)",
@@ -166,6 +173,13 @@ class Worker(WorkerLoop):
                 self.model.use_decode_kernel(kernel)
         if self.device.type == "cpu":
             self.model.use_elementwise_kernels(load_elementwise_kernels())
+        if off_because is None and (self.model.decode_kernel is None or self.model.norm.kernels is None):
+            off_because = "the C++ kernels are not built for this CPU"
+        self.batch_invariant = off_because is None
+        """Every row's logits are independent of its batch and of its tokens' path (batch_invariance.py)."""
+        self.tp.sum_in_rank_order = self.batch_invariant
+        if off_because is not None:
+            logger.info("batch invariance off: %s", off_because)
         self.compiled = wants_compile(args.compile_decode, args.tp_size)
         if self.compiled:
             self.model.compile_decode()
@@ -189,6 +203,7 @@ class Worker(WorkerLoop):
             self.sampling,
             self.device,
             ragged_decode=self.model.decode_kernel is not None,
+            every_query_through_kernel=self.batch_invariant,
         )
         self.open_sockets(ctx)
 
@@ -203,7 +218,8 @@ class Worker(WorkerLoop):
     def summary(self) -> str:
         attention = "kernel" if self.model.decode_kernel is not None else "torch"
         compiled = "compiled" if self.compiled else "eager"
-        return f"{self.dtype}, weights {self.weight_dtype}, decode {compiled}, decode attention {attention}"
+        invariant = "batch invariant" if self.batch_invariant else "not batch invariant"
+        return f"{self.dtype}, weights {self.weight_dtype}, decode {compiled}, attention {attention}, {invariant}"
 
     def agree_on_step(self, step_id: int, failed: bool) -> str | None:
         return self.tp.check_step(step_id, failed=failed)

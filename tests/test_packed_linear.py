@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from gpu_worker.cpu_kernels import load_vnni_linear, load_widening_bf16_linear
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.packed_linear import (
+    Bf16KernelLinear,
     PackedLinear,
-    WideningBf16Linear,
+    own_kernel_linear,
     replace_linear_layers,
     wants_packed_linear,
-    wants_widening_linear,
 )
 from tests.helpers import make_random_llama, prompt_logits
 
@@ -171,7 +171,7 @@ def test_our_bf16_kernels_give_the_float32_sum_rounded_once(kernel, rows, n, k, 
 
 @needs_widening_linear
 def test_widening_linear_gives_a_row_the_same_bits_whatever_batch_it_is_in():
-    layer = WideningBf16Linear(torch.randn(200, 96, dtype=torch.bfloat16), None, WIDENING)
+    layer = Bf16KernelLinear(torch.randn(200, 96, dtype=torch.bfloat16), None, WIDENING)
     x = torch.randn(250, 96, dtype=torch.bfloat16)  # past one 96-row block of prefill rows
     whole = layer(x)
     for row in (0, 5, 6, 95, 96, 249):
@@ -181,7 +181,7 @@ def test_widening_linear_gives_a_row_the_same_bits_whatever_batch_it_is_in():
 
 @needs_widening_linear
 def test_compiled_graphs_call_the_widening_kernel_for_every_batch_size():
-    layer = WideningBf16Linear(torch.randn(48, 32, dtype=torch.bfloat16), None, WIDENING)
+    layer = Bf16KernelLinear(torch.randn(48, 32, dtype=torch.bfloat16), None, WIDENING)
     compiled = torch.compile(lambda layer, x: torch.relu(layer(x)), dynamic=True)
     with torch.inference_mode():
         for rows in (1, 3, 40, 100):
@@ -189,13 +189,14 @@ def test_compiled_graphs_call_the_widening_kernel_for_every_batch_size():
             assert torch.equal(compiled(layer, x), torch.relu(layer(x)))
 
 
-def test_auto_widens_bf16_weights_only_where_onednn_has_no_bf16_matmul():
+def test_auto_takes_our_bf16_kernel_for_batch_invariance_or_where_onednn_has_no_bf16_matmul():
     cpu = torch.device("cpu")
     no_bf16_instructions = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert wants_widening_linear("auto", cpu, torch.bfloat16) == no_bf16_instructions
-    assert not wants_widening_linear("auto", cpu, torch.float32)
-    assert not wants_widening_linear("plain", cpu, torch.bfloat16)
-    assert not wants_widening_linear("auto", torch.device("cuda"), torch.bfloat16)
+    assert own_kernel_linear("auto", cpu, torch.bfloat16, batch_invariant=True)
+    assert own_kernel_linear("auto", cpu, torch.bfloat16, batch_invariant=False) == no_bf16_instructions
+    assert not own_kernel_linear("auto", cpu, torch.float32, batch_invariant=True)
+    assert not own_kernel_linear("plain", cpu, torch.bfloat16, batch_invariant=True)
+    assert not own_kernel_linear("auto", torch.device("cuda"), torch.bfloat16, batch_invariant=True)
 
 
 @needs_widening_linear
@@ -204,7 +205,7 @@ def test_a_model_with_widened_bf16_weights_is_as_close_to_float32_as_with_plain_
     ids = torch.arange(3, 40)
     want = prompt_logits(path, ids, torch.float32).double()
     plain = prompt_logits(path, ids, torch.bfloat16).double()
-    widened = prompt_logits(path, ids, torch.bfloat16, lambda model: model.widen_linear_weights(WIDENING)).double()
+    widened = prompt_logits(path, ids, torch.bfloat16, lambda model: model.use_bf16_kernel_linear(WIDENING)).double()
     # Another float32 summation order than torch's bf16 matmul, so not the same bits; the
     # error that bf16 rounding through the layers leaves must be no larger.
     plain_error, widened_error = (plain - want).abs(), (widened - want).abs()

@@ -87,8 +87,39 @@ def test_kernel_takes_non_contiguous_queries(kernel):
 
 def test_kernel_rejects_mismatched_shapes(kernel):
     pool = torch.zeros(10, 2, 3, 64)
-    with pytest.raises(RuntimeError, match="one index row and one length per query row"):
+    with pytest.raises(RuntimeError, match="one index row per query row"):
         kernel(torch.zeros(2, 9, 64), pool, torch.zeros(3, 4, dtype=torch.int64), torch.ones(2, dtype=torch.int64), 1.0)
+    with pytest.raises(RuntimeError, match="kv_rows: one int64 index row per query row"):
+        rows = torch.zeros(3, dtype=torch.int64)
+        kernel(
+            torch.zeros(2, 9, 64),
+            pool,
+            torch.zeros(1, 4, dtype=torch.int64),
+            torch.ones(2, dtype=torch.int64),
+            1.0,
+            0,
+            rows,
+        )
+
+
+@pytest.mark.parametrize("dim, heads, kv_heads, window", [(64, 9, 3, 0), (256, 4, 1, 5), (128, 8, 8, 0)])
+def test_a_querys_output_is_the_same_bits_whatever_the_other_rows_of_the_call(kernel, dim, heads, kv_heads, window):
+    """Batch invariance rests on it: every token of a prompt chunk is its own query row over
+    its sequence's one row of indices (kv_rows), and its output must equal what the same
+    query gives decoded alone, or in a call with any other rows."""
+    gen = torch.Generator().manual_seed(dim + heads)
+    pool = torch.randn(400, 2, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    table = torch.randperm(400, generator=gen)[:300].view(2, 150)
+    q = torch.randn(150, heads, dim, generator=gen).to(torch.bfloat16)
+    # A 100-token chunk of sequence 0 (positions 20..119) and 50 queries of sequence 1.
+    kv_rows = torch.cat([torch.zeros(100, dtype=torch.int64), torch.ones(50, dtype=torch.int64)])
+    kv_lens = torch.cat([torch.arange(21, 121), torch.arange(100, 150)])
+    together = kernel(q, pool, table, kv_lens, dim**-0.5, window, kv_rows)
+    for t in (0, 37, 99, 100, 149):
+        alone = kernel(q[t : t + 1], pool, table[kv_rows[t]][None], kv_lens[t : t + 1], dim**-0.5, window)
+        assert torch.equal(together[t], alone[0]), t
+    repeated = kernel(q, pool, table[kv_rows], kv_lens, dim**-0.5, window)
+    assert torch.equal(together, repeated)
 
 
 @pytest.mark.parametrize(

@@ -69,6 +69,10 @@ constexpr int64_t kPrefetchAhead = 16;
 // The first of a row's `len` keys its query sees: the last `window` of them (0: all).
 inline int64_t window_start(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
 
+// The row of kv_indices that query row `row` reads its keys from: its own, or kv_rows[row]
+// when given (every query of a prompt chunk reads its sequence's one row of indices).
+inline int64_t index_row(const int64_t* kv_rows, int64_t row) { return kv_rows ? kv_rows[row] : row; }
+
 // Scores to probabilities, in place, over one query head's `len` keys.
 inline void softmax_in_place(float* p, int64_t len) {
   float peak = p[0];
@@ -261,8 +265,8 @@ void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const 
 #ifdef TRIDENT_FAST_DECODE_BF16
 template <int kGroup, int kDim>
 void decode_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* kv_indices,
-                      const int64_t* kv_lens, c10::BFloat16* out, int64_t rows, int64_t kv_heads, int64_t max_kv,
-                      double scale, int64_t window) {
+                      const int64_t* kv_rows, const int64_t* kv_lens, c10::BFloat16* out, int64_t rows,
+                      int64_t kv_heads, int64_t max_kv, double scale, int64_t window) {
   const int64_t heads = kv_heads * kGroup, token_stride = 2 * kv_heads * kDim;
   const auto* q_bits = reinterpret_cast<const uint16_t*>(q);
   const auto* kv_bits = reinterpret_cast<const uint16_t*>(kv);
@@ -274,7 +278,8 @@ void decode_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, const int
       const int64_t first_head = kv_head * kGroup;
       const int64_t first_key = window_start(kv_lens[row], window);
       decode_item_bf16<kGroup, kDim>(q_bits + (row * heads + first_head) * kDim, static_cast<float>(scale), kv_bits,
-                                     kv_indices + row * max_kv + first_key, kv_lens[row] - first_key, token_stride,
+                                     kv_indices + index_row(kv_rows, row) * max_kv + first_key,
+                                     kv_lens[row] - first_key, token_stride,
                                      kv_head * kDim, (kv_heads + kv_head) * kDim, probs.data(), result.data());
       trident_kernels::Bf16Bits* dst = out_bits + (row * heads + first_head) * kDim;
 #pragma omp simd
@@ -285,11 +290,11 @@ void decode_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, const int
 }
 
 // The (head dim, query heads per KV head) pairs that have a fast path; others take decode_rows.
-bool decode_bf16(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const at::Tensor& lens,
-                 at::Tensor& out, double scale, int64_t window) {
+bool decode_bf16(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const int64_t* kv_rows,
+                 const at::Tensor& lens, at::Tensor& out, double scale, int64_t window) {
   const int64_t rows = q.size(0), dim = q.size(2), kv_heads = kv.size(2), group = q.size(1) / kv_heads;
   const auto run = [&](auto kernel) {
-    kernel(q.data_ptr<c10::BFloat16>(), kv.data_ptr<c10::BFloat16>(), idx.data_ptr<int64_t>(),
+    kernel(q.data_ptr<c10::BFloat16>(), kv.data_ptr<c10::BFloat16>(), idx.data_ptr<int64_t>(), kv_rows,
            lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), rows, kv_heads, idx.size(1), scale, window);
     return true;
   };
@@ -316,9 +321,9 @@ bool decode_bf16(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& id
 // kDim: the head dim as a compile-time constant (the common 64, 128 and 256, so that the
 // compiler unrolls the per-head loops into registers), or 0 for any other, read from `dim`.
 template <typename scalar_t, int64_t kDim>
-void decode_rows(const scalar_t* q, const scalar_t* kv, const int64_t* kv_indices, const int64_t* kv_lens,
-                 scalar_t* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t runtime_dim, int64_t max_kv,
-                 double scale, int64_t window) {
+void decode_rows(const scalar_t* q, const scalar_t* kv, const int64_t* kv_indices, const int64_t* kv_rows,
+                 const int64_t* kv_lens, scalar_t* out, int64_t rows, int64_t heads, int64_t kv_heads,
+                 int64_t runtime_dim, int64_t max_kv, double scale, int64_t window) {
   const int64_t dim = kDim ? kDim : runtime_dim;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = 2 * kv_heads * dim;  // pool layout [pool tokens, 2 (K, V), kv_heads, dim]
@@ -329,7 +334,7 @@ void decode_rows(const scalar_t* q, const scalar_t* kv, const int64_t* kv_indice
     for (int64_t row = begin; row < end; ++row) {
       const int64_t first_key = window_start(kv_lens[row], window);
       const int64_t len = kv_lens[row] - first_key;
-      const int64_t* tokens = kv_indices + row * max_kv + first_key;
+      const int64_t* tokens = kv_indices + index_row(kv_rows, row) * max_kv + first_key;
       const scalar_t* q_row = q + row * heads * dim;
       for (int64_t i = 0; i < heads * dim; ++i) qf[i] = static_cast<float>(q_row[i]) * static_cast<float>(scale);
       for (int64_t t = 0; t < len; ++t) {
@@ -367,26 +372,43 @@ void decode_rows(const scalar_t* q, const scalar_t* kv, const int64_t* kv_indice
   });
 }
 
-// q [rows, heads, dim]; kv_cache [pool tokens, 2, kv_heads, dim]; kv_indices [rows, max_kv]
-// (pool index of each row's keys, past kv_lens[row] unused); kv_lens [rows] -> [rows, heads, dim].
+// q [rows, heads, dim]; kv_cache [pool tokens, 2, kv_heads, dim]; kv_indices [index rows, max_kv]
+// (pool index of each sequence's keys, past its length unused); kv_lens [rows]: the keys each
+// query row sees, the first kv_lens[row] of its index row; kv_rows [rows] (optional): the index
+// row of each query row, else row i reads index row i -> [rows, heads, dim].
+//
+// Each (query row, KV head) is one work item, summed over its keys in order by one thread:
+// a query's output does not depend on the other rows of the call, nor on whether it is a
+// decode token or one of a prompt chunk's tokens (the worker's batch invariance rests on it).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_indices,
-                                  const at::Tensor& kv_lens, double scale, int64_t window) {
+                                  const at::Tensor& kv_lens, double scale, int64_t window,
+                                  const std::optional<at::Tensor>& kv_rows_opt) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_indices.dim() == 2 && kv_lens.dim() == 1,
               "paged_decode_attention: q [rows, heads, dim], kv_cache [tokens, 2, kv_heads, dim], "
-              "kv_indices [rows, max_kv], kv_lens [rows]");
+              "kv_indices [index rows, max_kv], kv_lens [rows]");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
   TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_lens.scalar_type() == at::kLong, "indices must be int64");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = kv_cache.size(2);
   TORCH_CHECK(kv_cache.size(1) == 2 && kv_cache.size(3) == dim && heads % kv_heads == 0, "shape mismatch");
-  TORCH_CHECK(kv_indices.size(0) == rows && kv_lens.size(0) == rows, "one index row and one length per query row");
+  TORCH_CHECK(kv_lens.size(0) == rows, "one length per query row");
+  at::Tensor kv_rows_c;
+  if (kv_rows_opt.has_value() && kv_rows_opt->defined()) {
+    kv_rows_c = kv_rows_opt->contiguous();
+    TORCH_CHECK(kv_rows_c.scalar_type() == at::kLong && kv_rows_c.dim() == 1 && kv_rows_c.size(0) == rows,
+                "kv_rows: one int64 index row per query row");
+  } else {
+    TORCH_CHECK(kv_indices.size(0) == rows, "one index row per query row (or kv_rows)");
+  }
+  const int64_t* kv_rows = kv_rows_c.defined() ? kv_rows_c.data_ptr<int64_t>() : nullptr;
   const at::Tensor qc = q.contiguous(), kvc = kv_cache.contiguous();
   const at::Tensor idx = kv_indices.contiguous(), lens = kv_lens.contiguous();
   at::Tensor out = at::empty_like(qc);
   const auto run = [&](auto zero) {
     using scalar_t = decltype(zero);
     const auto rows_of = [&](auto kernel) {
-      kernel(qc.data_ptr<scalar_t>(), kvc.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-             out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, idx.size(1), scale, window);
+      kernel(qc.data_ptr<scalar_t>(), kvc.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(), kv_rows,
+             lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, idx.size(1), scale,
+             window);
     };
     if (dim == 64) {
       rows_of(decode_rows<scalar_t, 64>);
@@ -399,7 +421,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     }
   };
 #ifdef TRIDENT_FAST_DECODE_BF16
-  if (q.scalar_type() == at::kBFloat16 && decode_bf16(qc, kvc, idx, lens, out, scale, window)) return out;
+  if (q.scalar_type() == at::kBFloat16 && decode_bf16(qc, kvc, idx, kv_rows, lens, out, scale, window)) return out;
 #endif
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;
@@ -413,7 +435,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 }  // namespace
 
 TORCH_LIBRARY(trident, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor kv_indices, Tensor kv_lens, float scale, int window=0) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor kv_indices, Tensor kv_lens, float scale, int window=0, "
+      "Tensor? kv_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(trident, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

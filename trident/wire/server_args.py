@@ -134,6 +134,15 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             choices=("auto", "kernel", "torch"),
         ),
     ] = "auto"
+    disable_batch_invariance: Annotated[
+        bool,
+        Flag(
+            MODEL,
+            "give up batch invariance (on by default for bf16 on CPU: a request's greedy text does not "
+            "depend on what else runs, nor on chunking, the radix cache or a restart) for oneDNN's linears "
+            "and SDPA on prompt chunks (gpu_worker/batch_invariance.py; its cost: docs/benchmarks.md)",
+        ),
+    ] = False
     context_length: Annotated[int, Flag(MODEL, "max prompt + output tokens per request; 0: the model's own")] = 0
     seed: Annotated[int, Flag(MODEL, "seed of requests that give none")] = 0
 
