@@ -39,12 +39,8 @@ def model_name(server) -> str:
     return server.http().get("/v1/models").json()["data"][0]["id"]
 
 
-def scheduler_stats(server: Server) -> dict:
-    return server.http().get("/server_info").json()["scheduler_stats"] or {}
-
-
 def running(server: Server) -> int:
-    s = scheduler_stats(server)
+    s = server.scheduler_stats()
     return s.get("running_requests", 0) + s.get("queued_requests", 0)
 
 
@@ -60,11 +56,11 @@ def long_request(model_name: str, **kw) -> dict:
 
 
 def assert_freed_soon(server: Server, since: float) -> None:
-    assert wait_until(lambda: running(server) == 0, FREED_WITHIN_S, interval=0.05), scheduler_stats(server)
+    assert wait_until(lambda: running(server) == 0, FREED_WITHIN_S, interval=0.05), server.scheduler_stats()
     took = time.monotonic() - since
-    generated = scheduler_stats(server)["generation_tokens"]
+    generated = server.scheduler_stats()["generation_tokens"]
     time.sleep(0.6)  # a stats period later the count has not moved: nothing decodes any more
-    assert scheduler_stats(server)["generation_tokens"] == generated
+    assert server.scheduler_stats()["generation_tokens"] == generated
     assert took < FREED_WITHIN_S
 
 
@@ -210,10 +206,10 @@ def test_metrics_expose_load_kv_cache_throughput_latency_steps_restarts_and_drop
 
 def test_health_generate_runs_a_token_through_every_process(server):
     with server.http() as c:
-        before = scheduler_stats(server)["generation_tokens"]
+        before = server.scheduler_stats()["generation_tokens"]
         assert c.get("/health").status_code == 200
         assert c.get("/health_generate").status_code == 200
-        assert wait_until(lambda: scheduler_stats(server)["generation_tokens"] > before, 3)
+        assert wait_until(lambda: server.scheduler_stats()["generation_tokens"] > before, 3)
 
 
 def test_server_info_reports_arguments_limits_and_live_stats(server):

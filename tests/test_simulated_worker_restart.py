@@ -12,11 +12,6 @@ from tests.helpers import running_server, wait_until, write_sim_profile
 from tests.test_simulated_worker import completions, sim_args
 
 
-def generation_tokens(server) -> int:
-    stats = server.http().get("/server_info").json()["scheduler_stats"]
-    return stats["generation_tokens"] if stats else 0
-
-
 def worker_pids(server) -> list[int]:
     return [p.pid for p in server.process_tree() if " ".join(p.cmdline()).strip() == "trident::worker[tp0]"]
 
@@ -26,17 +21,16 @@ def test_a_killed_simulated_worker_is_restarted_and_requests_complete(tmp_path):
     profile = write_sim_profile(str(tmp_path / "profile.json"), const_s=0.02)
     with running_server(sim_args(profile)) as server:
         expected = completions(server, stream=False)
-        before = generation_tokens(server)
+        before = server.scheduler_stats()["generation_tokens"]
         [killed] = worker_pids(server)
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(completions, server, False)
-            assert wait_until(lambda: generation_tokens(server) > before + 40, 30, interval=0.05)
+            assert wait_until(lambda: server.scheduler_stats()["generation_tokens"] > before + 40, 30, interval=0.05)
             os.kill(killed, signal.SIGKILL)
             assert pending.result(timeout=90) == expected
         assert "restarting after: worker[tp0]" in server.log_tail(400)
         assert worker_pids(server) and worker_pids(server) != [killed]
-        stats = server.http().get("/server_info").json()["scheduler_stats"]
-        assert stats["resumed_requests"] > 0
+        assert server.scheduler_stats()["resumed_requests"] > 0
         assert server.http().get("/health").status_code == 200
 
 
