@@ -139,8 +139,10 @@ class Scheduler:
 
     def handle_tokenizer_hello(self, msg: TokenizerHello) -> None:
         check_protocol_version("tokenizer", msg.protocol_version)
-        if self.tokenizer_pid is not None and msg.pid != self.tokenizer_pid:
-            # A new tokenizer process: the old one's clients are gone, so is their work.
+        # Only a starting tokenizer says hello, so one whose pid is not the one we know is new:
+        # the old one's clients are gone, so is their work. A restarted scheduler knows no pid
+        # yet, and holds what the old tokenizer resubmitted to it.
+        if msg.pid != self.tokenizer_pid and self.reqs:
             logger.warning("tokenizer restarted (pid %d): aborting its %d open requests", msg.pid, len(self.reqs))
             for rid in list(self.reqs):
                 self.handle_abort(rid)
