@@ -52,10 +52,23 @@ def fault_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def fault_reference(fault_model) -> list[list[int]]:
-    """`tests.workload`'s outputs from one undisturbed tp 1, dp 1 server."""
+def fault_server_and_reference(fault_model):
+    """One tp 1, dp 1 server at the workload's flags, and `tests.workload`'s outputs from it
+    before anything disturbed it. The fault tests that share the server leave it serving and
+    count only their own restarts and frames."""
     from tests.helpers import running_server
     from tests.workload import BASE, run_with_fault
 
     with running_server(["--model", fault_model, *BASE]) as server:
-        return run_with_fault(server, None)
+        yield server, run_with_fault(server, None)
+
+
+@pytest.fixture(scope="session")
+def fault_server(fault_server_and_reference):
+    return fault_server_and_reference[0]
+
+
+@pytest.fixture(scope="session")
+def fault_reference(fault_server_and_reference) -> list[list[int]]:
+    """`tests.workload`'s outputs from one undisturbed tp 1, dp 1 server."""
+    return fault_server_and_reference[1]
