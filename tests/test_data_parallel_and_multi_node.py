@@ -5,21 +5,20 @@ replicas (per-replica counters in /server_info and /metrics); killing one replic
 restarts that replica only. The router's three methods do what --load-balance-method says.
 Two launch.py processes (--nnodes 2, node ranks 0 and 1, tp 2 split across them) serve
 together with tp 1's outputs; a rank on node 1 killed mid-generation is restarted with its
-group; frames signed with the wrong key are rejected and counted; stopping node 0 stops node 1.
+group; the cross-node ports listen only on the given address; frames signed with the wrong
+key are rejected and counted; stopping node 0 stops node 1.
 """
 
 from __future__ import annotations
 
 import signal
 import socket
-import subprocess
-import sys
 
 import httpx
 import pytest
 import zmq
 
-from tests.helpers import REPO_ROOT, Server, free_port, running_server, wait_until
+from tests.helpers import Server, free_port, running_server, wait_until
 from tests.workload import BASE, child, run_with_fault
 from tokenizer_proc.router import IMBALANCE_LIMIT, PREFIX_BLOCK, ReplicaRouter
 from trident.launch import main as launch_main
@@ -198,6 +197,11 @@ def test_two_nodes_serve_tp2_together_and_reject_bad_tags(fault_model, fault_ref
             assert health["status"] == "ok" and health["workers_alive"] == 1
             assert {" ".join(p.cmdline()).strip() for p in node1.process_tree()[1:]} == {"trident::worker[tp1]"}
             assert "trident::worker[tp1]" not in {" ".join(p.cmdline()).strip() for p in node0.process_tree()}
+            control = port + 2  # the cross-node ports listen only on --dist-init-addr's address
+            assert _listening("127.0.0.1", control)
+            own_ip = _non_loopback_ip()
+            if own_ip is not None:
+                assert not _listening(own_ip, control)
 
             def kill_rank1(_srv: Server) -> None:
                 child(node1, "trident::worker[tp1]").send_signal(signal.SIGKILL)
@@ -217,38 +221,6 @@ def test_two_nodes_serve_tp2_together_and_reject_bad_tags(fault_model, fault_ref
         assert node1.proc.returncode == 0
     finally:
         node1.stop()
-
-
-def test_cross_node_ports_listen_only_on_the_given_address(fault_model, secret_file):
-    port = free_port()
-    cluster = [
-        "--model",
-        fault_model,
-        *BASE,
-        "--nnodes",
-        "2",
-        "--tp-size",
-        "2",
-        "--dist-init-addr",
-        f"127.0.0.1:{port}",
-        "--cluster-secret-file",
-        secret_file,
-    ]
-    node0 = subprocess.Popen(
-        [sys.executable, "launch.py", *cluster, "--node-rank", "0", "--port", str(free_port())],
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        control = port + 2
-        assert wait_until(lambda: _listening("127.0.0.1", control), 60)
-        own_ip = _non_loopback_ip()
-        if own_ip is not None:
-            assert not _listening(own_ip, control)
-    finally:
-        node0.send_signal(signal.SIGTERM)
-        node0.wait(timeout=20)
 
 
 def _listening(host: str, port: int) -> bool:
