@@ -149,6 +149,24 @@ class AttentionMetadata:
                 )
 
 
+class StraddlingHeadsKernel:
+    """The decode kernel for a tensor-parallel rank whose query heads straddle KV groups
+    (parallel.py; SmolLM2's 9 heads at tp 2): the kernel reads KV head h // group for query
+    head h, so the rank's heads are placed in the slots of whole groups over its KV heads,
+    the empty slots zero, and only the real heads' outputs are kept."""
+
+    def __init__(self, kernel: DecodeKernel, head_slots: list[int], group: int, kv_heads: int) -> None:
+        self.kernel = kernel
+        self.head_slots = torch.tensor(head_slots, dtype=torch.int64)
+        """Each local query head's slot among the kv_heads * group of the kernel's layout."""
+        self.slots = kv_heads * group
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, *args) -> torch.Tensor:
+        padded = q.new_zeros(q.shape[0], self.slots, q.shape[2])
+        padded[:, self.head_slots] = q
+        return self.kernel(padded, kv_cache, *args).index_select(1, self.head_slots)
+
+
 def kernel_serves(g: DecodeGroup) -> bool:
     """The decode kernel computes groups of one query per row (no draft to verify)."""
     return g.token_idx.shape[1] == 1
@@ -172,7 +190,8 @@ def paged_attention(
     Query head h reads KV head h // (heads // kv_heads) (SDPA's GQA grouping), unless
     `kv_head_map` gives each query head's KV head: a tensor-parallel rank whose heads
     straddle KV groups (parallel.py); prepare_gather must then have been given the same map.
-    `kernel` (the C++ decode kernel; never with a kv_head_map) serves the groups it can.
+    `kernel` (the C++ decode kernel; a StraddlingHeadsKernel with a kv_head_map) serves the
+    groups it can.
     `window`: the layer's sliding window in keys (0: none; prepare_windows must have been
     given it); `scale`: the score scale (None: dim ** -0.5)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale

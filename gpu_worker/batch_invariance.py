@@ -28,11 +28,10 @@ tokens took:
   Above 2 ranks the ring all-reduce adds in an order that depends on the tensor's size, so
   there the ranks' parts are gathered and added in rank order instead (parallel.py).
 
-What it does not cover, and so turns it off with a log line: float32 and float16 (the
-linears are oneDNN's; float32 is the exact parity path), CUDA, `--compile` (inductor fuses
+What it does not cover, and so turns it off with a log line: float32 and float16 with
+dense weights (the linears are oneDNN's; float32 is the exact parity path), CUDA, `--compile` (inductor fuses
 the decode step's norms in its own order), `--decode-attention torch`, `--linear-weights
-packed|plain`, `--weight-dtype int8` (torch's int8 kernel), and tensor-parallel ranks whose
-query heads straddle KV groups (the decode kernel is not used there).
+packed|plain` and `--weight-dtype int8` (torch's int8 kernel).
 """
 
 from __future__ import annotations
@@ -43,14 +42,14 @@ from trident.wire.server_args import ServerArgs
 
 
 def batch_invariance_off_because(
-    args: ServerArgs, device: torch.device, dtype: torch.dtype, weight_dtype: str, uniform_gqa: bool
+    args: ServerArgs, device: torch.device, dtype: torch.dtype, weight_dtype: str
 ) -> str | None:
     """Why this worker cannot be batch invariant, or None when it is."""
     if args.disable_batch_invariance:
         return "--disable-batch-invariance"
     if device.type != "cpu":
         return "the invariant kernels are CPU kernels"
-    if dtype != torch.bfloat16:
+    if dtype != torch.bfloat16 and weight_dtype != "gguf":
         return f"{dtype} runs oneDNN's linear layers"
     if args.compile_decode == "on":
         return "--compile fuses the decode step's norms in inductor's own order"
@@ -60,6 +59,4 @@ def batch_invariance_off_because(
         return f"--linear-weights {args.linear_weights} runs oneDNN's linear layers"
     if weight_dtype == "int8":
         return "--weight-dtype int8 runs torch's int8 kernel"
-    if not uniform_gqa:
-        return "this tensor-parallel rank's query heads straddle KV groups (torch attention)"
     return None

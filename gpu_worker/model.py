@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention import AttentionMetadata, paged_attention
+from gpu_worker.attention import AttentionMetadata, StraddlingHeadsKernel, paged_attention
 from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
 from gpu_worker.cpu_kernels import Bf16LinearKernel, DecodeKernel, ElementwiseKernels
 from gpu_worker.flat_decode import FlatDecodeLoop
@@ -275,10 +275,12 @@ class LlamaForCausalLM(nn.Module):
 
     def use_decode_kernel(self, kernel: DecodeKernel | None) -> None:
         """Decode attention through the C++ kernel (None: through torch). The kernel reads KV
-        head h // group for query head h, so a tensor-parallel rank whose heads straddle KV
-        groups keeps the torch path."""
-        if not self.plan.uniform_gqa:
-            kernel = None
+        head h // group for query head h; a tensor-parallel rank whose heads straddle KV
+        groups hands it its heads in the slots of whole groups (StraddlingHeadsKernel)."""
+        if kernel is not None and not self.plan.uniform_gqa:
+            group = self.cfg.num_heads // self.cfg.num_kv_heads
+            slots = [kv * group + h % group for h, kv in zip(range(*self.plan.heads), self.plan.kv_of_head)]
+            kernel = StraddlingHeadsKernel(kernel, slots, group, self.plan.num_kv_heads)
         self.decode_kernel = kernel
         for layer in self.layers:
             layer.self_attn.decode_kernel = kernel

@@ -129,9 +129,7 @@ class Worker(WorkerLoop):
 
         t0 = time.monotonic()
         self.weight_dtype = resolve_weight_dtype(args, self.device, self.dtype)
-        off_because = batch_invariance_off_because(
-            args, self.device, self.dtype, self.weight_dtype, self.plan.uniform_gqa
-        )
+        off_because = batch_invariance_off_because(args, self.device, self.dtype, self.weight_dtype)
         quantized = self.weight_dtype == "gguf"
         self.model = self.load_model(args.model_path, quantized)
         self.model.rope.to(dtype=torch.float32)
