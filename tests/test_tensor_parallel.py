@@ -2,9 +2,10 @@
 
 Greedy output at tp N equals tp 1: on the real SmolLM2 at tp 3 (9 heads, 3 KV heads: an
 even split) and at tp 2 (uneven: heads 0-3 | 4-8, KV head 1 replicated on both ranks), and
-on a random-weight model at tp 2 and tp 4. More ranks than heads is a one-line start-up
-error. SIGKILL of rank 1 mid-generation restarts the whole group on a fresh rendezvous port
-and every request still completes with unchanged greedy output.
+on the fault suite's random-weight model (4 heads, 2 KV heads) at tp 2 and tp 4. More ranks
+than heads is a one-line start-up error. SIGKILL of rank 1 mid-generation restarts the whole
+group on a fresh rendezvous port and every request still completes with unchanged greedy
+output.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import pytest
 
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.parallel import ShardPlan
-from tests.helpers import REPO_ROOT, Server, free_port, make_random_llama, running_server
-from tests.workload import BASE, child, run_with_fault
+from tests.helpers import REPO_ROOT, Server, free_port, running_server
+from tests.workload import child, run_with_fault
 
 SMOLLM2_FLAGS = ["--dtype", "float32", "--max-total-tokens", "16384", "--check-seq-lens"]  # as smollm2_server
 TEXTS = [
@@ -73,11 +75,6 @@ def test_smollm2_tp2_splits_heads_unevenly_and_replicates_a_kv_head(smollm2_refe
     assert "tp1/2: heads 4-8, KV heads 1-2," in log
 
 
-@pytest.fixture(scope="module")
-def even_model(tmp_path_factory) -> str:
-    return make_random_llama(str(tmp_path_factory.mktemp("tp_llama")), hidden=128, heads=8, kv_heads=4, seed=3)
-
-
 def random_model_bodies() -> list[dict]:
     greedy = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
     seeded = {"max_new_tokens": 32, "temperature": 0.8, "top_p": 0.9, "seed": 7, "ignore_eos": True}
@@ -88,21 +85,32 @@ def random_model_bodies() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def even_model_reference(even_model) -> list[list[int]]:
-    with running_server(["--model", even_model, *RANDOM_FLAGS]) as server:
-        return generate(server, random_model_bodies())
+def random_model_reference(fault_server) -> list[list[int]]:
+    return generate(fault_server, random_model_bodies())
+
+
+@pytest.fixture(scope="module")
+def tp2_server(fault_model):
+    """The random-weight model at tp 2 (2 heads and 1 KV head a rank), shared by the output
+    test and, after it, the rank-1 SIGKILL test."""
+    with running_server(["--model", fault_model, *RANDOM_FLAGS, "--tp-size", "2"]) as server:
+        yield server
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_random_model_greedy_and_seeded_equal_tp1(tp, even_model, even_model_reference):
-    with running_server(["--model", even_model, *RANDOM_FLAGS, "--tp-size", str(tp)]) as server:
-        assert generate(server, random_model_bodies()) == even_model_reference
+def test_random_model_greedy_and_seeded_equal_tp1(tp, fault_model, random_model_reference, request):
+    """At tp 4 each rank has one head, and each KV head is replicated on two ranks."""
+    with ExitStack() as stack:
+        if tp == 2:
+            server = request.getfixturevalue("tp2_server")
+        else:
+            server = stack.enter_context(running_server(["--model", fault_model, *RANDOM_FLAGS, "--tp-size", str(tp)]))
+        assert generate(server, random_model_bodies()) == random_model_reference
 
 
-def test_more_ranks_than_heads_is_a_one_line_startup_error(tmp_path):
-    tiny = make_random_llama(str(tmp_path / "tiny"), hidden=32, layers=1, heads=2, kv_heads=1, intermediate=32)
+def test_more_ranks_than_heads_is_a_one_line_startup_error(fault_model):
     res = subprocess.run(
-        [sys.executable, "launch.py", "--model", tiny, "--tp-size", "3", "--dtype", "float32"],
+        [sys.executable, "launch.py", "--model", fault_model, "--tp-size", "5", "--dtype", "float32"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -111,22 +119,22 @@ def test_more_ranks_than_heads_is_a_one_line_startup_error(tmp_path):
     assert res.returncode != 0
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, res.stderr[-3000:]
-    assert re.search(r"--tp-size 3 cannot split the model's 2 attention heads \(1 KV heads\)", errors[0])
+    assert re.search(r"--tp-size 5 cannot split the model's 4 attention heads \(2 KV heads\)", errors[0])
 
 
 def kill_rank1(server: Server) -> None:
     child(server, "trident::worker[tp1]").send_signal(signal.SIGKILL)
 
 
-def test_sigkill_of_rank1_mid_generation_restarts_the_group_with_unchanged_output(fault_model, fault_reference):
-    with running_server(["--model", fault_model, *BASE, "--tp-size", "2"]) as server:
-        before = {p.pid for p in server.process_tree()}
-        assert run_with_fault(server, kill_rank1) == fault_reference
-        after = {p.pid for p in server.process_tree()}
-        assert len(before - after) == 2  # both ranks were replaced, nothing else
-        assert "trident_restarts_total 1.0" in server.http().get("/metrics").text
-        ports = re.findall(r"joined the gloo group as rank 0 of 2 \(store 127\.0\.0\.1:(\d+)\)", server.log_tail(2000))
-        assert len(ports) == 2 and ports[0] != ports[1]  # the new group met on a fresh port
+def test_sigkill_of_rank1_mid_generation_restarts_the_group_with_unchanged_output(tp2_server, fault_reference):
+    server = tp2_server
+    before = {p.pid for p in server.process_tree()}
+    assert run_with_fault(server, kill_rank1) == fault_reference
+    after = {p.pid for p in server.process_tree()}
+    assert len(before - after) == 2  # both ranks were replaced, nothing else
+    assert "trident_restarts_total 1.0" in server.http().get("/metrics").text
+    ports = re.findall(r"joined the gloo group as rank 0 of 2 \(store 127\.0\.0\.1:(\d+)\)", server.log_tail(2000))
+    assert len(ports) == 2 and ports[0] != ports[1]  # the new group met on a fresh port
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 4), (4, 2), (8, 1)])
