@@ -11,9 +11,10 @@ What makes each reduction a row goes through independent of the batch and of the
 tokens took:
 - Linear layers and the LM head: our own kernels at every batch size, prompt chunks
   included (packed_linear.py `Bf16KernelLinear`; the GGUF kernels of quant_linear.py, with
-  their per-row int8 activations). Each output is one float32 chain over k in a fixed order,
-  rounded once. oneDNN, which served batches above 64 rows, picks its blocking (and so its
-  summation order) by the number of rows.
+  their per-row int8 activations; torch's weight-only int8 kernel for `--weight-dtype
+  int8`). Each output is one float32 chain over k in a fixed order, rounded once. oneDNN,
+  which served batches above 64 rows, picks its blocking (and so its summation order) by
+  the number of rows.
 - Attention: every query token, decoded, prefilled, verified as a draft or chunked, is its
   own row of the decode kernel (attention.py `QueryKeys`, csrc/paged_decode_attention.cpp):
   one thread sums its keys in position order, reading them from the pool, where prefill
@@ -31,7 +32,8 @@ tokens took:
 What it does not cover, and so turns it off with a log line: float32 and float16 with
 dense weights (the linears are oneDNN's; float32 is the exact parity path), CUDA, `--compile` (inductor fuses
 the decode step's norms in its own order), `--decode-attention torch`, `--linear-weights
-packed|plain` and `--weight-dtype int8` (torch's int8 kernel).
+packed|plain`. `--weight-dtype int8` keeps it: torch's int8 kernel sums each row alone
+(tests/test_int8_weights.py checks it on this CPU).
 """
 
 from __future__ import annotations
@@ -57,6 +59,4 @@ def batch_invariance_off_because(
         return "--decode-attention torch"
     if args.linear_weights != "auto":
         return f"--linear-weights {args.linear_weights} runs oneDNN's linear layers"
-    if weight_dtype == "int8":
-        return "--weight-dtype int8 runs torch's int8 kernel"
     return None

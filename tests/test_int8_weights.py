@@ -37,6 +37,19 @@ def test_int8_linear_equals_a_linear_layer_with_the_dequantized_weights(dtype):
     torch.testing.assert_close(layer(x).float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("out_features, in_features", [(1536, 576), (576, 1536), (49152, 576)])
+def test_an_int8_rows_output_is_the_same_bits_at_any_batch_size(out_features, in_features):
+    """Batch invariance (gpu_worker/batch_invariance.py) counts on torch's int8 kernel
+    summing each row alone, in one order: SmolLM2's shapes, 1 to 130 rows."""
+    gen = torch.Generator().manual_seed(out_features)
+    layer = Int8Linear(torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16), None)
+    x = torch.randn(130, in_features, generator=gen).to(torch.bfloat16)
+    together = layer(x)
+    for rows in (1, 7, 8, 33, 64, 65):
+        assert torch.equal(layer(x[:rows]), together[:rows]), rows
+    assert all(torch.equal(layer(x[i : i + 1])[0], together[i]) for i in range(0, 130, 9))
+
+
 def test_smollm2_with_int8_weights_predicts_nearly_what_float32_does(smollm2_path):
     tok = smollm2_tokenizer()
     ids = torch.tensor(tok(TEXT).input_ids)
