@@ -9,7 +9,8 @@ whichever path its tokens take.
 - In decode: a row's logits are the same in plain decode steps of 1, 2, 13 and 80 rows, and
   as the decode row of a step that also prefills a prompt.
 
-The checks are functions that list the differences they find; the last tests run them on
+The same checks pass on a random-weight checkpoint of every family we serve. The checks are
+functions that list the differences they find; the last tests run them on
 a model with one deliberately batch-dependent reduction, and on a worker with
 `disable_batch_invariance` (oneDNN's linears, SDPA on prompt chunks), and require them to
 find some: the checks can fail.
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow, QueryKeys, shifted_causal_mask
+from tests.family_models import FAMILY_CHECKPOINTS, WINDOW, make_family_checkpoint
 from tests.helpers import smollm2_gguf
 from trident.wire.child import ChildContext
 from trident.wire.server_args import ServerArgs
@@ -163,11 +165,15 @@ def differing_positions(got: torch.Tensor, want: torch.Tensor) -> list[int]:
     return [p for p in range(len(want)) if not torch.equal(got[p], want[p])]
 
 
-def default_worker(**args) -> Iterator:
+def default_worker(model_path: str | None = None, **args) -> Iterator:
     from gpu_worker.worker import Worker
 
     server_args = ServerArgs(
-        model_path=smollm2_gguf(), max_total_tokens=16384, max_running_requests=8, run_dir=tempfile.mkdtemp(), **args
+        model_path=model_path or smollm2_gguf(),
+        max_total_tokens=16384,
+        max_running_requests=8,
+        run_dir=tempfile.mkdtemp(),
+        **args,
     )
     ctx = ChildContext(server_args, "worker", 0)
     try:
@@ -206,6 +212,19 @@ def test_a_prompts_logits_are_the_same_bits_among_1_to_70_other_prompts(seqs, pr
 
 def test_a_decode_rows_logits_are_the_same_bits_in_steps_of_1_to_80_rows_and_beside_a_prefill(seqs, prompt):
     assert decode_batch_differences(seqs, prompt, torch.Generator().manual_seed(5)) == []
+
+
+@pytest.mark.parametrize("family", FAMILY_CHECKPOINTS)
+def test_every_family_is_batch_invariant(family, tmp_path):
+    """Random-weight checkpoints of each family we serve, with its quirks on (q/k norms,
+    biases, rope scalings, Gemma 3's local and global layers, a sliding window shorter than
+    the prompt, head dims 16 to 256)."""
+    path = make_family_checkpoint(str(tmp_path / family), family)
+    prompt = random_prompt(torch.Generator().manual_seed(6), 3 * WINDOW)
+    for worker in default_worker(path):
+        assert worker.batch_invariant
+        assert chunking_differences(Sequences(worker), prompt) == []
+        assert decode_batch_differences(Sequences(worker), prompt, torch.Generator().manual_seed(7)) == []
 
 
 class BatchDependentLinear(torch.nn.Module):
