@@ -11,7 +11,7 @@ above 64 rows, SDPA on prompt chunks), round by round, on three workloads:
 - prefill-heavy: 16 requests of 1,000 prompt and 16 output tokens, 8 in flight.
 
 Reports each run's output tok/s and, per workload, invariant / previous as the ratio of the
-medians over rounds (the cost is 1 minus it).
+medians over rounds (the cost is 1 minus it), and plots the runs (`--output-png`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ CONFIGS = {"invariant": "", "previous": " --disable-batch-invariance"}
 def main(argv: list[str] | None = None) -> int:
     p = comparison_parser(__doc__, "benchmarks/results/batch_invariance.json")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--output-png", default="benchmarks/results/batch_invariance.png")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ", ".join(WORKLOADS))
     ns = p.parse_args(argv)
     log_dir = log_dir_of(ns)
@@ -68,7 +69,35 @@ def main(argv: list[str] | None = None) -> int:
         ratios[name] = {**median, "invariant_over_previous": median["invariant"] / median["previous"]}
     report = {"runs": runs, "ratios": ratios, "loadavg": os.getloadavg()}
     print_and_write_report(report, ns.output_json)
+    write_png(runs, ns.output_png)
     return 0
+
+
+def write_png(runs: list[dict], path: str) -> None:
+    """Each run's output tok/s, by workload, invariant beside previous (one dot per round)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): no PNG written", file=sys.stderr)
+        return
+    workloads = list(dict.fromkeys(r["workload"] for r in runs))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], workloads, strict=True):
+        for x, config in enumerate(CONFIGS):
+            ys = [r["output_tok_s"] for r in runs if r["workload"] == name and r["config"] == config]
+            ax.bar(x, statistics.median(ys), color="C0" if config == "invariant" else "C7", alpha=0.6)
+            ax.scatter([x] * len(ys), ys, color="black", s=12, zorder=3)
+        ax.set_xticks(range(len(CONFIGS)), list(CONFIGS))
+        ax.set_title(name)
+        ax.set_ylabel("output tok/s")
+    fig.suptitle("batch invariance (default) vs --disable-batch-invariance, one run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

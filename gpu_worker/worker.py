@@ -139,14 +139,12 @@ class Worker(WorkerLoop):
             check_int8_supported(self.device, self.dtype)
             self.model.quantize_weights_int8()
         elif own_kernel_linear(args.linear_weights, self.device, self.dtype, off_because is None):
-            kernel = (load_vnni_linear() if off_because is None else None) or load_widening_bf16_linear()
-            if kernel is not None:
+            # The AVX512-BF16 kernel where the CPU has it, else the AVX2 one.
+            if (kernel := load_vnni_linear() or load_widening_bf16_linear()) is not None:
                 self.model.use_bf16_kernel_linear(kernel)
-            elif off_because is None:
-                off_because = "no bf16 linear kernel of ours for this CPU"
-                self.model.pack_linear_weights()
             else:
-                logger.warning("bf16 on a CPU without bf16 arithmetic, and no AVX2 kernel: matmuls are slow")
+                off_because = off_because or "no bf16 linear kernel of ours for this CPU"
+                logger.warning("bf16 linear layers on oneDNN or torch: this CPU has none of our kernels")
         elif wants_packed_linear(args.linear_weights, self.device, self.dtype):
             self.model.pack_linear_weights(load_vnni_linear() if self.dtype == torch.bfloat16 else None)
         release_freed_memory()
