@@ -1,4 +1,8 @@
-"""1,000 concurrent streaming clients are held; a burst past the queue limit gets 503s."""
+"""1,000 concurrent streaming clients are held; a burst past the queue limit gets 503s.
+
+What holds the streams is the tokenizer and the scheduler, so the worker is simulated: a
+step takes STEP_S whatever it holds, and the streams stay open as long as 256 tokens each
+took on a tiny real model, with an eighth of the events to stream and parse."""
 
 from __future__ import annotations
 
@@ -6,16 +10,18 @@ import asyncio
 
 import httpx
 
-from tests.helpers import make_random_llama, running_server, wait_until
+from tests.helpers import running_server, wait_until, write_sim_profile
 
 STREAMS = 1000
+MAX_NEW = 32
+STEP_S = 0.1
 
 
 async def stream_one(client: httpx.AsyncClient, i: int) -> tuple[int, int]:
     body = {
         "input_ids": [100 + i % 500, 7, 8, 9],
         "stream": True,
-        "sampling_params": {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
     }
     events = 0
     async with client.stream("POST", "/generate", json=body) as r:
@@ -33,9 +39,9 @@ async def hold_streams_then_burst(base_url: str) -> tuple[list[tuple[int, int]],
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
         held = [asyncio.create_task(stream_one(client, i)) for i in range(STREAMS)]
         # Burst once the tokenizer holds (nearly) all of them open (a live count, unlike the
-        # scheduler's periodic stats). The streams are long enough (256 tokens, 64 at a time)
-        # to still be open when the busy tokenizer gets to the burst, which then crosses the
-        # queue limit.
+        # scheduler's periodic stats). The streams are long enough (MAX_NEW steps of STEP_S,
+        # 64 at a time) to still be open when the busy tokenizer gets to the burst, which then
+        # crosses the queue limit.
         for _ in range(1200):
             await asyncio.sleep(0.05)
             if (await client.get("/server_info")).json()["tokenizer_stats"]["open_requests"] >= STREAMS - 50:
@@ -53,14 +59,12 @@ async def hold_streams_then_burst(base_url: str) -> tuple[list[tuple[int, int]],
 
 
 def test_a_thousand_streams_complete_and_a_burst_past_the_queue_gets_503(tmp_path):
-    model = make_random_llama(str(tmp_path / "model"), seed=8)
+    profile = write_sim_profile(str(tmp_path / "profile.json"), const_s=STEP_S)
     flags = [
-        "--model",
-        model,
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        "65536",
+        "--worker",
+        "simulated",
+        "--sim-profile",
+        profile,
         "--max-running-requests",
         "64",
         "--max-queued-requests",
