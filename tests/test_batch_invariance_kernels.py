@@ -3,6 +3,8 @@ default settings (bf16, our linear kernels, the decode kernel for every query, t
 decode loop) gives a row the same logits, bit for bit, whatever else its step holds and
 whichever path its tokens take.
 
+Both with the weights as shipped (the default for a GGUF: gguf) and dequantized to bf16.
+
 - Across chunkings: a prompt's logits at every position are the same prefilled in one
   chunk, in chunks of 16 or 5, or decoded one token a step (the flat decode loop).
 - In prefill: the same among 0 to 70 other prompts of other lengths.
@@ -182,9 +184,11 @@ def default_worker(model_path: str | None = None, **args) -> Iterator:
         ctx.zmq_ctx.destroy(linger=0)
 
 
-@pytest.fixture(scope="module")
-def worker():
-    yield from default_worker()
+@pytest.fixture(scope="module", params=["gguf", "bf16"])
+def worker(request):
+    """The default worker on SmolLM2's GGUF (bf16 activations), with its weights as shipped
+    (the default, `--weight-dtype auto`) or dequantized to bf16."""
+    yield from default_worker(weight_dtype=request.param)
 
 
 @pytest.fixture
@@ -197,7 +201,7 @@ def prompt() -> list[int]:
     return random_prompt(torch.Generator().manual_seed(3), 32)
 
 
-def test_the_default_worker_is_batch_invariant(worker):
+def test_the_worker_is_batch_invariant_by_default(worker):
     assert worker.batch_invariant and worker.dtype == torch.bfloat16
     assert "batch invariant" in worker.summary()
 
@@ -243,23 +247,20 @@ class BatchDependentLinear(torch.nn.Module):
         return (self.inner(low).float() + self.inner(high).float()).to(x.dtype)
 
 
-def test_the_checks_find_a_deliberately_batch_dependent_reduction(worker, prompt):
-    layer = worker.model.layers[0].self_attn
-    inner = layer.o_proj
-    layer.o_proj = BatchDependentLinear(inner, inner.in_features)
-    worker.model.use_flat_decode(worker.model.flat_decode_enabled)  # the flat loop reads the modules
-    try:
+def test_the_checks_find_a_deliberately_batch_dependent_reduction(prompt):
+    for worker in default_worker():
+        assert worker.weight_dtype == "gguf", "a GGUF's own formats by default"
+        layer = worker.model.layers[0].self_attn
+        layer.o_proj = BatchDependentLinear(layer.o_proj, layer.o_proj.in_features)
+        worker.model.use_flat_decode(worker.model.flat_decode_enabled)  # the flat loop reads the modules
         assert chunking_differences(Sequences(worker), prompt) != []
         assert crowd_differences(Sequences(worker), prompt, torch.Generator().manual_seed(4)) != []
         assert decode_batch_differences(Sequences(worker), prompt, torch.Generator().manual_seed(5)) != []
-    finally:
-        layer.o_proj = inner
-        worker.model.use_flat_decode(worker.model.flat_decode_enabled)
 
 
 def test_the_checks_find_the_previous_kernels_batch_dependent(prompt):
     """oneDNN's linears and SDPA on prompt chunks, as before batch invariance."""
-    for worker in default_worker(disable_batch_invariance=True):
+    for worker in default_worker(weight_dtype="bf16", disable_batch_invariance=True):
         assert not worker.batch_invariant
         assert chunking_differences(Sequences(worker), prompt) != []
         assert decode_batch_differences(Sequences(worker), prompt, torch.Generator().manual_seed(5)) != []

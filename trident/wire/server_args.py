@@ -101,7 +101,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             "weights of the linear layers, LM head and embedding. gguf: a GGUF's own block formats as "
             "shipped (Q4_0/1, Q4_K, Q5_0, Q6_K, Q8_0; CPU); bf16: dequantized at load into --dtype; "
             "int8: weight-only int8 with per-channel scales (CPU; faster at batch 1, slower from ~8 "
-            "running requests); auto: bf16 (README: the rule and why)",
+            "running requests); auto: gguf for a .gguf on CPU in bfloat16, else bf16 (README: the rule and why)",
             choices=("auto", "gguf", "bf16", "int8"),
         ),
     ] = "auto"
