@@ -8,8 +8,9 @@ What it does, in order (the servers never share the CPU):
 
 1. writes a dense safetensors copy of the model once (`--export-dir`): vLLM's GGUF loader
    needs CUDA, so the GGUF is loaded with transformers (dequantized, `--dtype`) and saved
-   with its tokenizer; trident serves the same GGUF it always does, so both run the same
-   dense weights;
+   with its tokenizer; trident serves the GGUF itself: by default in the file's own
+   formats (`--weight-dtype auto` = gguf), or with `--trident-args "--weight-dtype bf16"`
+   dequantized to the same dense weights vLLM runs;
 2. starts trident (`launch.py --dtype ...`), runs the workload through bench_serving
    (streamed /v1/completions, greedy, ignore_eos, min_tokens = max_tokens), stops it;
 3. starts vLLM's OpenAI server from its own venv (`--vllm-python`, e.g. /work/vllm-venv/bin/python) with
