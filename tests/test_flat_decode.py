@@ -110,6 +110,8 @@ def test_flat_decode_with_torch_attention_matches_the_modules_with_torch_attenti
     kernel = model.decode_kernel
     assert kernel is not None, "the CPU worker uses the C++ decode attention by default"
     model.use_decode_kernel(None)  # drops the flat loop built with the kernel
+    # As with --decode-attention torch: prompt chunks go to SDPA, not through the kernel.
+    monkeypatch.setattr(worker.state, "every_query_through_kernel", False)
     try:
         rng = np.random.default_rng(1)
         prompts = [rng.integers(100, 5000, n) for n in (5, 30, 31)]
