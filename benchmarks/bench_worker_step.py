@@ -213,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--linear-weights", default="auto", choices=["auto", "packed", "plain"])
     p.add_argument(
+        "--disable-batch-invariance",
+        action="store_true",
+        help="the previous kernels (oneDNN above 64 rows, SDPA on prompt chunks); the --ab-linear and "
+        "--ab-vnni comparisons are of those kernels",
+    )
+    p.add_argument(
         "--ab-linear",
         type=int,
         default=0,
@@ -274,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         compile_decode,
         decode_attention,
         "plain" if ns.ab_linear else ns.linear_weights,
+        disable_batch_invariance=ns.disable_batch_invariance,
     )
     print(
         json.dumps(
@@ -308,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             for v in variants:
                 model.decode_layer = v.layer_fn
                 model.use_decode_kernel(v.decode_kernel)
+                # Without the kernel, prompt chunks go to SDPA (as --decode-attention torch turns invariance off).
+                worker.state.every_query_through_kernel = worker.batch_invariant and v.decode_kernel is not None
                 model.use_elementwise_kernels(v.elementwise_ops)
                 for parent, name, plain_layer, packed_layer in swaps:
                     setattr(parent, name, packed_layer if v.packed_weights else plain_layer)
