@@ -11,6 +11,7 @@ same replies.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -32,7 +33,7 @@ from trident.wire.backend import (
 from trident.wire.child import ChildContext
 from trident.wire.cluster import layout_of, signer_of
 from trident.wire.codec import pack_int32
-from trident.wire.control import PROTOCOL_VERSION
+from trident.wire.control import PROTOCOL_VERSION, WORKER_GENERATION_ENV
 from trident.wire.transport import (
     PullSocket,
     PushSocket,
@@ -80,6 +81,8 @@ class WorkerLoop:
         """perf_counter() when the current step's descriptor began to be applied."""
         self.refused_descriptors = 0
         """Descriptors refused whole for an index out of range; counted as dropped frames."""
+        self.generation = int(os.environ.get(WORKER_GENERATION_ENV) or 0)
+        """Which start of this replica's worker group this worker belongs to (set by launch.py)."""
 
     def open_sockets(self, ctx: ChildContext) -> None:
         self.state.num_pages = self.num_pages
@@ -140,6 +143,7 @@ class WorkerLoop:
             context_length=self.context_length,
             eos_token_ids=list(self.eos_token_ids),
             max_running_requests=self.args.max_running_requests,
+            generation=self.generation,
         )
 
     def run_forever(self) -> None:

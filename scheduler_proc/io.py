@@ -6,6 +6,7 @@ other nodes get the same descriptor bytes over one signed tcp link (`PeerSender`
 
 from __future__ import annotations
 
+import logging
 import time
 
 import zmq
@@ -29,6 +30,7 @@ from trident.wire.transport import (
     worker_endpoint,
 )
 
+logger = logging.getLogger(__name__)
 REMOTE_RETRY_S = 0.05
 
 
@@ -68,11 +70,14 @@ class SchedulerIO:
         self.descriptor_bytes_sent = 0
         self.last_descriptor_bytes = 0
 
-    def connect_workers(self, timeout_s: float) -> WorkerReady:
-        """Resets every rank's batch and waits for rank 0's WorkerReady.
+    def connect_workers(self, timeout_s: float, newer_than: int = -1) -> WorkerReady:
+        """Resets every rank's batch and waits for rank 0's WorkerReady of a generation later
+        than `newer_than` (the group lost; -1 at start, where the workers running are the ones).
 
         Used at start (a restarted scheduler finds workers holding stale rows) and after the
-        workers were restarted; replies of an earlier generation still queued are skipped.
+        workers were restarted. Other replies still queued are skipped, and so is a ready of
+        the lost group: it answers this reset before launch.py kills it, and the steps sent
+        to it would be lost with it.
         """
         deadline = time.monotonic() + timeout_s
         reset = self._encoder.encode(ResetBatch(next_step_id=1))
@@ -87,8 +92,11 @@ class SchedulerIO:
             msg = self.replies.recv(timeout_ms=int(left * 1000) + 1)
             if isinstance(msg, WorkerReady):
                 check_protocol_version("worker[tp0]", msg.protocol_version)
-                return msg
-        raise WorkerStartTimeout(f"worker rank 0 did not report ready within {timeout_s:.0f} s")
+                if msg.generation > newer_than:
+                    return msg
+                logger.warning("skipping the ready of worker group %d, which was lost", msg.generation)
+        group = "" if newer_than < 0 else f" (of a worker group after {newer_than})"
+        raise WorkerStartTimeout(f"worker rank 0 did not report ready{group} within {timeout_s:.0f} s")
 
     def wait_any(self, timeout_ms: int) -> tuple[bool, bool]:
         """Blocks until a reply or a request is queued: (reply ready, request ready)."""

@@ -135,6 +135,10 @@ class Scheduler:
         elif isinstance(msg, FlushCacheReq):
             self.handle_flush()
         elif isinstance(msg, WorkerGroupLost):
+            if msg.generation < self.worker.generation:
+                # The scheduler found that loss itself and is connected to the replacement.
+                logger.info("worker group %d, already replaced, was lost: %s", msg.generation, msg.reason)
+                return
             raise WorkerLost(f"launch.py reports the worker group lost: {msg.reason}")
 
     def handle_tokenizer_hello(self, msg: TokenizerHello) -> None:
@@ -307,7 +311,7 @@ class Scheduler:
         self.reqs = {rid: r for rid, r in self.reqs.items() if not r.finished}
         self.counters.resumed_requests += len(running)
         logger.warning("worker group lost (%s): %d requests requeued; reconnecting", reason, len(running))
-        self.install_workers(self.io.connect_workers(self.args.startup_timeout_s))
+        self.install_workers(self.io.connect_workers(self.args.startup_timeout_s, newer_than=self.worker.generation))
         logger.warning("worker group back: %d requests resume from their prompt plus output", len(running))
 
     def is_overlapped(self, step: Step) -> bool:

@@ -21,10 +21,20 @@ import pytest
 import zmq
 
 from tests.helpers import REPO_ROOT, Server, free_port, running_server, wait_until
-from tests.workload import BASE, MAX_NEW, child, generation_tokens, prompts, run_with_fault, settled_generation_tokens
+from tests.workload import (
+    BASE,
+    MAX_NEW,
+    STATS_PERIOD_S,
+    child,
+    generation_tokens,
+    prompts,
+    run_with_fault,
+    settled_generation_tokens,
+)
 from trident.wire.backend import BatchDescriptor, PageAppends, ResetBatch, StepResult, WorkerCounters
 from trident.wire.codec import FrameEncoder, pack_int32
-from trident.wire.frontend import AbortReq, RowExtras, ServerInfo, TokenOutBatch
+from trident.wire.frontend import AbortReq, RowExtras, ServerInfo, TokenOutBatch, WorkerGroupLost
+from trident.wire.server_args import ServerArgs
 from trident.wire.transport import (
     ENDPOINT_LAUNCHER,
     ENDPOINT_TOKENIZER_IN,
@@ -136,10 +146,14 @@ def test_random_bytes_and_wrong_messages_to_every_endpoint_kill_nothing(fault_se
     assert server.scheduler_stats()["dropped_frames"] - dropped_before >= 6
 
 
-def test_resetbatch_from_a_stranger_is_survived(fault_server, fault_reference):
+def test_resetbatch_from_a_stranger_costs_one_quick_restart(fault_server, fault_reference):
     """A forged ResetBatch wipes the worker's rows mid-run: the scheduler notices the step
-    gap, restarts the workers and still returns the same tokens."""
+    gap, restarts the workers and still returns the same tokens, in seconds. The lost group
+    answers the scheduler's reconnection reset before launch.py kills it; a scheduler that
+    took that answer for the new group's sent its steps to nobody, and only its watchdog
+    (a second restart, 60 s later) got it going again."""
     run_dir = fault_server.http().get("/server_info").json()["run_dir"]
+    watchdog_s = ServerArgs(model_path="").watchdog_timeout_s  # the shared server's
 
     def forge_reset(_server: Server) -> None:
         ctx = zmq.Context()
@@ -150,7 +164,36 @@ def test_resetbatch_from_a_stranger_is_survived(fault_server, fault_reference):
         sock.close()
         ctx.term()
 
+    restarts_before = restarts(fault_server)
+    first_line = len(fault_server.output)
+    started = time.monotonic()
     assert run_with_fault(fault_server, forge_reset) == fault_reference
+    took = time.monotonic() - started
+    log = "".join(fault_server.output[first_line:])
+    assert "watchdog" not in log, log[-3000:]
+    assert took < watchdog_s / 2, f"{took:.0f} s"
+    assert wait_until(lambda: restarts(fault_server) == restarts_before + 1, 10), restarts(fault_server)
+
+
+def test_a_report_about_a_worker_group_already_replaced_is_ignored(fault_server, fault_reference):
+    """launch.py reports a group lost while the scheduler, having found the loss itself, is
+    connected to the replacement already: the report names an older generation, and acting
+    on it would requeue every request and wait for a group that never comes."""
+    run_dir = fault_server.http().get("/server_info").json()["run_dir"]
+
+    def stale_report(_server: Server) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(f"ipc://{os.path.join(run_dir, scheduler_in_endpoint(0))}")
+        sock.send(FrameEncoder().encode(WorkerGroupLost("a group replaced long ago", generation=0)))
+        sock.close()
+        ctx.term()
+
+    resumed_before = fault_server.scheduler_stats()["resumed_requests"]
+    assert run_with_fault(fault_server, stale_report) == fault_reference
+    time.sleep(STATS_PERIOD_S)
+    assert fault_server.scheduler_stats()["resumed_requests"] == resumed_before
 
 
 def test_sigterm_drains_open_requests_before_exit(fault_model):

@@ -112,7 +112,7 @@ class NodeAgent:
                 if isinstance(msg, StartWorkerGroup):
                     logger.info("starting replica %d, generation %d", msg.dp_rank, msg.generation)
                     self.launcher.stop_workers(msg.dp_rank)
-                    self.launcher.spawn_workers(msg.dp_rank, msg.store_port)
+                    self.launcher.spawn_workers(msg.dp_rank, msg)
                     self.generations[msg.dp_rank] = msg.generation
             for child in [c for c in self.launcher.children if c.sentinel in events]:
                 if child not in self.launcher.children:

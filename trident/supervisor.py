@@ -47,6 +47,7 @@ from trident.wire.cluster import (
     signer_of,
 )
 from trident.wire.control import (
+    WORKER_GENERATION_ENV,
     LauncherMessage,
     ProcessFailed,
     ProcessReady,
@@ -130,14 +131,17 @@ class Launcher:
             return self.layout.store_port(dp_rank)
         return free_port(self.args.dist_init_host)
 
-    def spawn_workers(self, dp_rank: int, store_port: int | None = None) -> None:
-        """This node's ranks of one replica. On node 0 this starts a new generation of the
-        group and tells the other nodes to start their ranks of it."""
-        if store_port is None:
+    def spawn_workers(self, dp_rank: int, told: StartWorkerGroup | None = None) -> None:
+        """This node's ranks of one replica: of the generation node 0 `told` this node to
+        start, or, on node 0 (None), of a new generation, which the other nodes are told."""
+        if told is None:
             store_port = self.next_store_port(dp_rank)
             self.worker_generations[dp_rank] += 1
-            self.tell_nodes(StartWorkerGroup(dp_rank, self.worker_generations[dp_rank], store_port))
-        env = {DIST_PORT_ENV: str(store_port)} if self.args.tp_size > 1 else {}
+            told = StartWorkerGroup(dp_rank, self.worker_generations[dp_rank], store_port)
+            self.tell_nodes(told)
+        env = {WORKER_GENERATION_ENV: str(told.generation)}
+        if self.args.tp_size > 1:
+            env[DIST_PORT_ENV] = str(told.store_port)
         for rank in self.layout.local_ranks():
             self.spawn("worker", rank, dp_rank, env)
 
@@ -300,7 +304,7 @@ class Launcher:
         for d in range(self.args.dp_size):
             self.pending_starts.pop(("worker", d), None)
             self.stop_workers(d)
-            self.to_schedulers[d].send(WorkerGroupLost(cause))
+            self.to_schedulers[d].send(WorkerGroupLost(cause, self.worker_generations[d]))
         self._tell_tokenizer(cause)
 
     def _on_node_rejoined(self, node: int, was_missing: bool) -> None:
@@ -313,7 +317,7 @@ class Launcher:
         for d in range(self.args.dp_size):
             self.pending_starts.pop(("worker", d), None)
             self.stop_workers(d)
-            self.to_schedulers[d].send(WorkerGroupLost(cause))
+            self.to_schedulers[d].send(WorkerGroupLost(cause, self.worker_generations[d]))
             self.spawn_workers(d)
         self._tell_tokenizer(cause)
 
@@ -336,11 +340,12 @@ class Launcher:
             self._forget(child)
 
     def _restart_workers(self, dp_rank: int, cause: str, scheduler_knows: bool) -> None:
+        lost = self.worker_generations[dp_rank]  # before the restart below counts a new one
         self.stop_workers(dp_rank)
         if self.node_watch.missing:
             return  # the group cannot form without the missing node; its rejoin starts it
         if self._restart(("worker", dp_rank), cause, lambda: self.spawn_workers(dp_rank)) and not scheduler_knows:
-            self.to_schedulers[dp_rank].send(WorkerGroupLost(cause))
+            self.to_schedulers[dp_rank].send(WorkerGroupLost(cause, lost))
 
     def _restart(self, unit: Unit, cause: str, start: Callable[[], None]) -> bool:
         """Starts `unit` again now or after its backoff, or gives up; False when it will not restart."""

@@ -143,7 +143,8 @@ WorkerInput = BatchDescriptor | ResetBatch
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag="worker_ready"):
-    """The worker's first frame: its protocol version and what it allocated."""
+    """Rank 0's first frame, and its answer to every ResetBatch: its protocol version and
+    what it allocated."""
 
     protocol_version: int
     rank: int
@@ -153,6 +154,12 @@ class WorkerReady(msgspec.Struct, array_like=True, tag="worker_ready"):
     context_length: int
     eos_token_ids: list[int]
     max_running_requests: int
+    generation: int = 0
+    """Which start of the replica's worker group sent this (launch.py's count, from
+    WORKER_GENERATION_ENV; 0 for a worker not started by launch.py). Written by the worker.
+    A scheduler that lost generation g accepts only a ready of a later one: the lost group
+    answers the reconnection ResetBatch (or a forged one) before launch.py kills it, and a
+    scheduler that took that answer would send its steps to a group about to vanish."""
 
 
 class WorkerCounters(msgspec.Struct, array_like=True):

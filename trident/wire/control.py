@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bump whenever any struct in wire/ changes shape."""
+
+WORKER_GENERATION_ENV = "TRIDENT_WORKER_GENERATION"
+"""Set by launch.py in every worker's environment: which start of its replica's worker group
+the worker belongs to (1, 2, ... counted on node 0). The worker reports it in `WorkerReady`."""
 
 
 class ProtocolMismatch(RuntimeError):

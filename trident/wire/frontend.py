@@ -106,6 +106,9 @@ class WorkerGroupLost(msgspec.Struct, array_like=True, tag="worker_group_lost"):
     """From launch.py: the worker ranks died and are being restarted; requeue what ran."""
 
     reason: str
+    generation: int
+    """The generation of the group that was lost (WorkerReady.generation). Written by
+    launch.py; a scheduler already connected to a later group ignores the message."""
 
 
 SchedulerInput = TokenizerHello | GenerateReq | AbortReq | FlushCacheReq | WorkerGroupLost
