@@ -33,8 +33,10 @@ pytestmark = pytest.mark.timeout(1800)
 
 # model: (least top-1 agreement, largest logit error), set just under / over what was measured.
 BOUNDS = {
-    "smollm2": (0.93, 4.5),  # measured 0.9377 over 626 positions, 4.248
-    "gemma3": (0.945, 7.0),  # measured 0.9489 over 626 positions, 6.782
+    "smollm2": (0.93, 4.5),  # measured 0.9425 over 626 positions, 3.051 (0.9377, 4.248 before batch invariance)
+    # measured 0.9441 over 626 positions, 8.430; 0.9489, 6.782 with --disable-batch-invariance: the
+    # 8-token prompt through the decode kernel instead of SDPA, which int8 activations amplify
+    "gemma3": (0.94, 8.7),
 }
 GGUF = ["--weight-dtype", "gguf"]
 BASE = ["--max-total-tokens", "16384"]
