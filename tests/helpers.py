@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,6 +52,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_block(count: int = 16) -> int:
+    """The first of `count` consecutive free ports (a multi-node server's --dist-init-addr
+    uses the ports after its base), below the kernel's ephemeral range: a free port from the
+    ephemeral range can have its neighbours taken at any moment by outgoing connections."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports in 20000-32000")
 
 
 class Server:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import zmq
 
-from tests.helpers import Server, free_port, running_server, wait_until
+from tests.helpers import Server, free_port_block, running_server, wait_until
 from tests.workload import BASE, child, run_with_fault
 from tokenizer_proc.router import IMBALANCE_LIMIT, PREFIX_BLOCK, ReplicaRouter
 from trident.launch import main as launch_main
@@ -176,7 +176,7 @@ def send_signed_with(address: str, signer: FrameSigner, frames: list[bytes]) -> 
 
 
 def test_two_nodes_serve_tp2_together_and_reject_bad_tags(fault_model, fault_reference, secret_file):
-    port = free_port()
+    port = free_port_block()
     cluster = [
         "--model",
         fault_model,

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.helpers import Server, free_port, running_server, wait_until, write_sim_profile
+from tests.helpers import Server, free_port, free_port_block, running_server, wait_until, write_sim_profile
 from tests.test_simulated_worker import completions, sim_args
 from trident.node_watch import NodeWatch
 from trident.wire.signing import new_secret, write_secret_file
@@ -44,7 +44,7 @@ def test_killing_node_1s_process_group_answers_503_naming_it_until_it_rejoins(tm
     write_secret_file(secret, new_secret())
     cluster = [
         *sim_args(profile, "--tp-size", "2", "--nnodes", "2"),
-        *("--dist-init-addr", f"127.0.0.1:{free_port()}", "--cluster-secret-file", secret),
+        *("--dist-init-addr", f"127.0.0.1:{free_port_block()}", "--cluster-secret-file", secret),
     ]
     node1_command = [*cluster, "--node-rank", "1", "--port", str(free_port())]
     node1 = Server(node1_command, ready_prefix="trident node 1 ready:", own_process_group=True)

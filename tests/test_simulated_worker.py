@@ -9,7 +9,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from tests.helpers import Server, free_port, running_server, wait_until, write_sim_profile
+from tests.helpers import Server, free_port_block, running_server, wait_until, write_sim_profile
 from trident.wire.signing import new_secret, write_secret_file
 
 PROMPTS = [f"Request {i}: " + "tell me about the sea and the ships " * (1 + i % 5) for i in range(10)]
@@ -125,7 +125,7 @@ def test_simulated_workers_serve_dp2_tp2_over_two_nodes_with_one_workers_output(
     write_secret_file(secret, new_secret())
     cluster = [
         *sim_args(profile, "--dp-size", "2", "--tp-size", "2", "--nnodes", "2"),
-        *("--dist-init-addr", f"127.0.0.1:{free_port()}", "--cluster-secret-file", secret),
+        *("--dist-init-addr", f"127.0.0.1:{free_port_block()}", "--cluster-secret-file", secret),
     ]
     node1 = Server([*cluster, "--node-rank", "1"], ready_prefix="trident node 1 ready:")
     try:
