@@ -37,7 +37,7 @@ ALLOWED_TOP_LEVEL = {"trident", "tokenizer_proc", "scheduler_proc", "gpu_worker"
 REQUIRED_FILES = ["gpu_worker/csrc/kernel_common.h", "gpu_worker/csrc/paged_decode_attention.cpp"]
 READY_TIMEOUT_S = 240.0
 KERNELS_LOADED = "C++ CPU kernels ready"
-KERNEL_ATTENTION = "decode attention kernel"
+KERNEL_ATTENTION = "attention kernel"
 
 
 class CheckFailed(Exception):
