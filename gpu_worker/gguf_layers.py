@@ -93,6 +93,8 @@ def quant_linear(weights: QuantWeights, bias: torch.Tensor | None) -> nn.Module:
     if isinstance(weights, U4Weights):
         return QuantLinear.from_u4(tensor(weights.codes), tensor(weights.scales), tensor(weights.mins), bias)
     assert isinstance(weights, I8Weights)
+    if weights.bits <= 5 and weights.block == 32:  # Q5_0: I5, 5.5 bits a weight instead of 8.5
+        return QuantLinear.from_i5(tensor(weights.codes), tensor(weights.scales), bias)
     return QuantLinear.from_i8(tensor(weights.codes), tensor(weights.scales), weights.block, bias)
 
 

@@ -13,6 +13,11 @@ Every format the packaged models use converts exactly, with no new rounding, int
     Q5_0  I8  block 32, code q5 - 16, scale d
     Q6_K  I8  block 16, code q6 - 32, scale d * sc (sc int8)
 
+Q5_0's codes fit 5 bits: its I8Weights say so (`bits` 5), and gguf_layers.py packs such a
+weight as quant_linear.py's I5 layout (5.5 bits a weight, the file's own size) instead of
+I8's 8.5; measured faster at every Gemma 3 shape (docs/benchmarks.md). Stacked with a wider
+part (Gemma's fused q/k/v: Q5_0 q and k, Q8_0 v) the whole is I8.
+
 "Exactly" means bitwise equal in float32 to `gguf.quants.dequantize`: d is an fp16 (11
 significant bits), so every product above fits float32's 24 bits (Q6_K's d * sc * q, the
 largest, needs 11 + 7 + 5 = 23), and the one rounding left, Q4_1's and Q4_K's `+ min`, is
@@ -78,6 +83,9 @@ class I8Weights:
     """float32 [N, K // block]."""
     block: int
     """16 (Q6_K) or 32."""
+    bits: int = 8
+    """The codes lie in -2^(bits-1)..2^(bits-1)-1: 5 for Q5_0 (packed as I5 then), 6 for
+    Q6_K, 8 for Q8_0."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -87,18 +95,18 @@ class I8Weights:
         return _per_element(self.scales, self.block) * self.codes.astype(np.float32)
 
     def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> I8Weights:
-        return I8Weights(fn(self.codes), fn(self.scales), self.block)
+        return I8Weights(fn(self.codes), fn(self.scales), self.block, self.bits)
 
     def columns(self, start: int, length: int) -> I8Weights:
         first, count = _block_range(start, length, self.block)
         blocks = slice(first, first + count)
-        return I8Weights(self.codes[:, start : start + length], self.scales[:, blocks], self.block)
+        return I8Weights(self.codes[:, start : start + length], self.scales[:, blocks], self.block, self.bits)
 
     def with_block(self, block: int) -> I8Weights:
         """The same weights with a smaller block (each scale repeated): exact."""
         if self.block % block:
             raise ValueError(f"an I8 block of {self.block} cannot be split into blocks of {block}")
-        return I8Weights(self.codes, np.repeat(self.scales, self.block // block, axis=1), block)
+        return I8Weights(self.codes, np.repeat(self.scales, self.block // block, axis=1), block, self.bits)
 
 
 QuantWeights = U4Weights | I8Weights
@@ -120,13 +128,15 @@ def _block_range(start: int, length: int, block: int) -> tuple[int, int]:
 
 def concat_rows(parts: Sequence[QuantWeights]) -> QuantWeights:
     """One weight from parts stacked by rows (fused q/k/v, gate/up), when the parts share a
-    layout; I8 parts of blocks 16 and 32 meet at block 16. Raises ValueError for U4 with I8."""
+    layout; I8 parts of blocks 16 and 32 meet at block 16, and of several code widths at the
+    widest. Raises ValueError for U4 with I8."""
     if all(isinstance(p, U4Weights) for p in parts):
         return U4Weights(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("codes", "scales", "mins")))
     if all(isinstance(p, I8Weights) for p in parts):
         block = min(p.block for p in parts)
         same = [p.with_block(block) for p in parts]  # type: ignore[union-attr]
-        return I8Weights(np.concatenate([p.codes for p in same]), np.concatenate([p.scales for p in same]), block)
+        codes, scales = np.concatenate([p.codes for p in same]), np.concatenate([p.scales for p in same])
+        return I8Weights(codes, scales, block, max(p.bits for p in parts))  # type: ignore[union-attr]
     raise ValueError("parts of different layouts (U4 and I8) cannot be stacked into one weight")
 
 
@@ -200,7 +210,8 @@ def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
 
 Q = GGMLQuantizationType
 U4_FORMATS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k}
-I8_FORMATS = {Q.Q8_0: (_q8_0, 32), Q.Q5_0: (_q5_0, 32), Q.Q6_K: (_q6_k, 16)}
+I8_FORMATS = {Q.Q8_0: (_q8_0, 32, 8), Q.Q5_0: (_q5_0, 32, 5), Q.Q6_K: (_q6_k, 16, 6)}
+"""format -> (its conversion, block, code bits)."""
 SUPPORTED = tuple(f.name for f in (*U4_FORMATS, *I8_FORMATS))
 
 
@@ -218,6 +229,6 @@ def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> QuantWeig
     if kind in U4_FORMATS:
         codes, scales, mins = U4_FORMATS[kind](blocks)
         return U4Weights(codes.reshape(rows, cols), scales.reshape(rows, -1), mins.reshape(rows, -1))
-    convert, block = I8_FORMATS[kind]
+    convert, block, bits = I8_FORMATS[kind]
     codes, scales = convert(blocks)
-    return I8Weights(codes.reshape(rows, cols), scales.reshape(rows, -1), block)
+    return I8Weights(codes.reshape(rows, cols), scales.reshape(rows, -1), block, bits)

@@ -10,9 +10,10 @@ Every GGUF format the served models use converts exactly into one of two canonic
 `QuantLinear` repacks them once for csrc/quant_linear.cpp (its header describes the layout
 and the kernels): columns in panels of 16, codes interleaved for vpdpbusd, U4 codes two to a
 byte, and scales (and mins) stored as float16 where every one of them is exactly a float16
-(Q4_0, Q4_1, Q5_0, Q8_0), else as float32 (Q4_K, Q6_K). Nothing is rounded: dequantize()
-gives scale * code (+ min) in float32. Resident bytes per weight: U4 5 bits (float16
-scales) or 6, I8 8.5 to 10.
+(Q4_0, Q4_1, Q5_0, Q8_0), else as float32 (Q4_K, Q6_K). I8 codes that fit 5 bits (Q5_0's,
+block 32) can be packed as I5 instead: U4's nibbles plus a plane of fifth bits. Nothing is
+rounded: dequantize() gives scale * code (+ min) in float32. Resident bytes per weight: U4 5
+bits (float16 scales) or 6, I5 5.5 or 6, I8 8.5 to 10.
 
 Without the kernels (a CPU without AVX2, a failed build opted out of), forward dequantizes
 the weights and runs a float32 matmul: correct, and slow.
@@ -29,8 +30,9 @@ from torch import nn
 from gpu_worker.cpu_kernels import load_quant_linear
 
 PANEL_COLUMNS = 16
-U4, I8 = 0, 1
+U4, I8, I5 = 0, 1, 2
 """The layout numbers csrc/quant_linear.cpp takes."""
+LAYOUT_NAMES = {U4: "U4", I8: "I8", I5: "I5"}
 U4_BLOCK = 32
 
 
@@ -141,26 +143,62 @@ class QuantLinear(nn.Module):
         ).contiguous()
         return cls(packed, I8, block, scale_dtype, (n, k), bias)
 
+    @classmethod
+    def from_i5(cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
+        """codes int8 [n, k] in -16..15, scales float32 [n, k / 32]: w = scales * codes, packed
+        as I5 (the nibbles of codes + 16 as U4's, then their fifth bits as 8 masks of 64)."""
+        n, k = codes.shape
+        if codes.dtype != torch.int8 or k % U4_BLOCK or scales.shape != (n, k // U4_BLOCK):
+            raise ValueError(
+                f"I5 weights: codes int8 [n, k], k a multiple of 32, scales [n, k / 32]; got "
+                f"{tuple(codes.shape)} {codes.dtype}, {tuple(scales.shape)}"
+            )
+        if codes.numel() and (codes.min() < -16 or codes.max() > 15):
+            raise ValueError("I5 weights: codes must lie in -16..15 (Q5_0's); use from_i8")
+        panels = -(-n // PANEL_COLUMNS)
+        groups = _code_groups((codes + 16).to(torch.uint8), panels, U4_BLOCK)  # [panels, blocks, 8, 16, 4]
+        nibbles = (groups[:, :, :4] & 15) | ((groups[:, :, 4:] & 15) << 4)
+        # Mask 2g + h holds the fifth bits of vector g's low (h 0: groups[g]) or high (h 1:
+        # groups[4 + g]) nibbles, bit i for byte i: 64 bits, least significant first.
+        vectors = torch.stack([groups[:, :, :4], groups[:, :, 4:]], dim=3)  # [panels, blocks, g, h, 16, 4]
+        bits = ((vectors >> 4) & 1).reshape(panels, k // U4_BLOCK, -1, 8)
+        masks = (bits << torch.arange(8, dtype=torch.uint8)).sum(dim=-1, dtype=torch.uint8)
+        scales = scales.float()
+        scale_dtype = torch.float16 if _fits_float16(scales) else torch.float32
+        packed = torch.cat(
+            [nibbles.reshape(panels, k // U4_BLOCK, -1), masks, _as_bytes(_per_panel(scales, panels), scale_dtype)],
+            dim=2,
+        ).contiguous()
+        return cls(packed, I5, U4_BLOCK, scale_dtype, (n, k), bias)
+
     def _code_bytes(self) -> int:
-        return self.block * 8 if self.layout == U4 else self.block * 16
+        return self.block * {U4: 8, I5: 10, I8: 16}[self.layout]
 
     def _unpack(self, panels: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
         """float32 weight rows of the given panels ([p, blocks, bytes]): all 16 columns of each
         ([p * 16, k]), or with `columns` ([p]) the one column of each ([p, k])."""
         p, blocks, _ = panels.shape
         code_bytes, itemsize = self._code_bytes(), self.scale_dtype.itemsize
-        groups = panels[:, :, :code_bytes].reshape(p, blocks, -1, PANEL_COLUMNS, 4)
         scales = panels[:, :, code_bytes : code_bytes + PANEL_COLUMNS * itemsize].contiguous().view(self.scale_dtype)
+        if self.layout == I8:
+            groups = panels[:, :, :code_bytes].reshape(p, blocks, -1, PANEL_COLUMNS, 4)
+        else:
+            nibbles = panels[:, :, : self.block * 8].reshape(p, blocks, -1, PANEL_COLUMNS, 4)
+            groups = torch.cat([nibbles & 15, nibbles >> 4], dim=2)
         if self.layout == U4:
-            groups = torch.cat([groups & 15, groups >> 4], dim=2)
             mins = panels[:, :, code_bytes + PANEL_COLUMNS * itemsize :].contiguous().view(self.scale_dtype)
+        if self.layout == I5:
+            masks = panels[:, :, self.block * 8 : code_bytes].reshape(p, blocks, -1, 1)
+            bits = (masks >> torch.arange(8, dtype=torch.uint8)) & 1  # [p, blocks, 64 bytes, 8]: mask 2g + h
+            fifth = bits.reshape(p, blocks, 4, 2, PANEL_COLUMNS, 4).transpose(2, 3)  # h, then g: as groups
+            groups = groups | (fifth.reshape(groups.shape) << 4)
         if columns is None:
             codes = groups.permute(0, 3, 1, 2, 4).reshape(p * PANEL_COLUMNS, blocks, self.block)
             select = lambda per_column: per_column.transpose(1, 2).reshape(p * PANEL_COLUMNS, blocks, 1)  # noqa: E731
         else:
             codes = groups[torch.arange(p), :, :, columns].reshape(p, blocks, self.block)
             select = lambda per_column: per_column[torch.arange(p), :, columns].reshape(p, blocks, 1)  # noqa: E731
-        codes = codes.float() if self.layout == U4 else codes.float() - 128
+        codes = codes.float() - {U4: 0, I5: 16, I8: 128}[self.layout]
         w = select(scales).float() * codes
         if self.layout == U4:
             w = w + select(mins).float()
@@ -197,6 +235,6 @@ class QuantLinear(nn.Module):
         return lambda rows: op(rows, packed, bias, n, layout, block, half, path)
 
     def extra_repr(self) -> str:
-        kind = "U4" if self.layout == U4 else f"I8 block {self.block}"
+        kind = LAYOUT_NAMES[self.layout] if self.layout != I8 else f"I8 block {self.block}"
         path = self.kernel_path or "torch"
         return f"{self.in_features} -> {self.out_features}, {kind}, {self.scale_dtype} scales, {path}"

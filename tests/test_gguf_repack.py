@@ -1,6 +1,7 @@
 """GGUF blocks -> our U4/I8 layouts (gpu_worker/gguf_repack.py) lose nothing: for every
 format in the table, on random blocks and on every such tensor of both packaged files,
-scale * code (+ min) is the float32 that `gguf.quants.dequantize` gives.
+scale * code (+ min) is the float32 that `gguf.quants.dequantize` gives. Q5_0 keeps its 5
+bits (the I5 layout) and its kernels stay within their activations' rounding of it.
 
 Bitwise, with one exception by construction: Q4_0's zero weights (code 8) come out +0.0
 from d * 8 + (-8 d) where gguf's d * (8 - 8) gives -0.0 for a negative d. Equal values.
@@ -10,11 +11,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from gpu_worker.cpu_kernels import load_quant_linear
 from gpu_worker.gguf_header import read_gguf_header, tensor_bytes
+from gpu_worker.gguf_layers import narrow, quant_linear
 from gpu_worker.gguf_repack import I8_FORMATS, U4_FORMATS, I8Weights, U4Weights, concat_rows, repack
+from gpu_worker.quant_linear import I5
 from tests.helpers import smollm2_gguf
 
 Q = GGMLQuantizationType
@@ -22,6 +27,8 @@ FP16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2), Q.Q8_0: (0,), Q.Q5_
 """Byte offsets of each format's fp16 fields (d, and m / dmin), set to finite values."""
 ROWS_PER_CHECK = 8192
 """Rows dequantized at a time on the real tensors (Gemma's embedding is 262k rows)."""
+BEST_PATH = load_quant_linear()
+KERNEL_PATHS = {"avx512_vnni": ("avx512_vnni", "avx2"), "avx2": ("avx2",), "": ()}[BEST_PATH]
 
 
 def assert_same_float32(ours: np.ndarray, ref: np.ndarray) -> None:
@@ -95,3 +102,36 @@ def test_stacked_and_split_weights_dequantize_to_the_stacked_and_split_rows():
         q4.columns(16, 64)
     with pytest.raises(ValueError, match="different layouts"):
         concat_rows([q4, q8])
+
+
+def test_q5_0_stays_five_bits_alone_and_widens_to_eight_with_a_q8_0_part():
+    rng = np.random.default_rng(5)
+    q5 = repack(random_tensor(Q.Q5_0, 16, 256, rng), Q.Q5_0, (16, 256))
+    q8 = repack(random_tensor(Q.Q8_0, 16, 256, rng), Q.Q8_0, (16, 256))
+    assert q5.bits == 5 and q5.codes.min() >= -16 and q5.codes.max() <= 15
+    assert concat_rows([q5, q5]).bits == 5 and narrow(q5, 0, 0, 8).bits == 5 and narrow(q5, 1, 32, 64).bits == 5
+    fused = concat_rows([q5, q8])  # Gemma 3's q/k/v: Q5_0, Q5_0, Q8_0
+    assert fused.bits == 8
+    assert_same_float32(fused.dequantize(), np.concatenate([q5.dequantize(), q8.dequantize()]))
+
+
+@pytest.mark.parametrize("path", [p for p in ("avx512_vnni", "avx2") if p in KERNEL_PATHS])
+def test_q5_0_served_as_i5_is_within_its_activation_rounding_of_gguf_dequantization(path):
+    """The layer the loader builds for a Q5_0 tensor (I5) against a float64 matmul of the
+    weights as gguf dequantizes them, on random blocks, within the int8 activations' rounding."""
+    from tests.test_quant_linear import error_bound
+
+    rng = np.random.default_rng(6)
+    rows, cols = 100, 640
+    raw = random_tensor(Q.Q5_0, rows, cols, rng)
+    layer = quant_linear(repack(raw, Q.Q5_0, (rows, cols)), None)
+    padded_rows = layer.packed.shape[0] * 16  # whole panels of 16 columns
+    assert layer.layout == I5 and layer.packed.numel() * 8 / (padded_rows * cols) == 5.5  # the file's bits a weight
+    weight = torch.from_numpy(dequantize(raw, Q.Q5_0))
+    assert torch.equal(layer.dequantize(), weight)
+    layer.kernel_path = path
+    for batch in (1, 7, 64):
+        x = (torch.randn(batch, cols) * torch.rand(batch, cols).pow(4) * 4).bfloat16()
+        reference = x.double() @ weight.double().T
+        excess = (layer(x).double() - reference).abs() - error_bound(layer, x, reference)
+        assert excess.max() <= 0, f"{batch} rows: over the bound by {excess.max():.3g}"

@@ -1,7 +1,8 @@
-"""Linear layers on quantized weights (gpu_worker/quant_linear.py, csrc/quant_linear.cpp):
-the repacking loses nothing, each kernel path is within the rounding of its int8 activations
-of a float32 reference on the dequantized weights, both paths give the same bits, in the
-AVX-512 build and in the AVX2 build alike, and a row's result does not depend on its batch.
+"""Linear layers on quantized weights (gpu_worker/quant_linear.py, csrc/quant_linear.cpp), in
+each layout (U4, I8, I5): the repacking loses nothing, each kernel path is within the
+rounding of its int8 activations of a float32 reference on the dequantized weights, both
+paths give the same bits, in the AVX-512 build and in the AVX2 build alike, and a row's
+result does not depend on its batch.
 
 The bound, per output element y = sum_i w_i x_i: the kernel computes sum_i w_i x^_i exactly in
 integers per block, where x^ = sx round(x / sx), sx = max|x| / 127 over the row's block of
@@ -46,11 +47,22 @@ def i8_layer(n: int, k: int, block: int, float16_scales: bool, bias: bool = Fals
     return QuantLinear.from_i8(codes, scales, block, torch.randn(n, generator=g) if bias else None)
 
 
+def i5_layer(n: int, k: int, float16_scales: bool, bias: bool = False, seed: int = 0) -> QuantLinear:
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    if float16_scales:  # as Q5_0 ships them
+        scales = scales.half().float()
+    codes = torch.randint(-16, 16, (n, k), dtype=torch.int8, generator=g)
+    return QuantLinear.from_i5(codes, scales, torch.randn(n, generator=g) if bias else None)
+
+
 LAYERS = {
     "u4_f16": lambda n, k, bias=False: u4_layer(n, k, True, bias),
     "u4_f32": lambda n, k, bias=False: u4_layer(n, k, False, bias),
     "i8_32_f16": lambda n, k, bias=False: i8_layer(n, k, 32, True, bias),
     "i8_16_f32": lambda n, k, bias=False: i8_layer(n, k, 16, False, bias),
+    "i5_f16": lambda n, k, bias=False: i5_layer(n, k, True, bias),
+    "i5_f32": lambda n, k, bias=False: i5_layer(n, k, False, bias),
 }
 
 
@@ -129,7 +141,7 @@ from gpu_worker.quant_linear import QuantLinear
 x = torch.load(sys.argv[1])
 layer = LAYERS["u4_f16"](100, 640, bias=True)
 assert layer.kernel_path == "avx2", layer.kernel_path
-torch.save([layer(x), LAYERS["i8_16_f32"](100, 640)(x)], sys.argv[2])
+torch.save([layer(x), LAYERS["i8_16_f32"](100, 640)(x), LAYERS["i5_f16"](100, 640)(x)], sys.argv[2])
 """
 
 
@@ -148,9 +160,10 @@ def test_the_avx2_build_gives_the_same_bits_as_the_avx512_build(tmp_path):
         timeout=600,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    u4, i8 = torch.load(tmp_path / "y.pt")
+    u4, i8, i5 = torch.load(tmp_path / "y.pt")
     assert torch.equal(u4, LAYERS["u4_f16"](100, 640, bias=True)(x))
     assert torch.equal(i8, LAYERS["i8_16_f32"](100, 640)(x))
+    assert torch.equal(i5, LAYERS["i5_f16"](100, 640)(x))
 
 
 def test_dequantize_gives_exactly_scale_times_code_plus_min():
@@ -166,6 +179,24 @@ def test_dequantize_gives_exactly_scale_times_code_plus_min():
         for scales in (torch.rand(37, 64 // block, generator=g).half().float(), torch.rand(37, 64 // block) / 3):
             layer = QuantLinear.from_i8(signed, scales, block, None)
             assert torch.equal(layer.dequantize(), scales.repeat_interleave(block, 1) * signed.float())
+    five_bits = torch.randint(-16, 16, (37, 64), dtype=torch.int8, generator=g)
+    for scales in (torch.rand(37, 2, generator=g).half().float(), torch.rand(37, 2, generator=g) / 3):
+        layer = QuantLinear.from_i5(five_bits, scales, None)
+        assert torch.equal(layer.dequantize(), scales.repeat_interleave(32, 1) * five_bits.float())
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", PATHS)
+def test_i5_gives_the_bits_of_i8_on_the_same_codes(path):
+    """Both reach the same integer dot per block and run the same float operations after it."""
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(-16, 16, (100, 640), dtype=torch.int8, generator=g)
+    scales, bias = torch.rand(100, 20, generator=g).half().float(), torch.randn(100, generator=g)
+    i5, i8 = QuantLinear.from_i5(codes, scales, bias), QuantLinear.from_i8(codes, scales, 32, bias)
+    i5.kernel_path = i8.kernel_path = path
+    for rows in (1, 2, 5, 8, 9, 64):
+        x = torch.randn(rows, 640, generator=g).bfloat16()
+        assert torch.equal(i5(x), i8(x))
 
 
 @pytest.mark.parametrize("path", [*PATHS[:1], ""])
@@ -190,7 +221,7 @@ def test_a_row_id_past_the_weight_is_an_error_not_a_read_past_it():
 def test_resident_bytes_are_close_to_the_bits_of_the_format():
     n, k = 64, 2048
     bits = {name: make(n, k).packed.numel() * 8 / (n * k) for name, make in LAYERS.items()}
-    assert bits == {"u4_f16": 5.0, "u4_f32": 6.0, "i8_32_f16": 8.5, "i8_16_f32": 10.0}
+    assert bits == {"u4_f16": 5.0, "u4_f32": 6.0, "i8_32_f16": 8.5, "i8_16_f32": 10.0, "i5_f16": 5.5, "i5_f32": 6.0}
 
 
 @pytest.mark.parametrize("layout", ["u4_f32", "i8_16_f32"])
@@ -209,6 +240,8 @@ def test_malformed_weights_are_refused_with_the_shapes_in_the_message():
         QuantLinear.from_i8(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1), 64, None)
     with pytest.raises(ValueError, match="codes int8"):
         QuantLinear.from_i8(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2), 32, None)
+    with pytest.raises(ValueError, match="-16..15"):
+        QuantLinear.from_i5(torch.full((4, 64), 16, dtype=torch.int8), torch.ones(4, 2), None)
 
 
 @needs_kernels

@@ -1,7 +1,9 @@
-// y = x @ w.T (+ bias) on quantized weights, for GGUF's block formats repacked into two
+// y = x @ w.T (+ bias) on quantized weights, for GGUF's block formats repacked into three
 // layouts (gpu_worker/quant_linear.py converts them, exactly):
 //   U4: unsigned 4-bit codes c with a scale s and a min m per block of 32 along k: w = s c + m;
-//   I8: signed 8-bit codes c with a scale s per block of 16 or 32 along k: w = s c.
+//   I8: signed 8-bit codes c with a scale s per block of 16 or 32 along k: w = s c;
+//   I5: signed 5-bit codes c (-16..15) with a scale s per block of 32 along k: w = s c (Q5_0,
+//       in 5.5 bits a weight where I8 takes 8.5).
 //
 // The activations are quantized per row and per block of 32 to int8, as llama.cpp does
 // (x ~ sx qx, sx = max|x| / 127, qx = round(x / sx)), so that each block's dot product is an
@@ -10,17 +12,21 @@
 // Per output column and block b:  acc += (s_b sx_b) * dot_b (+ m_b * (sx_b * sum(qx_b)) for U4).
 // docs/benchmarks.md ("Quantized linear kernels") compares this with float activations.
 //
-// Unsigned weights are what vpdpbusd wants: U4 codes are 0..15, and I8 codes are stored +128
-// (0..255); their dot with qx then exceeds the signed one by 128 sum(qx_b), which the row's
-// quantization already counted (sum16). AVX2's vpmaddubsw would saturate on 255 * 127 * 2, so
-// its path turns the code back to signed and multiplies |c| by qx with c's sign (at most
-// 128 * 127 * 2, no saturation). Both paths reach the same integer dot and then run the same
-// float operations in the same order: their results are the same bits.
+// Unsigned weights are what vpdpbusd wants: U4 codes are 0..15, I8 codes are stored +128
+// (0..255) and I5 codes +16 (0..31); their dot with qx then exceeds the signed one by 128 (16)
+// sum(qx_b), which the row's quantization already counted (sum16). AVX2's vpmaddubsw would
+// saturate on 255 * 127 * 2, so its I8 path turns the code back to signed and multiplies |c|
+// by qx with c's sign (at most 128 * 127 * 2, no saturation); 31 * 127 * 2 fits as it is.
+// Both paths reach the same integer dot and then run the same float operations in the same
+// order: their results are the same bits.
 //
 // The packed layout: output columns in panels of 16; a panel's blocks one after another, each
 //   codes: 16 columns x 4 consecutive k in each 64 bytes (one lane of vpdpbusd a column);
 //     U4: block_k / 8 such vectors (4), the low nibbles holding k 0..15, the high k 16..31;
 //     I8: block_k / 4 such vectors of (c + 128);
+//     I5: U4's 4 vectors of nibbles (the low 4 bits of c + 16), then the fifth bits: 8 masks of
+//       64 bits, mask 2g + h for vector g's low (h = 0) or high (h = 1) nibbles, bit i for
+//       byte i of that vector (AVX-512 adds 16 under the mask; AVX2 spreads 32 bits to bytes);
 //   then the 16 scales (float16 where every scale is exactly a float16, else float32), and for
 //   U4 the 16 mins in the same type.
 // A thread claims a few panels at a time (parallel_for_claimed in kernel_common.h) and reads
@@ -60,7 +66,7 @@ using trident_kernels::kActivationBlock;
 using trident_kernels::QuantizedRows;
 
 constexpr int64_t kPanelColumns = 16;
-constexpr int64_t kU4 = 0, kI8 = 1;
+constexpr int64_t kU4 = 0, kI8 = 1, kI5 = 2;
 // Rows a tile computes at most: on AVX-512, two zmm registers a row (its block's integer sum
 // and its float32 sum) of the 32; AVX2 has 16 ymm registers and needs four a row.
 constexpr int kMaxTileRows = 8;
@@ -92,8 +98,18 @@ std::string quant_linear_best_path() {
   return best;
 }
 
-int64_t code_bytes(int64_t layout, int64_t block) { return layout == kU4 ? block * 8 : block * 16; }
+// Bytes of a panel's codes per block: 16 columns x block k at 4, 8 or 5 bits.
+constexpr int64_t code_bytes(int64_t layout, int64_t block) {
+  return layout == kU4 ? block * 8 : layout == kI5 ? block * 10 : block * 16;
+}
 
+// The dot's excess from the unsigned storage of signed codes (c + bias): bias * sum(qx).
+constexpr int32_t code_bias(int64_t layout) { return layout == kI8 ? 128 : layout == kI5 ? 16 : 0; }
+
+
+bool valid_layout(int64_t layout, int64_t block) {
+  return layout == kI8 ? block == 16 || block == 32 : (layout == kU4 || layout == kI5) && block == 32;
+}
 
 // The integer sum of a row's codes over weight block b (16 or 32 k).
 template <int64_t kBlock>
@@ -104,6 +120,12 @@ inline int32_t block_code_sum(const QuantizedRows& x, int64_t row, int64_t b) {
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline uint64_t load_u64(const uint8_t* p) {
+  uint64_t v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
@@ -131,10 +153,26 @@ inline __m256i dot_s8_s8(__m256i w_biased, __m256i x) {
   return dot_u8_s8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
 }
 
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// 0x10 in byte i where bit i of `bits` is set, else 0: I5's fifth bits of 32 code bytes.
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit_of_byte = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_of_byte), bit_of_byte);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
 template <int64_t kLayout, int64_t kBlock, bool kHalfScales, int kRows>
 void avx2_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const QuantizedRows& x, int64_t row0,
                float* result) {
-  constexpr int64_t kCodeBytes = kLayout == kU4 ? kBlock * 8 : kBlock * 16;
+  constexpr int64_t kCodeBytes = code_bytes(kLayout, kBlock);
   constexpr int64_t kScaleBytes = kHalfScales ? 2 : 4;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256 acc[kRows][2];
@@ -143,12 +181,17 @@ void avx2_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
     const uint8_t* wb = panel + b * block_bytes;
     __m256i dot[kRows][2];
     for (int r = 0; r < kRows; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    if constexpr (kLayout == kU4) {
+    if constexpr (kLayout == kU4 || kLayout == kI5) {
       for (int g = 0; g < 4; ++g) {
         for (int half = 0; half < 2; ++half) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * g + 32 * half));
-          const __m256i lo = _mm256_and_si256(v, nibble);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          __m256i lo = _mm256_and_si256(v, nibble);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          if constexpr (kLayout == kI5) {
+            const uint8_t* masks = wb + 256 + 16 * g + 4 * half;  // this half's 32 bits of masks 2g, 2g + 1
+            lo = _mm256_or_si256(lo, fifth_bits(load_u32(masks)));
+            hi = _mm256_or_si256(hi, fifth_bits(load_u32(masks + 8)));
+          }
           for (int r = 0; r < kRows; ++r) {
             const int8_t* qr = x.q + (row0 + r) * x.k + b * kBlock + 4 * g;
             const __m256i part = _mm256_add_epi32(dot_u8_s8(lo, _mm256_set1_epi32(load_i32(qr))),
@@ -173,7 +216,10 @@ void avx2_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = row0 + r;
         const float sx = x.scale[row * (x.k / kActivationBlock) + b * kBlock / kActivationBlock];
-        acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(sx)), _mm256_cvtepi32_ps(dot[r][half]),
+        __m256i signed_dot = dot[r][half];
+        if constexpr (kLayout == kI5)
+          signed_dot = _mm256_sub_epi32(signed_dot, _mm256_set1_epi32(16 * block_code_sum<kBlock>(x, row, b)));
+        acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(sx)), _mm256_cvtepi32_ps(signed_dot),
                                        acc[r][half]);
         if constexpr (kLayout == kU4) {
           const __m256 mw = load_scales8<kHalfScales>(wb + kCodeBytes + (16 + 8 * half) * kScaleBytes);
@@ -203,7 +249,7 @@ inline __m512 load_scales16(const uint8_t* p) {
 template <int64_t kLayout, int64_t kBlock, bool kHalfScales, int kRows>
 void vnni_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const QuantizedRows& x, int64_t row0,
                float* result) {
-  constexpr int64_t kCodeBytes = kLayout == kU4 ? kBlock * 8 : kBlock * 16;
+  constexpr int64_t kCodeBytes = code_bytes(kLayout, kBlock);
   constexpr int64_t kScaleBytes = kHalfScales ? 2 : 4;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[kRows];
@@ -217,11 +263,16 @@ void vnni_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
     // more rows are chains enough.
     __m512i even[kRows], odd[kRows];
     for (int r = 0; r < kRows; ++r) even[r] = odd[r] = _mm512_setzero_si512();
-    if constexpr (kLayout == kU4) {
+    if constexpr (kLayout == kU4 || kLayout == kI5) {
       for (int g = 0; g < 4; ++g) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * g);
-        const __m512i lo = _mm512_and_si512(v, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        __m512i lo = _mm512_and_si512(v, nibble);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        if constexpr (kLayout == kI5) {
+          const __m512i sixteen = _mm512_set1_epi8(0x10);
+          lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(load_u64(wb + 256 + 16 * g)), lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(load_u64(wb + 256 + 16 * g + 8)), hi, sixteen);
+        }
         for (int r = 0; r < kRows; ++r) {
           const int8_t* qr = x.q + (row0 + r) * x.k + b * kBlock + 4 * g;
           even[r] = _mm512_dpbusd_epi32(even[r], lo, _mm512_set1_epi32(load_i32(qr)));
@@ -246,7 +297,8 @@ void vnni_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
       const int64_t row = row0 + r;
       const float sx = x.scale[row * (x.k / kActivationBlock) + b * kBlock / kActivationBlock];
       __m512i dot = kRows == 1 ? _mm512_add_epi32(even[r], odd[r]) : even[r];
-      if constexpr (kLayout == kI8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * block_code_sum<kBlock>(x, row, b)));
+      if constexpr (kLayout != kU4)
+        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(code_bias(kLayout) * block_code_sum<kBlock>(x, row, b)));
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_set1_ps(sx)), _mm512_cvtepi32_ps(dot), acc[r]);
       if constexpr (kLayout == kU4) {
         const __m512 mw = load_scales16<kHalfScales>(wb + kCodeBytes + 16 * kScaleBytes);
@@ -276,6 +328,7 @@ constexpr std::array<TileFn, kMaxTileRows> tile_table(bool vnni, std::integer_se
 std::array<TileFn, kMaxTileRows> pick_tiles(bool vnni, int64_t layout, int64_t block, bool half_scales) {
   const auto rows = std::make_integer_sequence<int, kMaxTileRows>{};
   if (layout == kU4) return half_scales ? tile_table<kU4, 32, true>(vnni, rows) : tile_table<kU4, 32, false>(vnni, rows);
+  if (layout == kI5) return half_scales ? tile_table<kI5, 32, true>(vnni, rows) : tile_table<kI5, 32, false>(vnni, rows);
   if (block == 16) return half_scales ? tile_table<kI8, 16, true>(vnni, rows) : tile_table<kI8, 16, false>(vnni, rows);
   return half_scales ? tile_table<kI8, 32, true>(vnni, rows) : tile_table<kI8, 32, false>(vnni, rows);
 }
@@ -311,15 +364,15 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
 }
 
 // x [rows, k] (float32, bfloat16 or float16); packed [ceil(n / 16), k / block, block bytes]
-// uint8 as quant_linear.py lays it out; layout 0 (U4) or 1 (I8); path "auto", "avx512_vnni"
+// uint8 as quant_linear.py lays it out; layout 0 (U4), 1 (I8) or 2 (I5); path "auto", "avx512_vnni"
 // or "avx2" (the tests run both on one CPU) -> [rows, n] in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                         int64_t out_features, int64_t layout, int64_t block, bool half_scales, c10::string_view path) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x [rows, k]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quant_linear: packed weights [panels, blocks, bytes] uint8");
-  TORCH_CHECK(layout == kU4 ? block == 32 : layout == kI8 && (block == 16 || block == 32),
-              "quant_linear: layout 0 (U4, block 32) or 1 (I8, block 16 or 32)");
+  TORCH_CHECK(valid_layout(layout, block),
+              "quant_linear: layout 0 (U4, block 32), 1 (I8, block 16 or 32) or 2 (I5, block 32)");
   const int64_t rows = x.size(0), k = x.size(1), n = out_features;
   const int64_t blocks = packed.size(1), block_bytes = packed.size(2);
   const int64_t scale_count = layout == kU4 ? 2 : 1;
@@ -377,8 +430,8 @@ at::Tensor quant_linear_rows(const at::Tensor& packed, const at::Tensor& ids, in
                              int64_t block, bool half_scales, at::ScalarType dtype) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quant_linear_rows: packed weights [panels, blocks, bytes] uint8");
-  TORCH_CHECK(layout == kU4 ? block == 32 : layout == kI8 && (block == 16 || block == 32),
-              "quant_linear_rows: layout 0 (U4, block 32) or 1 (I8, block 16 or 32)");
+  TORCH_CHECK(valid_layout(layout, block),
+              "quant_linear_rows: layout 0 (U4, block 32), 1 (I8, block 16 or 32) or 2 (I5, block 32)");
   const int64_t blocks = packed.size(1), block_bytes = packed.size(2), k = blocks * block;
   const int64_t scale_bytes = half_scales ? 2 : 4, codes = code_bytes(layout, block);
   const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
@@ -409,6 +462,18 @@ at::Tensor quant_linear_rows(const at::Tensor& packed, const at::Tensor& ids, in
                 const float lo = scale * static_cast<float>(lane[j] & 15), hi = scale * static_cast<float>(lane[j] >> 4);
                 row[b * 32 + 4 * g + j] = trident_kernels::round_to<storage_t>(lo + min);
                 row[b * 32 + 16 + 4 * g + j] = trident_kernels::round_to<storage_t>(hi + min);
+              }
+            }
+          } else if (layout == kI5) {  // U4's nibbles, and the fifth bit of byte i of vector 2g + h at bit i
+            for (int64_t g = 0; g < 4; ++g) {
+              const uint8_t* lane = wb + 64 * g + 4 * column;
+              const uint64_t low_masks = load_u64(wb + 256 + 16 * g), high_masks = load_u64(wb + 256 + 16 * g + 8);
+              for (int64_t j = 0; j < 4; ++j) {
+                const int64_t bit = 4 * column + j;
+                const int32_t lo = (lane[j] & 15) | static_cast<int32_t>((low_masks >> bit) & 1) << 4;
+                const int32_t hi = (lane[j] >> 4) | static_cast<int32_t>((high_masks >> bit) & 1) << 4;
+                row[b * 32 + 4 * g + j] = trident_kernels::round_to<storage_t>(scale * static_cast<float>(lo - 16));
+                row[b * 32 + 16 + 4 * g + j] = trident_kernels::round_to<storage_t>(scale * static_cast<float>(hi - 16));
               }
             }
           } else {
