@@ -29,8 +29,9 @@
 //       byte i of that vector (AVX-512 adds 16 under the mask; AVX2 spreads 32 bits to bytes);
 //   then the 16 scales (float16 where every scale is exactly a float16, else float32), and for
 //   U4 the 16 mins in the same type.
-// A thread claims a few panels at a time (parallel_for_claimed in kernel_common.h) and reads
-// each front to back; up to kTileRows input rows share each decoded vector of weights.
+// Above kOneThreadRows rows, a thread claims a few panels at a time (parallel_for_claimed in
+// kernel_common.h); each panel is read front to back; up to kMaxTileRows input rows share each
+// decoded vector of weights.
 //
 // Each output element is summed block by block in k order whatever the batch and the thread
 // count: a row's result does not depend on the rows beside it. Rounded once, at the end.
@@ -71,6 +72,12 @@ constexpr int64_t kU4 = 0, kI8 = 1, kI5 = 2;
 // and its float32 sum) of the 32; AVX2 has 16 ymm registers and needs four a row.
 constexpr int kMaxTileRows = 8;
 constexpr int kAvx2TileRows = 3;
+// Calls of up to this many rows run on the calling thread alone: they read their weights at
+// the memory's pace from one core (Zen 4: Gemma 3's head at 1 row, 25 GB/s on one thread, 24.5
+// on two), and a parallel region per call (73 in a Gemma decode step) costs its fork and join,
+// far more where a teammate is descheduled by the scheduler process or other load
+// (docs/benchmarks.md, "GGUF weights as shipped"). The split changes no bits.
+constexpr int64_t kOneThreadRows = 4;
 // How far ahead of its reads a tile of several rows prefetches the weights (past a panel's
 // end: into the next one, which follows it in memory and is most often the thread's next).
 constexpr int64_t kPrefetchBytes = 2048;
@@ -343,7 +350,7 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
   const int64_t by_size = std::max<int64_t>(1, 32768 / panel_bytes);
   const int64_t by_count = std::max<int64_t>(1, panels / (4 * std::max(1, at::get_num_threads())));
   const int64_t claim = std::min(by_size, by_count);
-  trident_kernels::parallel_for_claimed(panels, claim, [&](int64_t begin, int64_t end) {
+  const auto compute = [&](int64_t begin, int64_t end) {
     alignas(64) float result[kMaxTileRows * kPanelColumns];
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t column0 = panel * kPanelColumns;
@@ -360,7 +367,11 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
         }
       }
     }
-  });
+  };
+  if (rows <= kOneThreadRows)
+    compute(0, panels);
+  else
+    trident_kernels::parallel_for_claimed(panels, claim, compute);
 }
 
 // x [rows, k] (float32, bfloat16 or float16); packed [ceil(n / 16), k / block, block bytes]
