@@ -8,11 +8,14 @@ the forward (and costs it more than a millisecond: a preempted thread stalls its
 This measures that CPU without the model: trident runs with a simulated worker whose every
 step takes `--step-ms` (profiles' `const_s`), so the cores are otherwise idle and the
 numbers are steady. The workload is compare_vllm's: `--num-prompts` streamed completions,
-`--concurrency` at a time, `--input-len` / `--output-len` tokens.
+`--concurrency` at a time, `--input-len` / `--output-len` tokens; or, with `--workload`, one
+of bench_simulation's (decode, prefill, mixed), to see what each kind of step costs the
+front end (the prompt tokens it tokenizes, the rows it streams).
 
 Per round it reports, from /proc (user + system time of every thread of each process)
 and the scheduler's step counter, CPU ms per scheduler step of the tokenizer, the
-scheduler, the simulated worker and the client (this process, while the requests stream).
+scheduler, the simulated worker and the client (this process, while the requests stream),
+and the front end's (tokenizer and scheduler) CPU µs per prompt and per output token.
 `--launch-cwd` runs another checkout's launch.py, to compare two versions in one sitting.
 """
 
@@ -32,6 +35,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import build_parser, run_against, workload_spec  # noqa: E402
+from bench_simulation import WORKLOADS  # noqa: E402
 from launched_server import REPO_ROOT, LaunchedServer, child_process, cpu_seconds  # noqa: E402
 from serving_report import write_json  # noqa: E402
 from serving_workload import build_workload, load_tokenizer  # noqa: E402
@@ -63,9 +67,13 @@ def one_round(base_url: str, procs: dict[str, psutil.Process], ns: argparse.Name
     run = doc["runs"][0]
     # The client's CPU while the requests stream (bench_serving measures it), not its set-up or report.
     cpu_ms["client"] = run["client_cpu_share"] * run["duration_s"] * 1e3
+    front_end_ms = cpu_ms["tokenizer"] + cpu_ms["scheduler"]
     return {
         "steps": steps,
         "output_tokens": run["total_output_tokens"],
+        "prompt_tokens": run["total_input_tokens"],
+        "front_end_us_per_prompt_token": front_end_ms * 1e3 / run["total_input_tokens"],
+        "front_end_us_per_output_token": front_end_ms * 1e3 / run["total_output_tokens"],
         "cpu_ms_per_step": {role: ms / steps for role, ms in cpu_ms.items()},
         "median_tpot_ms": run["tpot_ms"]["median"],
     }
@@ -78,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default=None, help="bench_simulation's workload")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--launch-args", default="--max-running-requests 64", help="extra launch.py flags")
@@ -85,10 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
 
-    ns = build_parser().parse_args([])
-    ns.dataset, ns.num_prompts, ns.seed = "random", args.num_prompts, args.seed
-    ns.random_input_len, ns.random_output_len = (args.input_len,) * 2, (args.output_len,) * 2
-    ns.max_concurrency, ns.disable_tqdm, ns.label, ns.warmup_requests = args.concurrency, True, "frontend", 2
+    if args.workload:
+        ns = build_parser().parse_args(WORKLOADS[args.workload])
+    else:
+        ns = build_parser().parse_args([])
+        ns.dataset, ns.num_prompts = "random", args.num_prompts
+        ns.random_input_len, ns.random_output_len = (args.input_len,) * 2, (args.output_len,) * 2
+        ns.max_concurrency = args.concurrency
+    # A workload's rounds count only its own tokens (the first round also pays first-time costs).
+    ns.seed, ns.disable_tqdm, ns.label, ns.warmup_requests = args.seed, True, "frontend", 0 if args.workload else 2
     requests = build_workload(workload_spec(ns), load_tokenizer(ns.tokenizer))
 
     rounds: list[dict[str, Any]] = []
@@ -101,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
                 r = one_round(server.base_url, procs, ns, requests)
                 rounds.append(r)
                 per = "  ".join(f"{role} {ms:.2f}" for role, ms in r["cpu_ms_per_step"].items())
-                print(f"round {i + 1}: {r['steps']} steps, CPU ms a step: {per}", flush=True)
+                print(
+                    f"round {i + 1}: {r['steps']} steps, CPU ms a step: {per};"
+                    f" front end µs a prompt token {r['front_end_us_per_prompt_token']:.1f},"
+                    f" an output token {r['front_end_us_per_output_token']:.1f}",
+                    flush=True,
+                )
     roles = rounds[0]["cpu_ms_per_step"]
     medians = {role: statistics.median(r["cpu_ms_per_step"][role] for r in rounds) for role in roles}
     front = medians["tokenizer"] + medians["scheduler"] + medians["client"]

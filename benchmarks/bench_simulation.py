@@ -4,10 +4,11 @@ serve a workload as fast as it does behind the model?
 In one command, on this machine:
 
 1. fit (`--fit sweep`, the default): time the model worker alone over a grid of step
-   shapes (`python -m gpu_worker.fit_profile --sweep`), and measure the front end's share
-   of the cores on a served recording of bench_serving's `random` workload at 2 requests/s
-   (`--frontend-from`; `--no-frontend` leaves it out). `--fit recording` fits on that
-   recording alone instead, as before the sweep existed. `--profile` skips the fit;
+   shapes (`python -m gpu_worker.fit_profile --sweep`); the simulated workers measure the
+   front end's share of the cores live. `--fitted-frontend` fits that share instead on a
+   served recording of bench_serving's `random` workload at 2 requests/s
+   (`--frontend-from`). `--fit recording` fits on that recording alone, as before the
+   sweep existed. `--profile` skips the fit;
 2. for each of `--workloads`, none of them the fitted one:
    - `decode`: 32 requests, 64-token prompts, 128 output tokens;
    - `prefill`: 8 requests, prompts of 1,000-1,200 tokens, 16 output tokens;
@@ -18,7 +19,9 @@ In one command, on this machine:
 and report output throughput, median TTFT and median ITL of both and simulated / real
 per workload (the goal: each within 10 %), each metric the median over the repeats: on
 this machine two real runs of the same workload differ by up to 30 % (the spread is
-reported), more than the tolerance. Example:
+reported), more than the tolerance. With `--ablate-frontend` each round also runs a third
+server: the same profile without the front end's contention, to show what it adds.
+Example:
 
     python benchmarks/bench_simulation.py --dtype bfloat16 --repeats 2 \
         --profile-out trident/profiles/cpu-smollm2-bf16.json
@@ -41,6 +44,9 @@ from bench_serving import build_parser, run_against, workload_spec  # noqa: E402
 from launched_server import REPO_ROOT, LaunchedServer  # noqa: E402
 from serving_report import write_json  # noqa: E402
 from serving_workload import build_workload, load_tokenizer  # noqa: E402
+
+sys.path.insert(0, REPO_ROOT)
+from gpu_worker.step_profile import StepProfile  # noqa: E402
 
 RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results")
 COMPARED = {
@@ -91,15 +97,30 @@ def fit_profile(ns: argparse.Namespace, model_args: list[str]) -> str:
     cmd = [sys.executable, "-m", "gpu_worker.fit_profile", "-o", ns.profile_out, "--loss", ns.loss]
     if ns.fit == "sweep":
         cmd += ["--sweep", "--dtype", ns.dtype, "--repeats", str(ns.sweep_repeats)]
-        if not ns.no_frontend:
+        if ns.fitted_frontend:
             cmd += ["--frontend-from", record_fit_workload(ns, model_args)]
-        described = "sweep of step shapes" + ("" if ns.no_frontend else ", front end from the random workload")
+        described = "sweep of step shapes" + (", front end fitted on the random workload" if ns.fitted_frontend else "")
     else:
         cmd += [record_fit_workload(ns, model_args), "--timing", ns.timing, "--passes", str(ns.passes)]
         described = "the random workload"
     cmd += ["--description", f"SmolLM2-135M {ns.dtype}, fitted on a {described}"]
     subprocess.run(cmd, cwd=REPO_ROOT, check=True)
     return ns.profile_out
+
+
+def profile_path(profile: str) -> str:
+    """A profile's file, given its path or a packaged name (as --sim-profile takes it)."""
+    packaged = os.path.join(REPO_ROOT, "trident", "profiles", profile.removesuffix(".json") + ".json")
+    return profile if os.path.isfile(profile) else packaged
+
+
+def without_frontend(profile: str) -> str:
+    """A copy of the profile that simulates a worker alone: no fitted share, no live contention."""
+    alone = StepProfile.load(profile_path(profile))
+    alone.frontend, alone.worker_threads, alone.host_cores = {}, 0, 0
+    path = os.path.join(RESULTS, "sim_profile_without_frontend.json")
+    alone.save(path)
+    return path
 
 
 def compare(name: str, real_docs: list[dict], sim_docs: list[dict]) -> dict[str, Any]:
@@ -131,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-out", default=os.path.join(RESULTS, "sim_fitted_profile.json"))
     p.add_argument("--fit", choices=["sweep", "recording"], default="sweep", help="what the profile is fitted on")
     p.add_argument("--sweep-repeats", type=int, default=3, help="fit_profile --sweep --repeats")
-    p.add_argument("--no-frontend", action="store_true", help="--fit sweep: leave the front end's share out")
+    p.add_argument(
+        "--fitted-frontend",
+        action="store_true",
+        help="--fit sweep: fit the front end's share on a served recording instead of measuring it live",
+    )
     p.add_argument("--fit-prompts", type=int, default=48, help="requests of the recorded random workload")
     p.add_argument(
         "--fit-request-rate",
@@ -150,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", choices=["relative", "absolute"], default="relative", help="fit_profile's --loss")
     p.add_argument("--workloads", default="decode,prefill,mixed", help=f"comma-separated, of {sorted(WORKLOADS)}")
     p.add_argument("--repeats", type=int, default=3, help="real and simulated runs of each workload, alternating")
+    p.add_argument(
+        "--ablate-frontend",
+        action="store_true",
+        help="also run each round on the profile without the front end's contention",
+    )
     p.add_argument("--output-json", default=os.path.join(RESULTS, "sim_fidelity.json"))
     ns = p.parse_args(argv)
     workloads = ns.workloads.split(",")
@@ -158,20 +188,25 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(RESULTS, exist_ok=True)
     model_args = ["--dtype", ns.dtype]
     profile = ns.profile or fit_profile(ns, model_args)
-    sim_args = [*model_args, "--worker", "simulated", "--sim-profile", profile]
+    sims = {"sim": profile} | ({"sim-alone": without_frontend(profile)} if ns.ablate_frontend else {})
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "workloads": {}}
     for name in workloads:
-        real_docs, sim_docs = [], []
+        real_docs: list[dict] = []
+        sim_docs: dict[str, list[dict]] = {label: [] for label in sims}
         for i in range(ns.repeats):
             real_docs.append(serve(f"real-{name}-{i + 1}", model_args, WORKLOADS[name]))
-            sim_docs.append(serve(f"sim-{name}-{i + 1}", sim_args, WORKLOADS[name]))
-        report["workloads"][name] = compare(name, real_docs, sim_docs)
+            for label, path in sims.items():
+                sim_args = [*model_args, "--worker", "simulated", "--sim-profile", path]
+                sim_docs[label].append(serve(f"{label}-{name}-{i + 1}", sim_args, WORKLOADS[name]))
+        report["workloads"][name] = compare(name, real_docs, sim_docs["sim"])
+        if ns.ablate_frontend:
+            report["workloads"][name]["without_frontend"] = compare(name, real_docs, sim_docs["sim-alone"])
         write_json(report, ns.output_json)  # what is done so far survives a later failure
-    packaged = os.path.join(REPO_ROOT, "trident", "profiles", profile.removesuffix(".json") + ".json")
-    with open(profile if os.path.isfile(profile) else packaged) as f:
+    with open(profile_path(profile)) as f:
         report["profile"] = json.load(f)
     summary = {
         name: {k: w[k] for k in ("real", "simulated", "simulated_over_real", "real_spread_max_over_min")}
+        | ({"without_frontend": w["without_frontend"]["simulated_over_real"]} if ns.ablate_frontend else {})
         for name, w in report["workloads"].items()
     }
     print(json.dumps(summary, indent=2))

@@ -11,11 +11,15 @@ ranges); no server and no recording is needed, and the fit sees every kind of st
 only those of one workload. A shape keeps its fastest repeat for the fit (the slower ones
 measure the neighbours); the spread of all repeats around the prediction is kept.
 
+A profile whose steps were all timed on a worker alone (`--sweep`, `--timing replay`)
+records the worker's threads and the host's cores: a simulated worker then stretches each
+step, live, by the front end's CPU during it (gpu_worker/sibling_cpu.py).
+
 `--frontend-from RECORDING` (with any of the above): a served run's recording, whose
 steps were timed by the worker while the tokenizer and scheduler shared its cores. What
 those steps took beyond the fitted prediction, per step and per sampling row, is the
 front end's share (StepProfile.frontend); the served steps' spread around prediction plus
-share replaces the sweep's.
+share replaces the sweep's, and the fitted share replaces the live one.
 
 From recordings, each step's shape (step_profile.SHAPE) comes from replaying the
 recording's descriptors through a worker's batch state; its time comes from one of:
@@ -155,6 +159,13 @@ def this_cpu() -> str:
     return f"{name}, {os.cpu_count()} cores, torch {torch.backends.cpu.get_cpu_capability()}, {' '.join(isa)}"
 
 
+def worker_threads() -> int:
+    """The threads the worker built in this process computes on (Worker sets them)."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def sweep_timings(ns: argparse.Namespace) -> SweepTimes:
     from gpu_worker.profile_sweep import run_sweep, sweep_grid, sweep_worker
     from trident.model_source import default_model_path
@@ -240,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         source="python -m gpu_worker.fit_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
         kv_pool_tokens=ns.kv_pool_tokens,
     )
+    if ns.timing == "replay" or not ns.recordings:  # every step timed on a worker alone
+        profile.worker_threads, profile.host_cores = worker_threads(), os.cpu_count() or 1
     predicted = profile.predict(all_shapes)
     profile.fit = fit_report(all_shapes, all_seconds, predicted, np.asarray(kinds))
     spread_shapes = np.concatenate([s for s, _ in spread])
@@ -251,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     typical = profile.predict(spread_shapes) + np.asarray([profile.frontend_seconds(s) for s in spread_shapes])
     profile.step_time_ratios = ratio_quantiles(typical, spread_seconds)
     profile.save(ns.output)
-    print(f"wrote {ns.output}: knee {knee}, {profile.coefficients}\nfrontend: {profile.frontend}\nfit: {profile.fit}")
+    share = profile.frontend or ("live" if profile.contention() else "not simulated")
+    print(
+        f"wrote {ns.output}: knee {knee}, {profile.coefficients}\nfront end: {share}"
+        f" (worker threads {profile.worker_threads}, host cores {profile.host_cores})\nfit: {profile.fit}"
+    )
     return 0
 
 

@@ -12,7 +12,10 @@ sweep measures each kind of step the scheduler can send, across its range:
 
 No step needs real KV: a row joins the batch with a cached prefix of the length the shape
 asks for (AddedRequest.prefix_len, as after a prefix-cache hit) and pages of its own, so
-the shape costs one cheap set-up step, not a prefill of its whole KV. A shape is set up,
+the shape costs one cheap set-up step, not a prefill of its whole KV. Those pages are
+written before they are first handed out (`ShapeTimer._pages`): the pool is allocated
+untouched, and attention over pages never written reads the operating system's one shared zero page
+from cache, where a served worker reads KV its prefills wrote from memory. A shape is set up,
 warmed by one untimed step, then timed `repeats` times; prefilling rows are replaced by
 fresh ones each repeat, so every repeat has the same shape. Shapes whose KV would not
 fit the worker's pool are left out (the server could not run them either).
@@ -159,11 +162,24 @@ class ShapeTimer:
         self.step_id = worker.state.next_step_id
         self.rng = np.random.default_rng(seed)
         self.next_page = 1
+        self.written_pages = 1
+        """Pages below this hold written KV (page 0 is the pool's zeroed padding page)."""
 
     def _pages(self, n: int) -> list[int]:
         ids = list(range(self.next_page, self.next_page + n))
         self.next_page += n
+        self._write_kv_below(self.next_page)
         return ids
+
+    def _write_kv_below(self, page: int) -> None:
+        """Fills the KV of pages up to `page` once, as prefills would have (see the module doc)."""
+        pool = getattr(self.worker, "kv_pool", None)
+        if pool is None or page <= self.written_pages:
+            return
+        size = self.worker.args.page_size
+        for layer in pool.kv:
+            layer[self.written_pages * size : page * size].uniform_(-1.0, 1.0)
+        self.written_pages = page
 
     def _tokens(self, n: int) -> bytes:
         return pack_int32(self.rng.integers(_FIRST_TOKEN, self.worker.vocab_size, n))

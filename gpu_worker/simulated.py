@@ -15,13 +15,18 @@ row accepts a hash-chosen number of drafts, and the accepted tokens are the same
 Tokens avoid EOS and the low ids (special and single-byte tokens), so requests run to
 their length limit and every token detokenizes to text.
 
-What the simulated server does not model. A real worker on a CPU shares its cores with
-the tokenizer and the scheduler, and every millisecond they run during a step is taken
-from the forward; a sleeping worker feels none of it. A profile that measured that share
-(StepProfile.frontend) adds it to each step; one that did not leaves it out, and its
-steps are those of a worker alone. Not modelled either way: memory bandwidth another
-process takes, the cost of tokens' content (every token costs the same), and KV
-retraction pressure beyond what the advertised pool implies.
+The front end's share of the cores. A real worker on a CPU shares its cores with the
+tokenizer and the scheduler, and every moment they run during a step is taken from the
+forward; a sleeping worker feels none of it. Where the profile says how many threads the
+real worker ran on how many cores (StepProfile.contention), each step is stretched, live, by
+the CPU the server's other processes used during it (sibling_cpu.py), and stretched again by
+what they used during the stretch, until it settles: the front end's cost follows whatever
+it does on each step, with nothing fitted. A profile with a fitted `frontend` share adds that
+instead; one with neither simulates a worker alone.
+
+What it does not model: processes outside the server (a benchmark client on the same host,
+neighbours), memory bandwidth another process takes, the cost of tokens' content (every
+token costs the same), and KV retraction pressure beyond what the advertised pool implies.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ import torch
 
 from gpu_worker.batch_state import BatchState, StepPlan
 from gpu_worker.sampler import SamplingTable
+from gpu_worker.sibling_cpu import SiblingCpu
 from gpu_worker.step_profile import StepProfile
 from gpu_worker.weights import load_config
 from gpu_worker.worker_loop import WorkerLoop
+from trident.wire.backend import BatchDescriptor, StepResult, WorkerError
 from trident.wire.child import ChildContext
 
 logger = logging.getLogger(__name__)
@@ -44,6 +51,11 @@ logger = logging.getLogger(__name__)
 LOWEST_TOKEN = 1000
 """Below this, byte-level BPE vocabularies keep special and single-byte tokens."""
 _ACCEPT_SALT = 0x5BD1E995
+MAX_STRETCHES = 4
+"""Times a step is stretched for the front end's CPU during its previous stretch: each
+stretch is a fraction of the last (the front end's share of a core), so a few settle it."""
+SETTLED_S = 2e-4
+"""A stretch shorter than this ends the step: a sleep that short costs about as much."""
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -79,6 +91,8 @@ class SimulatedWorker(WorkerLoop):
         self.sampling = SamplingTable(args.max_running_requests, cfg.vocab_size, self.eos_token_ids, cpu)
         self.state = BatchState(args.max_running_requests, max_pages_per_row, args.page_size, self.sampling, cpu)
         self._row_offset = np.zeros(args.max_running_requests, dtype=np.int64)
+        self.contention = self.profile.contention()
+        self.front_end_cpu = SiblingCpu() if self.contention else None
         self.open_sockets(ctx)
 
     def summary(self) -> str:
@@ -88,16 +102,41 @@ class SimulatedWorker(WorkerLoop):
         """Placeholders: only how many drafts a row verifies matters to a simulated step."""
         return np.zeros(self.num_draft_tokens, dtype=np.int64)
 
+    def step(self, desc: BatchDescriptor) -> StepResult | WorkerError:
+        if self.front_end_cpu is not None:
+            self.front_end_cpu.mark()
+        return super().step(desc)
+
     def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
         accepted: list[np.ndarray] = []
         if plan is not None:
             accepted = self._pseudo_tokens(plan)
             self.state.advance(plan, accepted)
         # Sleep out what this step costs, less what it already took.
-        remaining = self.step_started + self.step_seconds() - time.perf_counter()
+        alone = self.step_seconds()
+        self._sleep_until(self.step_started + alone)
+        if self.front_end_cpu is not None and self.last_step_features[0]:
+            self._stretch_for_front_end(alone)
+        return accepted, []
+
+    def _stretch_for_front_end(self, alone: float) -> None:
+        """Extends the step by what the front end's CPU during it would have taken from a real
+        worker (Contention.lost_seconds), including during the extension itself."""
+        assert self.front_end_cpu is not None and self.contention is not None
+        end = self.step_started + alone
+        for _ in range(MAX_STRETCHES):
+            elapsed = time.perf_counter() - self.step_started
+            new_end = self.step_started + alone + self.contention.lost_seconds(self.front_end_cpu.since_mark(), elapsed)
+            if new_end - end < SETTLED_S:
+                return
+            end = new_end
+            self._sleep_until(end)
+
+    @staticmethod
+    def _sleep_until(deadline: float) -> None:
+        remaining = deadline - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
-        return accepted, []
 
     def step_seconds(self) -> float:
         """This step's time: the profile's prediction for its shape (`last_step_features`),

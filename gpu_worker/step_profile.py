@@ -43,10 +43,17 @@ draw from them: without it, a simulation matches either the real run's median st
 ITL) or its mean step (its throughput), never both.
 
 What a profile cannot see is the CPU the front end (tokenizer and scheduler) takes from
-the worker's cores while a step runs: a swept worker runs alone. `frontend` carries it
-when it was measured (`fit_profile --frontend-from`, the served steps' extra time over the
-prediction, per step and per sampling row), and a simulated worker adds it to each step's
-prediction before it draws the spread (which was then measured around the sum).
+the worker's cores while a step runs: a swept worker runs alone. A simulated server runs
+the real front end, so a simulated worker measures it live (sibling_cpu.py): each step is
+stretched by the CPU the server's other processes used during it, less what the cores the
+profiled worker left idle absorb. That needs no fit and follows whatever the front end
+does on each kind of step (tokenizing a long prompt, streaming many rows); it needs the
+profiled worker's threads and the host's cores (`worker_threads`, `host_cores`, which
+`fit_profile --sweep` writes; a profile without them, like every GPU profile, simulates no
+contention). The older alternative, `frontend`, holds a share fitted on one served recording
+(`fit_profile --frontend-from`, the served steps' extra time over the prediction, per step
+and per sampling row); a profile that has it uses it instead, and draws the spread around
+prediction plus share (which is how it was measured).
 
 Profiles are JSON files (trident/profiles/*.json): measured ones come from
 `python -m gpu_worker.fit_profile --sweep` or from recordings
@@ -62,6 +69,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from gpu_worker.sibling_cpu import Contention
 
 if TYPE_CHECKING:
     from gpu_worker.batch_state import StepPlan
@@ -164,6 +173,11 @@ class StepProfile:
     source: str = ""
     """How the numbers were obtained: the fitting command and recording, or the published
     figures a hand-written profile is derived from."""
+    worker_threads: int = 0
+    """Threads the profiled worker ran its forward on (fit_profile --sweep); 0: unknown, and
+    the front end's contention is not simulated."""
+    host_cores: int = 0
+    """Cores the profiled worker's process could run on; 0: unknown (see `worker_threads`)."""
     kv_pool_tokens: int = 1_000_000
     """The KV pool a simulated worker advertises when --max-total-tokens is 0."""
     fit: dict = field(default_factory=dict)
@@ -186,6 +200,13 @@ class StepProfile:
             return 0.0
         return self.frontend.get("per_step_s", 0.0) + self.frontend.get("per_sampling_row_s", 0.0) * shape[2]
 
+    def contention(self) -> Contention | None:
+        """How a simulated worker turns the front end's live CPU into step time; None where
+        the profile does not say its threads and cores, or carries a fitted `frontend`."""
+        if self.frontend or not (self.worker_threads and self.host_cores):
+            return None
+        return Contention(self.worker_threads, self.host_cores)
+
     def spread(self, uniform: float) -> float:
         """The factor of a step drawn at `uniform` (in [0, 1]) from the measured spread; 1.0
         without one."""
@@ -196,6 +217,9 @@ class StepProfile:
 
     @classmethod
     def load(cls, path: str) -> StepProfile:
+        """A profile written by this or an older version: coefficients added later
+        (LATER_COEFFICIENTS) are 0 and fields added later take their defaults (an older CPU
+        profile has no `worker_threads`, so it simulates as it did when it was written)."""
         with open(path) as f:
             raw = json.load(f)
         missing = [n for n in COEFFICIENT_NAMES if n not in raw.get("coefficients", {}) and n not in LATER_COEFFICIENTS]

@@ -3,12 +3,18 @@ the official openai client, with the seq_lens contract checked every step."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
+import numpy as np
 import pytest
 
+from gpu_worker.sibling_cpu import Contention, SiblingCpu
+from gpu_worker.step_profile import StepProfile
 from tests.helpers import Server, free_port_block, running_server, wait_until, write_sim_profile
 from trident.wire.signing import new_secret, write_secret_file
 
@@ -140,3 +146,94 @@ def test_simulated_workers_serve_dp2_tp2_over_two_nodes_with_one_workers_output(
             assert 'trident_replica_requests_routed_total{dp_rank="1"} 5.0' in node0.http().get("/metrics").text
     finally:
         node1.stop()
+
+
+SPIN = """
+import sys, time
+print("ready", flush=True)
+sys.stdin.readline()
+start = time.process_time()
+while time.process_time() - start < 0.2:
+    pass
+print(time.process_time() - start, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_sibling_cpu_counts_another_processs_cpu_time_to_the_millisecond():
+    spin = subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert spin.stdout.readline().strip() == "ready"
+        cpu = SiblingCpu(find=lambda: [spin.pid])
+        cpu.mark()
+        spin.stdin.write("go\n")
+        spin.stdin.flush()
+        spun = float(spin.stdout.readline())
+        used = cpu.since_mark()
+        assert spun <= used <= spun + 0.02  # the spin, its print and the read of "go": no 10 ms ticks
+        spin.stdin.write("end\n")
+        spin.stdin.flush()
+        spin.wait(10)
+        assert cpu.since_mark() == 0.0  # an exited process counts nothing, and breaks nothing
+    finally:
+        spin.kill()
+
+
+def test_contention_counts_only_what_the_idle_cores_cannot_absorb():
+    assert Contention(worker_threads=2, host_cores=2).lost_seconds(0.004, step_s=0.03) == 0.004
+    assert Contention(worker_threads=1, host_cores=2).lost_seconds(0.004, step_s=0.03) == 0.0
+    assert Contention(worker_threads=1, host_cores=2).lost_seconds(0.05, step_s=0.03) == pytest.approx(0.02)
+
+
+def front_end_cpu_seconds(server: Server) -> float:
+    """CPU of the launcher, the tokenizer and the scheduler so far."""
+    procs = [p for p in server.process_tree() if not " ".join(p.cmdline()).startswith("trident::worker")]
+    return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+
+
+def stream_requests(server: Server, n: int = 24) -> tuple[float, float, int]:
+    """Streams n requests at once; (worker busy seconds, front-end CPU seconds, steps) they took."""
+    client, http = server.client(timeout=60), server.http()
+
+    def stats() -> dict:
+        time.sleep(STATS_PERIOD_S)  # the scheduler's final numbers once idle
+        return http.get("/server_info").json()["scheduler_stats"] or {"worker_busy_s": 0.0, "steps": 0}
+
+    def one(i: int) -> None:
+        prompt = f"Request {i}: " + "tell me about the sea and the ships " * 40
+        for _ in client.completions.create(
+            model="smollm2-135m", prompt=prompt, max_tokens=48, stream=True, extra_body={"ignore_eos": True}
+        ):
+            pass
+
+    before, cpu_before = stats(), front_end_cpu_seconds(server)
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(one, range(n)))
+    cpu, after = front_end_cpu_seconds(server) - cpu_before, stats()
+    return after["worker_busy_s"] - before["worker_busy_s"], cpu, after["steps"] - before["steps"]
+
+
+def test_a_simulated_step_is_stretched_by_the_front_ends_cpu_during_it(tmp_path):
+    """The same workload behind a worker alone and behind one whose profile says its threads
+    fill the cores, alternating: the second's steps are longer by the front end's CPU during
+    them (most of it: the front end also runs between steps), not by less, not by much more."""
+    alone = write_sim_profile(str(tmp_path / "alone.json"), const_s=0.01, per_token_s=0.0)
+    shared = StepProfile.load(alone)
+    shared.worker_threads = shared.host_cores = os.cpu_count() or 1
+    shared.save(str(tmp_path / "shared.json"))
+    totals = {"alone": np.zeros(3), "shared": np.zeros(3)}
+    with ExitStack() as stack:
+        servers = {
+            name: stack.enter_context(
+                running_server(["--worker", "simulated", "--sim-profile", path, "--max-running-requests", "24"])
+            )
+            for name, path in (("alone", alone), ("shared", str(tmp_path / "shared.json")))
+        }
+        for _ in range(2):  # alternating: a change of load falls on both
+            for name, server in servers.items():
+                totals[name] += stream_requests(server)
+    step_alone = totals["alone"][0] / totals["alone"][2]
+    step_shared, front_end = totals["shared"][0] / totals["shared"][2], totals["shared"][1] / totals["shared"][2]
+    report = f"step alone {step_alone * 1e3:.2f} ms, shared {step_shared * 1e3:.2f}, front end {front_end * 1e3:.2f}"
+    assert front_end > 0.001, report  # tokenizing, scheduling and streaming 24 rows a step
+    assert 0.4 * front_end < step_shared - step_alone < 1.2 * front_end + 0.001, report
