@@ -5,7 +5,8 @@
 
 For each linear shape of the model (SmolLM2-135M, Gemma 3 270M), random weights in the U4
 layout (what Q4_0/Q4_1/Q4_K become), the I8 layout (Q8_0/Q5_0 with block 32, Q6_K with
-block 16) and the I5 layout (Q5_0), and the same weights dequantized to bf16. Each shape gets as many distinct copies
+block 16), the I5 layout (Q5_0) and the I6 layout (Q6_K), and the same weights dequantized
+to bf16. Each shape gets as many distinct copies
 as make ~`--stream-mb` of bf16 weights, and a timed pass calls every copy once: the weights
 come from memory, as in a decode step, not from cache. Times are microseconds per call (one
 copy), the best of `--repeats` passes, the variants taking turns within each repeat.
@@ -60,6 +61,7 @@ def random_layers(n: int, k: int) -> dict[str, QuantLinear]:
     scales16 = torch.rand(n, k // 16) * 0.003 + 1e-4  # Q6_K's d * sc: float32 scales
     layers["I8/16"] = QuantLinear.from_i8(torch.randint(-32, 32, (n, k), dtype=torch.int8), scales16, 16, None)
     layers["I5"] = QuantLinear.from_i5(torch.randint(-16, 16, (n, k), dtype=torch.int8), scales / 2, None)
+    layers["I6"] = QuantLinear.from_i6(torch.randint(-32, 32, (n, k), dtype=torch.int8), scales16, None)
     return layers
 
 
@@ -140,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.step:
         smollm2_step(rows_list, ns.repeats, clock)
         return 0
-    print("| shape (in->out) | rows | copies | bf16 us | U4 us (bf16/U4) | I8/32 us | I8/16 us | I5 us |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape (in->out) | rows | copies | bf16 us | U4 us (bf16/U4) | I8/32 us | I8/16 us | I5 us | I6 us |")
+    print("|---|---|---|---|---|---|---|---|---|")
     models = ["smollm2", "gemma3"] if ns.model == "both" else [ns.model]
     for model in models:
         for name, (n, k) in SHAPES[model].items():

@@ -95,6 +95,8 @@ def quant_linear(weights: QuantWeights, bias: torch.Tensor | None) -> nn.Module:
     assert isinstance(weights, I8Weights)
     if weights.bits <= 5 and weights.block == 32:  # Q5_0: I5, 5.5 bits a weight instead of 8.5
         return QuantLinear.from_i5(tensor(weights.codes), tensor(weights.scales), bias)
+    if weights.bits <= 6 and weights.block == 16:  # Q6_K: I6, 8 bits a weight instead of 10
+        return QuantLinear.from_i6(tensor(weights.codes), tensor(weights.scales), bias)
     return QuantLinear.from_i8(tensor(weights.codes), tensor(weights.scales), weights.block, bias)
 
 

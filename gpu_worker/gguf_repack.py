@@ -13,10 +13,11 @@ Every format the packaged models use converts exactly, with no new rounding, int
     Q5_0  I8  block 32, code q5 - 16, scale d
     Q6_K  I8  block 16, code q6 - 32, scale d * sc (sc int8)
 
-Q5_0's codes fit 5 bits: its I8Weights say so (`bits` 5), and gguf_layers.py packs such a
-weight as quant_linear.py's I5 layout (5.5 bits a weight, the file's own size) instead of
-I8's 8.5; measured faster at every Gemma 3 shape (docs/benchmarks.md). Stacked with a wider
-part (Gemma's fused q/k/v: Q5_0 q and k, Q8_0 v) the whole is I8.
+Q5_0's codes fit 5 bits and Q6_K's 6: their I8Weights say so (`bits`), and gguf_layers.py
+packs such a weight as quant_linear.py's I5 layout (5.5 bits a weight, the file's own size;
+I8 takes 8.5) or I6 (8 bits with Q6_K's float32 scales; I8 takes 10), measured faster at
+Gemma 3's shapes (docs/benchmarks.md). Stacked with a wider part (Gemma's fused q/k/v:
+Q5_0 q and k, Q8_0 v) the whole is I8.
 
 "Exactly" means bitwise equal in float32 to `gguf.quants.dequantize`: d is an fp16 (11
 significant bits), so every product above fits float32's 24 bits (Q6_K's d * sc * q, the

@@ -11,9 +11,10 @@ Every GGUF format the served models use converts exactly into one of two canonic
 and the kernels): columns in panels of 16, codes interleaved for vpdpbusd, U4 codes two to a
 byte, and scales (and mins) stored as float16 where every one of them is exactly a float16
 (Q4_0, Q4_1, Q5_0, Q8_0), else as float32 (Q4_K, Q6_K). I8 codes that fit 5 bits (Q5_0's,
-block 32) can be packed as I5 instead: U4's nibbles plus a plane of fifth bits. Nothing is
-rounded: dequantize() gives scale * code (+ min) in float32. Resident bytes per weight: U4 5
-bits (float16 scales) or 6, I5 5.5 or 6, I8 8.5 to 10.
+block 32) can be packed as I5 instead, U4's nibbles plus a plane of fifth bits, and those
+that fit 6 bits in blocks of 16 (Q6_K's) as I6, nibbles plus a plane of top bit pairs.
+Nothing is rounded: dequantize() gives scale * code (+ min) in float32. Resident bits per
+weight: U4 5 (float16 scales) or 6, I5 5.5 or 6, I6 7 or 8, I8 8.5 to 10.
 
 Without the kernels (a CPU without AVX2, a failed build opted out of), forward dequantizes
 the weights and runs a float32 matmul: correct, and slow.
@@ -30,9 +31,13 @@ from torch import nn
 from gpu_worker.cpu_kernels import load_quant_linear
 
 PANEL_COLUMNS = 16
-U4, I8, I5 = 0, 1, 2
+U4, I8, I5, I6 = 0, 1, 2, 3
 """The layout numbers csrc/quant_linear.cpp takes."""
-LAYOUT_NAMES = {U4: "U4", I8: "I8", I5: "I5"}
+LAYOUT_NAMES = {U4: "U4", I8: "I8", I5: "I5", I6: "I6"}
+CODE_BITS = {U4: 4, I5: 5, I6: 6, I8: 8}
+CODE_BIAS = {U4: 0, I5: 16, I6: 32, I8: 128}
+"""What the stored (unsigned) code exceeds the code by."""
+I6_BLOCK = 16
 U4_BLOCK = 32
 
 
@@ -171,8 +176,38 @@ class QuantLinear(nn.Module):
         ).contiguous()
         return cls(packed, I5, U4_BLOCK, scale_dtype, (n, k), bias)
 
+    @classmethod
+    def from_i6(cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
+        """codes int8 [n, k] in -32..31, scales float32 [n, k / 16]: w = scales * codes, packed
+        as I6 (per block, code vectors g 0..3 as I8's of block 16, of codes + 32: the nibbles of
+        vectors 0, 1 low and 2, 3 high in two vectors, then one of top bits, 2g..2g+1 for g)."""
+        n, k = codes.shape
+        if codes.dtype != torch.int8 or k % U4_BLOCK or scales.shape != (n, k // I6_BLOCK):
+            raise ValueError(
+                f"I6 weights: codes int8 [n, k], k a multiple of 32, scales [n, k / 16]; got "
+                f"{tuple(codes.shape)} {codes.dtype}, {tuple(scales.shape)}"
+            )
+        if codes.numel() and (codes.min() < -32 or codes.max() > 31):
+            raise ValueError("I6 weights: codes must lie in -32..31 (Q6_K's); use from_i8")
+        panels = -(-n // PANEL_COLUMNS)
+        groups = _code_groups((codes + 32).to(torch.uint8), panels, I6_BLOCK)  # [panels, blocks, 4, 16, 4]
+        nibbles = (groups[:, :, :2] & 15) | ((groups[:, :, 2:] & 15) << 4)
+        top = sum(((groups[:, :, g] >> 4) & 3) << (2 * g) for g in range(4))
+        scales = scales.float()
+        scale_dtype = torch.float16 if _fits_float16(scales) else torch.float32
+        blocks = k // I6_BLOCK
+        packed = torch.cat(
+            [
+                nibbles.reshape(panels, blocks, -1),
+                top.reshape(panels, blocks, -1),
+                _as_bytes(_per_panel(scales, panels), scale_dtype),
+            ],
+            dim=2,
+        ).contiguous()
+        return cls(packed, I6, I6_BLOCK, scale_dtype, (n, k), bias)
+
     def _code_bytes(self) -> int:
-        return self.block * {U4: 8, I5: 10, I8: 16}[self.layout]
+        return self.block * 16 * CODE_BITS[self.layout] // 8
 
     def _unpack(self, panels: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
         """float32 weight rows of the given panels ([p, blocks, bytes]): all 16 columns of each
@@ -182,6 +217,11 @@ class QuantLinear(nn.Module):
         scales = panels[:, :, code_bytes : code_bytes + PANEL_COLUMNS * itemsize].contiguous().view(self.scale_dtype)
         if self.layout == I8:
             groups = panels[:, :, :code_bytes].reshape(p, blocks, -1, PANEL_COLUMNS, 4)
+        elif self.layout == I6:
+            nibbles = panels[:, :, : self.block * 8].reshape(p, blocks, 2, PANEL_COLUMNS, 4)
+            top = panels[:, :, self.block * 8 : code_bytes].reshape(p, blocks, 1, PANEL_COLUMNS, 4)
+            top_bits = (top >> torch.arange(0, 8, 2, dtype=torch.uint8).view(4, 1, 1)) & 3  # code vector g at 2g
+            groups = torch.cat([nibbles & 15, nibbles >> 4], dim=2) | (top_bits << 4)
         else:
             nibbles = panels[:, :, : self.block * 8].reshape(p, blocks, -1, PANEL_COLUMNS, 4)
             groups = torch.cat([nibbles & 15, nibbles >> 4], dim=2)
@@ -198,7 +238,7 @@ class QuantLinear(nn.Module):
         else:
             codes = groups[torch.arange(p), :, :, columns].reshape(p, blocks, self.block)
             select = lambda per_column: per_column[torch.arange(p), :, columns].reshape(p, blocks, 1)  # noqa: E731
-        codes = codes.float() - {U4: 0, I5: 16, I8: 128}[self.layout]
+        codes = codes.float() - CODE_BIAS[self.layout]
         w = select(scales).float() * codes
         if self.layout == U4:
             w = w + select(mins).float()

@@ -1,7 +1,8 @@
 """GGUF blocks -> our U4/I8 layouts (gpu_worker/gguf_repack.py) lose nothing: for every
 format in the table, on random blocks and on every such tensor of both packaged files,
 scale * code (+ min) is the float32 that `gguf.quants.dequantize` gives. Q5_0 keeps its 5
-bits (the I5 layout) and its kernels stay within their activations' rounding of it.
+bits (the I5 layout), Q6_K its 6 (I6), and their kernels stay within their activations'
+rounding of them.
 
 Bitwise, with one exception by construction: Q4_0's zero weights (code 8) come out +0.0
 from d * 8 + (-8 d) where gguf's d * (8 - 8) gives -0.0 for a negative d. Equal values.
@@ -19,7 +20,7 @@ from gpu_worker.cpu_kernels import load_quant_linear
 from gpu_worker.gguf_header import read_gguf_header, tensor_bytes
 from gpu_worker.gguf_layers import narrow, quant_linear
 from gpu_worker.gguf_repack import I8_FORMATS, U4_FORMATS, I8Weights, U4Weights, concat_rows, repack
-from gpu_worker.quant_linear import I5
+from gpu_worker.quant_linear import I5, I6
 from tests.helpers import smollm2_gguf
 
 Q = GGMLQuantizationType
@@ -104,30 +105,34 @@ def test_stacked_and_split_weights_dequantize_to_the_stacked_and_split_rows():
         concat_rows([q4, q8])
 
 
-def test_q5_0_stays_five_bits_alone_and_widens_to_eight_with_a_q8_0_part():
+def test_q5_0_and_q6_k_keep_their_code_width_alone_and_widen_to_eight_with_a_q8_0_part():
     rng = np.random.default_rng(5)
     q5 = repack(random_tensor(Q.Q5_0, 16, 256, rng), Q.Q5_0, (16, 256))
+    q6 = repack(random_tensor(Q.Q6_K, 16, 256, rng), Q.Q6_K, (16, 256))
     q8 = repack(random_tensor(Q.Q8_0, 16, 256, rng), Q.Q8_0, (16, 256))
     assert q5.bits == 5 and q5.codes.min() >= -16 and q5.codes.max() <= 15
+    assert q6.bits == 6 and q6.codes.min() >= -32 and q6.codes.max() <= 31
     assert concat_rows([q5, q5]).bits == 5 and narrow(q5, 0, 0, 8).bits == 5 and narrow(q5, 1, 32, 64).bits == 5
+    assert concat_rows([q5, q6]).bits == 6 and concat_rows([q5, q6]).block == 16
     fused = concat_rows([q5, q8])  # Gemma 3's q/k/v: Q5_0, Q5_0, Q8_0
-    assert fused.bits == 8
+    assert fused.bits == 8 and concat_rows([q6, q8]).bits == 8
     assert_same_float32(fused.dequantize(), np.concatenate([q5.dequantize(), q8.dequantize()]))
 
 
 @pytest.mark.parametrize("path", [p for p in ("avx512_vnni", "avx2") if p in KERNEL_PATHS])
-def test_q5_0_served_as_i5_is_within_its_activation_rounding_of_gguf_dequantization(path):
-    """The layer the loader builds for a Q5_0 tensor (I5) against a float64 matmul of the
+@pytest.mark.parametrize(("kind", "layout", "bits"), [(Q.Q5_0, I5, 5.5), (Q.Q6_K, I6, 8.0)], ids=["Q5_0", "Q6_K"])
+def test_q5_0_and_q6_k_served_in_their_own_width_are_within_the_activation_rounding_of_gguf(path, kind, layout, bits):
+    """The layer the loader builds for the tensor (I5, I6) against a float64 matmul of the
     weights as gguf dequantizes them, on random blocks, within the int8 activations' rounding."""
     from tests.test_quant_linear import error_bound
 
     rng = np.random.default_rng(6)
-    rows, cols = 100, 640
-    raw = random_tensor(Q.Q5_0, rows, cols, rng)
-    layer = quant_linear(repack(raw, Q.Q5_0, (rows, cols)), None)
+    rows, cols = 100, 512
+    raw = random_tensor(kind, rows, cols, rng)
+    layer = quant_linear(repack(raw, kind, (rows, cols)), None)
     padded_rows = layer.packed.shape[0] * 16  # whole panels of 16 columns
-    assert layer.layout == I5 and layer.packed.numel() * 8 / (padded_rows * cols) == 5.5  # the file's bits a weight
-    weight = torch.from_numpy(dequantize(raw, Q.Q5_0))
+    assert layer.layout == layout and layer.packed.numel() * 8 / (padded_rows * cols) == bits
+    weight = torch.from_numpy(dequantize(raw, kind))
     assert torch.equal(layer.dequantize(), weight)
     layer.kernel_path = path
     for batch in (1, 7, 64):

@@ -1,5 +1,5 @@
 """Linear layers on quantized weights (gpu_worker/quant_linear.py, csrc/quant_linear.cpp), in
-each layout (U4, I8, I5): the repacking loses nothing, each kernel path is within the
+each layout (U4, I8, I5, I6): the repacking loses nothing, each kernel path is within the
 rounding of its int8 activations of a float32 reference on the dequantized weights, both
 paths give the same bits, in the AVX-512 build and in the AVX2 build alike, and a row's
 result does not depend on its batch.
@@ -56,6 +56,15 @@ def i5_layer(n: int, k: int, float16_scales: bool, bias: bool = False, seed: int
     return QuantLinear.from_i5(codes, scales, torch.randn(n, generator=g) if bias else None)
 
 
+def i6_layer(n: int, k: int, float16_scales: bool, bias: bool = False, seed: int = 0) -> QuantLinear:
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.rand(n, k // 16, generator=g) * 0.002 + 1e-4  # Q6_K's d * sc: float32
+    if float16_scales:
+        scales = scales.half().float()
+    codes = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
+    return QuantLinear.from_i6(codes, scales, torch.randn(n, generator=g) if bias else None)
+
+
 LAYERS = {
     "u4_f16": lambda n, k, bias=False: u4_layer(n, k, True, bias),
     "u4_f32": lambda n, k, bias=False: u4_layer(n, k, False, bias),
@@ -63,6 +72,8 @@ LAYERS = {
     "i8_16_f32": lambda n, k, bias=False: i8_layer(n, k, 16, False, bias),
     "i5_f16": lambda n, k, bias=False: i5_layer(n, k, True, bias),
     "i5_f32": lambda n, k, bias=False: i5_layer(n, k, False, bias),
+    "i6_f32": lambda n, k, bias=False: i6_layer(n, k, False, bias),
+    "i6_f16": lambda n, k, bias=False: i6_layer(n, k, True, bias),
 }
 
 
@@ -141,7 +152,8 @@ from gpu_worker.quant_linear import QuantLinear
 x = torch.load(sys.argv[1])
 layer = LAYERS["u4_f16"](100, 640, bias=True)
 assert layer.kernel_path == "avx2", layer.kernel_path
-torch.save([layer(x), LAYERS["i8_16_f32"](100, 640)(x), LAYERS["i5_f16"](100, 640)(x)], sys.argv[2])
+others = [LAYERS[name](100, 640)(x) for name in ("i8_16_f32", "i5_f16", "i6_f32")]
+torch.save([layer(x), *others], sys.argv[2])
 """
 
 
@@ -160,10 +172,10 @@ def test_the_avx2_build_gives_the_same_bits_as_the_avx512_build(tmp_path):
         timeout=600,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    u4, i8, i5 = torch.load(tmp_path / "y.pt")
+    u4, *others = torch.load(tmp_path / "y.pt")
     assert torch.equal(u4, LAYERS["u4_f16"](100, 640, bias=True)(x))
-    assert torch.equal(i8, LAYERS["i8_16_f32"](100, 640)(x))
-    assert torch.equal(i5, LAYERS["i5_f16"](100, 640)(x))
+    for name, y in zip(("i8_16_f32", "i5_f16", "i6_f32"), others, strict=True):
+        assert torch.equal(y, LAYERS[name](100, 640)(x)), name
 
 
 def test_dequantize_gives_exactly_scale_times_code_plus_min():
@@ -183,20 +195,27 @@ def test_dequantize_gives_exactly_scale_times_code_plus_min():
     for scales in (torch.rand(37, 2, generator=g).half().float(), torch.rand(37, 2, generator=g) / 3):
         layer = QuantLinear.from_i5(five_bits, scales, None)
         assert torch.equal(layer.dequantize(), scales.repeat_interleave(32, 1) * five_bits.float())
+    six_bits = torch.randint(-32, 32, (37, 64), dtype=torch.int8, generator=g)
+    for scales in (torch.rand(37, 4, generator=g).half().float(), torch.rand(37, 4, generator=g) / 3):
+        layer = QuantLinear.from_i6(six_bits, scales, None)
+        assert torch.equal(layer.dequantize(), scales.repeat_interleave(16, 1) * six_bits.float())
 
 
 @needs_kernels
 @pytest.mark.parametrize("path", PATHS)
-def test_i5_gives_the_bits_of_i8_on_the_same_codes(path):
-    """Both reach the same integer dot per block and run the same float operations after it."""
+@pytest.mark.parametrize("bits", [5, 6])
+def test_i5_and_i6_give_the_bits_of_i8_on_the_same_codes(path, bits):
+    """Each reaches the same integer dot per block as I8 and runs the same float operations after it."""
     g = torch.Generator().manual_seed(2)
-    codes = torch.randint(-16, 16, (100, 640), dtype=torch.int8, generator=g)
-    scales, bias = torch.rand(100, 20, generator=g).half().float(), torch.randn(100, generator=g)
-    i5, i8 = QuantLinear.from_i5(codes, scales, bias), QuantLinear.from_i8(codes, scales, 32, bias)
-    i5.kernel_path = i8.kernel_path = path
+    block = 32 if bits == 5 else 16
+    codes = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (100, 640), dtype=torch.int8, generator=g)
+    scales, bias = torch.rand(100, 640 // block, generator=g) / 50, torch.randn(100, generator=g)
+    packed = QuantLinear.from_i5(codes, scales, bias) if bits == 5 else QuantLinear.from_i6(codes, scales, bias)
+    i8 = QuantLinear.from_i8(codes, scales, block, bias)
+    packed.kernel_path = i8.kernel_path = path
     for rows in (1, 2, 5, 8, 9, 64):
         x = torch.randn(rows, 640, generator=g).bfloat16()
-        assert torch.equal(i5(x), i8(x))
+        assert torch.equal(packed(x), i8(x))
 
 
 @pytest.mark.parametrize("path", [*PATHS[:1], ""])
@@ -221,7 +240,16 @@ def test_a_row_id_past_the_weight_is_an_error_not_a_read_past_it():
 def test_resident_bytes_are_close_to_the_bits_of_the_format():
     n, k = 64, 2048
     bits = {name: make(n, k).packed.numel() * 8 / (n * k) for name, make in LAYERS.items()}
-    assert bits == {"u4_f16": 5.0, "u4_f32": 6.0, "i8_32_f16": 8.5, "i8_16_f32": 10.0, "i5_f16": 5.5, "i5_f32": 6.0}
+    assert bits == {
+        "u4_f16": 5.0,
+        "u4_f32": 6.0,
+        "i8_32_f16": 8.5,
+        "i8_16_f32": 10.0,
+        "i5_f16": 5.5,
+        "i5_f32": 6.0,
+        "i6_f32": 8.0,
+        "i6_f16": 7.0,
+    }
 
 
 @pytest.mark.parametrize("layout", ["u4_f32", "i8_16_f32"])
@@ -242,6 +270,8 @@ def test_malformed_weights_are_refused_with_the_shapes_in_the_message():
         QuantLinear.from_i8(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2), 32, None)
     with pytest.raises(ValueError, match="-16..15"):
         QuantLinear.from_i5(torch.full((4, 64), 16, dtype=torch.int8), torch.ones(4, 2), None)
+    with pytest.raises(ValueError, match="-32..31"):
+        QuantLinear.from_i6(torch.full((4, 64), -33, dtype=torch.int8), torch.ones(4, 4), None)
 
 
 @needs_kernels

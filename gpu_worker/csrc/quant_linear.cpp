@@ -3,7 +3,9 @@
 //   U4: unsigned 4-bit codes c with a scale s and a min m per block of 32 along k: w = s c + m;
 //   I8: signed 8-bit codes c with a scale s per block of 16 or 32 along k: w = s c;
 //   I5: signed 5-bit codes c (-16..15) with a scale s per block of 32 along k: w = s c (Q5_0,
-//       in 5.5 bits a weight where I8 takes 8.5).
+//       in 5.5 bits a weight where I8 takes 8.5);
+//   I6: signed 6-bit codes c (-32..31) with a scale s per block of 16 along k: w = s c (Q6_K,
+//       in 8 bits a weight with its float32 scales where I8 takes 10).
 //
 // The activations are quantized per row and per block of 32 to int8, as llama.cpp does
 // (x ~ sx qx, sx = max|x| / 127, qx = round(x / sx)), so that each block's dot product is an
@@ -13,10 +15,10 @@
 // docs/benchmarks.md ("Quantized linear kernels") compares this with float activations.
 //
 // Unsigned weights are what vpdpbusd wants: U4 codes are 0..15, I8 codes are stored +128
-// (0..255) and I5 codes +16 (0..31); their dot with qx then exceeds the signed one by 128 (16)
+// (0..255), I5 codes +16 (0..31) and I6 codes +32 (0..63); their dot with qx then exceeds the signed one by 128 (16)
 // sum(qx_b), which the row's quantization already counted (sum16). AVX2's vpmaddubsw would
 // saturate on 255 * 127 * 2, so its I8 path turns the code back to signed and multiplies |c|
-// by qx with c's sign (at most 128 * 127 * 2, no saturation); 31 * 127 * 2 fits as it is.
+// by qx with c's sign (at most 128 * 127 * 2, no saturation); 63 * 127 * 2 fits as it is.
 // Both paths reach the same integer dot and then run the same float operations in the same
 // order: their results are the same bits.
 //
@@ -27,6 +29,8 @@
 //     I5: U4's 4 vectors of nibbles (the low 4 bits of c + 16), then the fifth bits: 8 masks of
 //       64 bits, mask 2g + h for vector g's low (h = 0) or high (h = 1) nibbles, bit i for
 //       byte i of that vector (AVX-512 adds 16 under the mask; AVX2 spreads 32 bits to bytes);
+//     I6 (block 16): 2 vectors of nibbles of c + 32 (vector h's low nibbles: codes of vector h,
+//       high: of vector 2 + h), then one of their top bits (bits 2g, 2g + 1 for code vector g);
 //   then the 16 scales (float16 where every scale is exactly a float16, else float32), and for
 //   U4 the 16 mins in the same type.
 // Above kOneThreadRows rows, a thread claims a few panels at a time (parallel_for_claimed in
@@ -67,7 +71,7 @@ using trident_kernels::kActivationBlock;
 using trident_kernels::QuantizedRows;
 
 constexpr int64_t kPanelColumns = 16;
-constexpr int64_t kU4 = 0, kI8 = 1, kI5 = 2;
+constexpr int64_t kU4 = 0, kI8 = 1, kI5 = 2, kI6 = 3;
 // Rows a tile computes at most: on AVX-512, two zmm registers a row (its block's integer sum
 // and its float32 sum) of the 32; AVX2 has 16 ymm registers and needs four a row.
 constexpr int kMaxTileRows = 8;
@@ -107,15 +111,18 @@ std::string quant_linear_best_path() {
 
 // Bytes of a panel's codes per block: 16 columns x block k at 4, 8 or 5 bits.
 constexpr int64_t code_bytes(int64_t layout, int64_t block) {
-  return layout == kU4 ? block * 8 : layout == kI5 ? block * 10 : block * 16;
+  return layout == kU4 ? block * 8 : layout == kI5 ? block * 10 : layout == kI6 ? block * 12 : block * 16;
 }
 
 // The dot's excess from the unsigned storage of signed codes (c + bias): bias * sum(qx).
-constexpr int32_t code_bias(int64_t layout) { return layout == kI8 ? 128 : layout == kI5 ? 16 : 0; }
+constexpr int32_t code_bias(int64_t layout) {
+  return layout == kI8 ? 128 : layout == kI6 ? 32 : layout == kI5 ? 16 : 0;
+}
 
 
 bool valid_layout(int64_t layout, int64_t block) {
-  return layout == kI8 ? block == 16 || block == 32 : (layout == kU4 || layout == kI5) && block == 32;
+  if (layout == kI8) return block == 16 || block == 32;
+  return layout == kI6 ? block == 16 : (layout == kU4 || layout == kI5) && block == 32;
 }
 
 // The integer sum of a row's codes over weight block b (16 or 32 k).
@@ -176,6 +183,22 @@ inline __m256i fifth_bits(uint32_t bits) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
+// I6's 4 code vectors of a block (c + 32, 0..63) from 3 vectors at p, `stride` bytes apart:
+// two of nibbles (low: codes 0 and 1, high: codes 2 and 3) and one of top bits, bits 2g..2g+1
+// of each byte for code vector g. The 16-bit shifts carry bits across bytes only where 0x30
+// does not look.
+inline void six_bit_codes(const uint8_t* p, int64_t stride, __m256i* c) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + stride));
+  const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * stride));
+  const __m256i nibble = _mm256_set1_epi8(0x0F), top_bits = _mm256_set1_epi8(0x30);
+  c[0] = _mm256_or_si256(_mm256_and_si256(a, nibble), _mm256_and_si256(_mm256_slli_epi16(top, 4), top_bits));
+  c[1] = _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_and_si256(_mm256_slli_epi16(top, 2), top_bits));
+  c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), nibble), _mm256_and_si256(top, top_bits));
+  c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble),
+                         _mm256_and_si256(_mm256_srli_epi16(top, 2), top_bits));
+}
+
 template <int64_t kLayout, int64_t kBlock, bool kHalfScales, int kRows>
 void avx2_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const QuantizedRows& x, int64_t row0,
                float* result) {
@@ -207,6 +230,17 @@ void avx2_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
           }
         }
       }
+    } else if constexpr (kLayout == kI6) {
+      for (int half = 0; half < 2; ++half) {
+        __m256i c[4];
+        six_bit_codes(wb + 32 * half, 64, c);
+        for (int g = 0; g < 4; ++g) {
+          for (int r = 0; r < kRows; ++r) {
+            const int8_t* qr = x.q + (row0 + r) * x.k + b * kBlock + 4 * g;
+            dot[r][half] = _mm256_add_epi32(dot[r][half], dot_u8_s8(c[g], _mm256_set1_epi32(load_i32(qr))));
+          }
+        }
+      }
     } else {
       for (int g = 0; g < kBlock / 4; ++g) {
         for (int half = 0; half < 2; ++half) {
@@ -224,8 +258,9 @@ void avx2_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
         const int64_t row = row0 + r;
         const float sx = x.scale[row * (x.k / kActivationBlock) + b * kBlock / kActivationBlock];
         __m256i signed_dot = dot[r][half];
-        if constexpr (kLayout == kI5)
-          signed_dot = _mm256_sub_epi32(signed_dot, _mm256_set1_epi32(16 * block_code_sum<kBlock>(x, row, b)));
+        if constexpr (kLayout == kI5 || kLayout == kI6)  // I8's codes were made signed before the dot
+          signed_dot = _mm256_sub_epi32(signed_dot,
+                                        _mm256_set1_epi32(code_bias(kLayout) * block_code_sum<kBlock>(x, row, b)));
         acc[r][half] = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(sx)), _mm256_cvtepi32_ps(signed_dot),
                                        acc[r][half]);
         if constexpr (kLayout == kU4) {
@@ -288,9 +323,25 @@ void vnni_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
         }
       }
     } else {
+      __m512i six[4];
+      if constexpr (kLayout == kI6) {  // as six_bit_codes, 64 bytes at a time
+        const __m512i a = _mm512_loadu_si512(wb), b = _mm512_loadu_si512(wb + 64), top = _mm512_loadu_si512(wb + 128);
+        const __m512i top_bits = _mm512_set1_epi8(0x30);
+        six[0] = _mm512_or_si512(_mm512_and_si512(a, nibble), _mm512_and_si512(_mm512_slli_epi16(top, 4), top_bits));
+        six[1] = _mm512_or_si512(_mm512_and_si512(b, nibble), _mm512_and_si512(_mm512_slli_epi16(top, 2), top_bits));
+        six[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), nibble), _mm512_and_si512(top, top_bits));
+        six[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), nibble),
+                                 _mm512_and_si512(_mm512_srli_epi16(top, 2), top_bits));
+      }
       for (int g = 0; g < kBlock / 4; g += 2) {
-        const __m512i v0 = _mm512_loadu_si512(wb + 64 * g);
-        const __m512i v1 = _mm512_loadu_si512(wb + 64 * (g + 1));
+        __m512i v0, v1;
+        if constexpr (kLayout == kI6) {
+          v0 = six[g];
+          v1 = six[g + 1];
+        } else {
+          v0 = _mm512_loadu_si512(wb + 64 * g);
+          v1 = _mm512_loadu_si512(wb + 64 * (g + 1));
+        }
         for (int r = 0; r < kRows; ++r) {
           const int8_t* qr = x.q + (row0 + r) * x.k + b * kBlock + 4 * g;
           even[r] = _mm512_dpbusd_epi32(even[r], v0, _mm512_set1_epi32(load_i32(qr)));
@@ -336,6 +387,7 @@ std::array<TileFn, kMaxTileRows> pick_tiles(bool vnni, int64_t layout, int64_t b
   const auto rows = std::make_integer_sequence<int, kMaxTileRows>{};
   if (layout == kU4) return half_scales ? tile_table<kU4, 32, true>(vnni, rows) : tile_table<kU4, 32, false>(vnni, rows);
   if (layout == kI5) return half_scales ? tile_table<kI5, 32, true>(vnni, rows) : tile_table<kI5, 32, false>(vnni, rows);
+  if (layout == kI6) return half_scales ? tile_table<kI6, 16, true>(vnni, rows) : tile_table<kI6, 16, false>(vnni, rows);
   if (block == 16) return half_scales ? tile_table<kI8, 16, true>(vnni, rows) : tile_table<kI8, 16, false>(vnni, rows);
   return half_scales ? tile_table<kI8, 32, true>(vnni, rows) : tile_table<kI8, 32, false>(vnni, rows);
 }
@@ -375,7 +427,7 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
 }
 
 // x [rows, k] (float32, bfloat16 or float16); packed [ceil(n / 16), k / block, block bytes]
-// uint8 as quant_linear.py lays it out; layout 0 (U4), 1 (I8) or 2 (I5); path "auto", "avx512_vnni"
+// uint8 as quant_linear.py lays it out; layout 0 (U4), 1 (I8), 2 (I5) or 3 (I6); path "auto", "avx512_vnni"
 // or "avx2" (the tests run both on one CPU) -> [rows, n] in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                         int64_t out_features, int64_t layout, int64_t block, bool half_scales, c10::string_view path) {
@@ -383,7 +435,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quant_linear: packed weights [panels, blocks, bytes] uint8");
   TORCH_CHECK(valid_layout(layout, block),
-              "quant_linear: layout 0 (U4, block 32), 1 (I8, block 16 or 32) or 2 (I5, block 32)");
+              "quant_linear: layout 0 (U4, block 32), 1 (I8, block 16 or 32) , 2 (I5, block 32) or 3 (I6, block 16)");
   const int64_t rows = x.size(0), k = x.size(1), n = out_features;
   const int64_t blocks = packed.size(1), block_bytes = packed.size(2);
   const int64_t scale_count = layout == kU4 ? 2 : 1;
@@ -442,7 +494,7 @@ at::Tensor quant_linear_rows(const at::Tensor& packed, const at::Tensor& ids, in
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quant_linear_rows: packed weights [panels, blocks, bytes] uint8");
   TORCH_CHECK(valid_layout(layout, block),
-              "quant_linear_rows: layout 0 (U4, block 32), 1 (I8, block 16 or 32) or 2 (I5, block 32)");
+              "quant_linear_rows: layout 0 (U4, block 32), 1 (I8, block 16 or 32) , 2 (I5, block 32) or 3 (I6, block 16)");
   const int64_t blocks = packed.size(1), block_bytes = packed.size(2), k = blocks * block;
   const int64_t scale_bytes = half_scales ? 2 : 4, codes = code_bytes(layout, block);
   const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
@@ -485,6 +537,15 @@ at::Tensor quant_linear_rows(const at::Tensor& packed, const at::Tensor& ids, in
                 const int32_t hi = (lane[j] >> 4) | static_cast<int32_t>((high_masks >> bit) & 1) << 4;
                 row[b * 32 + 4 * g + j] = trident_kernels::round_to<storage_t>(scale * static_cast<float>(lo - 16));
                 row[b * 32 + 16 + 4 * g + j] = trident_kernels::round_to<storage_t>(scale * static_cast<float>(hi - 16));
+              }
+            }
+          } else if (layout == kI6) {  // code vector g: nibbles of vector g % 2 (low, then high), top bits 2g..2g+1
+            for (int64_t g = 0; g < 4; ++g) {
+              for (int64_t j = 0; j < 4; ++j) {
+                const int64_t lane = 4 * column + j;
+                const int32_t nibble = (wb[64 * (g % 2) + lane] >> (4 * (g / 2))) & 15;
+                const int32_t code = nibble | ((wb[128 + lane] >> (2 * g)) & 3) << 4;
+                row[b * 16 + 4 * g + j] = trident_kernels::round_to<storage_t>(scale * static_cast<float>(code - 32));
               }
             }
           } else {
