@@ -12,6 +12,10 @@ come from memory, as in a decode step, not from cache. Times are microseconds pe
 copy), the best of `--repeats` passes, the variants taking turns within each repeat.
 `--step` instead times one decode step's linear layers of SmolLM2 as its file ships them
 (30 layers of distinct Q4_1 weights as U4, the tied Q8_0 head as I8/32) against bf16, ms.
+`--file PATH.gguf` instead times the real linear layers of that file as the worker loads
+them (`--weight-dtype gguf`), called in a decode step's order (each layer's q/k/v, o,
+gate/up, down, then the head), `--rows` each: µs per call by kind and ms per step, the
+weights coming from memory as in a step; `--threads` 1,2 alternates thread counts.
 `--clock thread` times one thread's CPU time instead of the wall clock (and runs one
 thread): on cores shared with other work, the ratios then hold still. Prints a Markdown table.
 """
@@ -19,12 +23,15 @@ thread): on cores shared with other work, the ratios then hold still. Prints a M
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gpu_worker.omp_policy import use_passive_omp_wait  # noqa: E402
 
+use_passive_omp_wait()  # before torch loads, as the worker process does (its threads' wait decides --threads 1,2)
 import torch  # noqa: E402
 
 from gpu_worker.cpu_kernels import load_vnni_linear, load_widening_bf16_linear  # noqa: E402
@@ -121,22 +128,66 @@ def smollm2_step(rows_list: list[int], repeats: int, clock) -> None:
         print(f"| {rows} | {ours:.2f} | {bf16:.2f} | {bf16 / ours:.2f}x |", flush=True)
 
 
+def file_step(path: str, rows_list: list[int], thread_counts: list[int], repeats: int, clock) -> None:
+    """Per-call µs of each kind of linear layer of a real GGUF, in a decode step's order."""
+    from bench_worker_step import make_worker
+
+    model = make_worker(path, "bfloat16", 512, max(rows_list), "gguf").model
+    calls = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        calls += [("q/k/v", attn.qkv_proj), ("o", attn.o_proj), ("gate/up", mlp.gate_up_proj), ("down", mlp.down_proj)]
+    calls.append(("head", model.embed_tokens if model.lm_head is None else model.lm_head))
+    columns = [f"{t} thread(s), {r} rows: µs a call (ms a step)" for r in rows_list for t in thread_counts]
+    print("| kind | layout |", " | ".join(columns), "|")
+    print("|---|---|" + "---|" * (len(rows_list) * len(thread_counts)))
+    times: dict[tuple[str, int, int], list[float]] = {}
+    for rows in rows_list:
+        inputs = [(kind, layer.rows_fn(), torch.randn(rows, layer.in_features).bfloat16()) for kind, layer in calls]
+        for _ in range(repeats):
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                for kind, fn, x in inputs:
+                    t0 = clock()
+                    fn(x)
+                    times.setdefault((kind, rows, threads), []).append(clock() - t0)
+    layouts: dict[str, str] = {}
+    for kind, layer in calls:
+        layouts.setdefault(kind, layer.extra_repr().split(", ")[1])  # layer 0's
+    total = dict.fromkeys(((r, t) for r in rows_list for t in thread_counts), 0.0)
+    for kind in layouts:
+        cells = []
+        for rows in rows_list:
+            for threads in thread_counts:
+                per_step = len(times[kind, rows, threads]) // repeats
+                us = statistics.median(times[kind, rows, threads]) * 1e6
+                total[rows, threads] += us * per_step / 1e3
+                cells.append(f"{us:.0f} ({us * per_step / 1e3:.2f})")
+        print(f"| {kind} | {layouts[kind]} |", " | ".join(cells), "|")
+    print("| step | |", " | ".join(f"{ms:.2f} ms" for ms in total.values()), "|")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["smollm2", "gemma3", "both"], default="both")
     p.add_argument("--rows", default="1,4,32,64,300")
     p.add_argument("--stream-mb", type=int, default=128, help="bf16 megabytes of copies per shape")
     p.add_argument("--repeats", type=int, default=8)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--threads", default="0", help="torch threads (0: all cores); with --file, e.g. 1,2 alternates")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall")
     p.add_argument("--step", action="store_true", help="SmolLM2's decode step as the file ships it")
+    p.add_argument("--file", default=None, help="a .gguf: its real linear layers in a decode step's order")
     ns = p.parse_args(argv)
     clock = time.thread_time if ns.clock == "thread" else time.perf_counter
+    thread_counts = [int(t) for t in ns.threads.split(",")]
     if ns.clock == "thread":
-        torch.set_num_threads(1)
-    elif ns.threads:
-        torch.set_num_threads(ns.threads)
+        thread_counts = [1]
     rows_list = [int(r) for r in ns.rows.split(",")]
+    if ns.file:
+        file_step(ns.file, rows_list, [t or torch.get_num_threads() for t in thread_counts], ns.repeats, clock)
+        return 0
+    if thread_counts[0]:
+        torch.set_num_threads(thread_counts[0])
     probe = QuantLinear.from_u4(torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), None)
     print(f"threads {torch.get_num_threads()}, {ns.clock} clock, quantized path: {probe.kernel_path or 'torch'}")
     if ns.step:
