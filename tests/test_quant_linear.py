@@ -252,7 +252,7 @@ def test_resident_bytes_are_close_to_the_bits_of_the_format():
     }
 
 
-@pytest.mark.parametrize("layout", ["u4_f32", "i8_16_f32"])
+@pytest.mark.parametrize("layout", ["u4_f32", "i8_16_f32", "i5_f16", "i6_f32"])
 def test_the_torch_fallback_is_the_float32_matmul_of_the_dequantized_weights(layout):
     layer = LAYERS[layout](50, 576, bias=True)
     layer.kernel_path = ""
