@@ -139,9 +139,9 @@ class SimulatedWorker(WorkerLoop):
             time.sleep(remaining)
 
     def step_seconds(self) -> float:
-        """This step's time: the profile's prediction for its shape (`last_step_features`),
-        plus the front end's share of the cores where the profile measured it, scaled by the
-        next draw from the profile's measured spread unless --sim-exact-steps."""
+        """This step's time before any live stretch: the profile's prediction for its shape
+        (`last_step_features`), plus the fitted front-end share where the profile carries one,
+        scaled by the next draw from the profile's measured spread unless --sim-exact-steps."""
         shape = self.last_step_features
         predicted = float(self.profile.predict(shape)) + self.profile.frontend_seconds(shape)
         if self._spread_draws is not None:

@@ -201,6 +201,9 @@ def test_fit_profile_command_on_a_recording(tmp_path):
     decode_step = np.zeros(len(SHAPE))
     decode_step[:4] = [1, 8, 8, 8 * 100]
     assert 0 < profile.predict(decode_step) < 1.0
+    # Replayed steps are the worker's alone: a simulated worker adds the front end live.
+    assert profile.worker_threads >= 1 and profile.host_cores == os.cpu_count()
+    assert profile.contention() is not None
 
     # The same recording combined with a small sweep of the recorded model, and as the
     # served run the front end's share is measured on.
@@ -221,6 +224,7 @@ def test_fit_profile_command_on_a_recording(tmp_path):
     assert both.fit["steps"] > profile.fit["steps"] + 20  # the recording's steps and the sweep's points
     assert both.fit["frontend_fitted_on_steps"] > 0
     assert set(both.frontend) == {"per_step_s", "per_sampling_row_s"} and min(both.frontend.values()) >= 0
+    assert both.contention() is None  # the fitted share replaces the live one
 
 
 def test_fit_profile_rejects_a_file_that_is_not_a_recording(tmp_path):
