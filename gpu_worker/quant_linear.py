@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.cpu_kernels import load_quant_linear
+from gpu_worker.huge_pages import huge_page_empty
 
 PANEL_COLUMNS = 16
 U4, I8, I5, I6 = 0, 1, 2, 3
@@ -59,6 +60,14 @@ def _as_bytes(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return values.to(dtype).contiguous().view(torch.uint8)
 
 
+def _concat_packed(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts, dim=2) into 2 MB-page memory (huge_pages.py: a decode step streams
+    these bytes, and in 4 KB pages it walks the page tables every 4 KB)."""
+    panels, blocks = parts[0].shape[:2]
+    out = huge_page_empty((panels, blocks, sum(part.shape[2] for part in parts)))
+    return torch.cat(parts, dim=2, out=out)
+
+
 def _code_groups(codes: torch.Tensor, panels: int, block: int) -> torch.Tensor:
     """uint8 [n, k] -> [panels, k / block, block / 4, 16, 4]: each (block, group) 16 columns
     of 4 consecutive k, the order of one vpdpbusd operand."""
@@ -69,7 +78,7 @@ def _code_groups(codes: torch.Tensor, panels: int, block: int) -> torch.Tensor:
 
 
 class QuantLinear(nn.Module):
-    """`y = x @ w.T + bias` on a U4 or I8 weight held packed (module docstring)."""
+    """`y = x @ w.T + bias` on a U4, I5, I6 or I8 weight held packed (module docstring)."""
 
     def __init__(
         self,
@@ -119,14 +128,13 @@ class QuantLinear(nn.Module):
         nibbles = groups[:, :, :4] | (groups[:, :, 4:] << 4)  # low nibble k 0..15, high k 16..31
         scales, mins = scales.float(), mins.float()
         scale_dtype = torch.float16 if _fits_float16(scales) and _fits_float16(mins) else torch.float32
-        packed = torch.cat(
+        packed = _concat_packed(
             [
                 nibbles.reshape(panels, k // U4_BLOCK, -1),
                 _as_bytes(_per_panel(scales, panels), scale_dtype),
                 _as_bytes(_per_panel(mins, panels), scale_dtype),
-            ],
-            dim=2,
-        ).contiguous()
+            ]
+        )
         return cls(packed, U4, U4_BLOCK, scale_dtype, (n, k), bias)
 
     @classmethod
@@ -143,9 +151,9 @@ class QuantLinear(nn.Module):
         groups = _code_groups(biased, panels, block)
         scales = scales.float()
         scale_dtype = torch.float16 if _fits_float16(scales) else torch.float32
-        packed = torch.cat(
-            [groups.reshape(panels, k // block, -1), _as_bytes(_per_panel(scales, panels), scale_dtype)], dim=2
-        ).contiguous()
+        packed = _concat_packed(
+            [groups.reshape(panels, k // block, -1), _as_bytes(_per_panel(scales, panels), scale_dtype)]
+        )
         return cls(packed, I8, block, scale_dtype, (n, k), bias)
 
     @classmethod
@@ -170,10 +178,9 @@ class QuantLinear(nn.Module):
         masks = (bits << torch.arange(8, dtype=torch.uint8)).sum(dim=-1, dtype=torch.uint8)
         scales = scales.float()
         scale_dtype = torch.float16 if _fits_float16(scales) else torch.float32
-        packed = torch.cat(
-            [nibbles.reshape(panels, k // U4_BLOCK, -1), masks, _as_bytes(_per_panel(scales, panels), scale_dtype)],
-            dim=2,
-        ).contiguous()
+        packed = _concat_packed(
+            [nibbles.reshape(panels, k // U4_BLOCK, -1), masks, _as_bytes(_per_panel(scales, panels), scale_dtype)]
+        )
         return cls(packed, I5, U4_BLOCK, scale_dtype, (n, k), bias)
 
     @classmethod
@@ -196,14 +203,13 @@ class QuantLinear(nn.Module):
         scales = scales.float()
         scale_dtype = torch.float16 if _fits_float16(scales) else torch.float32
         blocks = k // I6_BLOCK
-        packed = torch.cat(
+        packed = _concat_packed(
             [
                 nibbles.reshape(panels, blocks, -1),
                 top.reshape(panels, blocks, -1),
                 _as_bytes(_per_panel(scales, panels), scale_dtype),
-            ],
-            dim=2,
-        ).contiguous()
+            ]
+        )
         return cls(packed, I6, I6_BLOCK, scale_dtype, (n, k), bias)
 
     def _code_bytes(self) -> int:
