@@ -34,13 +34,12 @@ def hf_reference(smollm2_path):
     """Hugging Face transformers on the same GGUF, float32: the correctness reference."""
     import os
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from tests.helpers import transformers_float32
 
     d, name = os.path.dirname(smollm2_path), os.path.basename(smollm2_path)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-    return tok, model
+    return AutoTokenizer.from_pretrained(d, gguf_file=name), transformers_float32(smollm2_path)
 
 
 @pytest.fixture(scope="session")

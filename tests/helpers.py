@@ -48,6 +48,17 @@ def smollm2_tokenizer() -> Any:
     return load_tokenizer(smollm2_gguf())
 
 
+@functools.cache
+def transformers_float32(gguf_path: str) -> Any:
+    """transformers' float32 model of a GGUF file, the correctness reference: loaded once per
+    test process (dequantizing Gemma 3's 262k-row embedding in Python takes tens of seconds)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(gguf_path)
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -156,18 +167,6 @@ def running_server(extra_args: list[str]) -> Iterator[Server]:
         yield server
     finally:
         server.stop()
-
-
-def trident_processes() -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["name", "cmdline"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or []).strip()
-        except psutil.Error:
-            continue
-        if cmd.startswith("trident::"):
-            out.append(p)
-    return out
 
 
 def make_random_llama(

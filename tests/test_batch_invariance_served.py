@@ -1,5 +1,6 @@
-"""Batch invariance, served: the real SmolLM2 in its default dtype (bf16) gives each prompt
-the same greedy tokens, token for token, however it is served.
+"""Batch invariance, served: the real SmolLM2 in its default dtype (bf16) and weights (the
+GGUF's own block formats, quant_linear.py) gives each prompt the same greedy tokens, token for
+token, however it is served.
 
 The reference is each prompt sent alone to a fresh server. Then, on that server: in random
 crowds of other requests, again from the radix cache, and through a SIGKILL of the worker
@@ -90,10 +91,9 @@ def reference(default_server, prompts) -> list[list[int]]:
     return alone(default_server, prompts)
 
 
-def test_the_default_server_is_batch_invariant(default_server):
-    assert "batch invariant" in default_server.log_tail(400) and "not batch invariant" not in default_server.log_tail(
-        400
-    )
+def test_the_default_server_serves_the_gguf_formats_batch_invariant(default_server):
+    ready = next(line for line in default_server.output if "worker[tp0] ready" in line)
+    assert "weights gguf" in ready and "batch invariant" in ready and "not batch invariant" not in ready, ready
 
 
 def test_each_prompt_gets_the_same_tokens_in_random_crowds(default_server, prompts, reference):

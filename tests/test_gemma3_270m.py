@@ -8,13 +8,12 @@ the model declares a stop token beside its <eos>.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from tests.helpers import Server
+from tests.helpers import Server, transformers_float32
 from tests.test_parity_with_transformers import PROMPTS
 
 MAX_TOKENS = 32
@@ -46,13 +45,9 @@ def gemma_server():
 @pytest.fixture(scope="module")
 def reference(gemma_path):
     """transformers on the same file in float32, and our tokenizer (its ids equal transformers')."""
-    from transformers import AutoModelForCausalLM
-
     from tokenizer_proc.tokenization import load_tokenizer
 
-    directory, name = os.path.split(gemma_path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
-    return load_tokenizer(gemma_path), model
+    return load_tokenizer(gemma_path), transformers_float32(gemma_path)
 
 
 def greedy_reference(model, ids: list[int]) -> list[int]:

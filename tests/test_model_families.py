@@ -13,6 +13,8 @@ float32 transformers' top-1 at most positions, teacher-forced on the served text
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -37,10 +39,24 @@ def _prompts() -> list[list[int]]:
     return [short, long]
 
 
+@pytest.fixture(scope="module")
+def family_case(tmp_path_factory) -> Callable[[str], tuple[str, list[list[int]]]]:
+    """name -> (the family's random-weight checkpoint, transformers' float32 greedy tokens for
+    each of `_prompts()`): written and generated once per module, whichever test asks first."""
+
+    @functools.cache
+    def case(name: str) -> tuple[str, list[list[int]]]:
+        path = make_family_checkpoint(str(tmp_path_factory.mktemp(name)), name)
+        want = [transformers_greedy(path, p, MAX_TOKENS) for p in _prompts()]
+        assert all(len(set(tokens)) > 4 for tokens in want), f"{name}: the checkpoint repeats itself: {want}"
+        return path, want
+
+    return case
+
+
 @pytest.fixture(scope="module", params=FAMILY_CHECKPOINTS)
-def family_checkpoint(request, tmp_path_factory) -> tuple[str, str]:
-    name = request.param
-    return name, make_family_checkpoint(str(tmp_path_factory.mktemp(name)), name)
+def family_checkpoint(request, family_case) -> tuple[str, str]:
+    return request.param, family_case(request.param)[0]
 
 
 def _serve(server, prompts: list[list[int]]) -> list[list[int]]:
@@ -58,39 +74,33 @@ def _serve(server, prompts: list[list[int]]) -> list[list[int]]:
     return served
 
 
-def test_float32_greedy_equals_transformers_token_for_token(family_checkpoint):
+def test_float32_greedy_equals_transformers_token_for_token(family_checkpoint, family_case):
     name, path = family_checkpoint
-    prompts = _prompts()
-    want = [transformers_greedy(path, p, MAX_TOKENS) for p in prompts]
-    assert all(len(set(tokens)) > 4 for tokens in want), f"{name}: the checkpoint repeats itself: {want}"
+    want = family_case(name)[1]
     args = ["--model", path, "--dtype", "float32", "--chunked-prefill-size", str(CHUNK)]
     with running_server(args) as server:
-        served = _serve(server, prompts)
+        served = _serve(server, _prompts())
     assert served == [*want, want[-1]], name
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma3"])
-def test_windowed_families_equal_transformers_on_the_torch_path_with_ngram_drafts(name, tmp_path):
-    path = make_family_checkpoint(str(tmp_path / name), name)
-    prompts = _prompts()
-    want = [transformers_greedy(path, p, MAX_TOKENS) for p in prompts]
+def test_windowed_families_equal_transformers_on_the_torch_path_with_ngram_drafts(name, family_case):
+    path, want = family_case(name)
     args = ["--model", path, "--dtype", "float32", "--chunked-prefill-size", str(CHUNK)]
     args += ["--decode-attention", "torch", "--speculative-algorithm", "ngram"]
     with running_server(args) as server:
-        served = _serve(server, prompts)
+        served = _serve(server, _prompts())
     assert served == [*want, want[-1]], name
 
 
 @pytest.mark.parametrize("name", ["phi3", "gemma3"])
-def test_families_split_over_two_ranks_equal_transformers(name, tmp_path):
+def test_families_split_over_two_ranks_equal_transformers(name, family_case):
     """Tensor parallel: Phi-3's fused tensors sliced per rank, Gemma 3's q/k norms, windows
     and sandwich norms on a rank's share of the heads."""
-    path = make_family_checkpoint(str(tmp_path / name), name)
-    prompts = _prompts()
-    want = [transformers_greedy(path, p, MAX_TOKENS) for p in prompts]
+    path, want = family_case(name)
     args = ["--model", path, "--dtype", "float32", "--chunked-prefill-size", str(CHUNK), "--tp-size", "2"]
     with running_server(args) as server:
-        served = _serve(server, prompts)
+        served = _serve(server, _prompts())
     assert served == [*want, want[-1]], name
 
 
