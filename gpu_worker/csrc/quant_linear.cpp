@@ -77,10 +77,11 @@ constexpr int64_t kU4 = 0, kI8 = 1, kI5 = 2, kI6 = 3;
 constexpr int kMaxTileRows = 8;
 constexpr int kAvx2TileRows = 3;
 // Calls of up to this many rows run on the calling thread alone: they read their weights at
-// the memory's pace from one core (Zen 4: Gemma 3's head at 1 row, 25 GB/s on one thread, 24.5
-// on two), and a parallel region per call (73 in a Gemma decode step) costs its fork and join,
-// far more where a teammate is descheduled by the scheduler process or other load
-// (docs/benchmarks.md, "GGUF weights as shipped"). The split changes no bits.
+// the memory's pace from one core (Zen 4, Gemma 3's head in 2 MB pages: 5.9 ms on one thread,
+// 6.2 on two at 1 row; 7.7 and 8.2 at 4 rows), and a parallel region per call (73 in a Gemma
+// decode step) costs its fork and join, far more where a teammate is descheduled by the
+// scheduler process or other load (docs/benchmarks.md, "Quantized linear kernels"). The
+// split changes no bits.
 constexpr int64_t kOneThreadRows = 4;
 // How far ahead of its reads a tile of several rows prefetches the weights (past a panel's
 // end: into the next one, which follows it in memory and is most often the thread's next).
