@@ -1,4 +1,4 @@
-// y = x @ w.T (+ bias) on quantized weights, for GGUF's block formats repacked into three
+// y = x @ w.T (+ bias) on quantized weights, for GGUF's block formats repacked into four
 // layouts (gpu_worker/quant_linear.py converts them, exactly):
 //   U4: unsigned 4-bit codes c with a scale s and a min m per block of 32 along k: w = s c + m;
 //   I8: signed 8-bit codes c with a scale s per block of 16 or 32 along k: w = s c;
@@ -15,12 +15,13 @@
 // docs/benchmarks.md ("Quantized linear kernels") compares this with float activations.
 //
 // Unsigned weights are what vpdpbusd wants: U4 codes are 0..15, I8 codes are stored +128
-// (0..255), I5 codes +16 (0..31) and I6 codes +32 (0..63); their dot with qx then exceeds the signed one by 128 (16)
-// sum(qx_b), which the row's quantization already counted (sum16). AVX2's vpmaddubsw would
-// saturate on 255 * 127 * 2, so its I8 path turns the code back to signed and multiplies |c|
-// by qx with c's sign (at most 128 * 127 * 2, no saturation); 63 * 127 * 2 fits as it is.
-// Both paths reach the same integer dot and then run the same float operations in the same
-// order: their results are the same bits.
+// (0..255), I5 codes +16 (0..31) and I6 codes +32 (0..63); their dot with qx then exceeds the
+// signed one by that bias times sum(qx_b), which the row's quantization already counted
+// (sum16). AVX2's vpmaddubsw would saturate on 255 * 127 * 2, so its I8 path turns the code
+// back to signed and multiplies |c| by qx with c's sign (at most 128 * 127 * 2, no
+// saturation); I5's and I6's codes (at most 63 * 127 * 2) go in as they are. Both paths reach
+// the same integer dot and then run the same float operations in the same order: their
+// results are the same bits.
 //
 // The packed layout: output columns in panels of 16; a panel's blocks one after another, each
 //   codes: 16 columns x 4 consecutive k in each 64 bytes (one lane of vpdpbusd a column);
@@ -110,7 +111,7 @@ std::string quant_linear_best_path() {
   return best;
 }
 
-// Bytes of a panel's codes per block: 16 columns x block k at 4, 8 or 5 bits.
+// Bytes of a panel's codes per block: 16 columns x block k at 4, 5, 6 or 8 bits.
 constexpr int64_t code_bytes(int64_t layout, int64_t block) {
   return layout == kU4 ? block * 8 : layout == kI5 ? block * 10 : layout == kI6 ? block * 12 : block * 16;
 }
@@ -428,15 +429,15 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
 }
 
 // x [rows, k] (float32, bfloat16 or float16); packed [ceil(n / 16), k / block, block bytes]
-// uint8 as quant_linear.py lays it out; layout 0 (U4), 1 (I8), 2 (I5) or 3 (I6); path "auto", "avx512_vnni"
-// or "avx2" (the tests run both on one CPU) -> [rows, n] in x's dtype.
+// uint8 as quant_linear.py lays it out; layout 0 (U4), 1 (I8), 2 (I5) or 3 (I6); path "auto",
+// "avx512_vnni" or "avx2" (the tests run both on one CPU) -> [rows, n] in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                         int64_t out_features, int64_t layout, int64_t block, bool half_scales, c10::string_view path) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x [rows, k]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quant_linear: packed weights [panels, blocks, bytes] uint8");
-  TORCH_CHECK(valid_layout(layout, block),
-              "quant_linear: layout 0 (U4, block 32), 1 (I8, block 16 or 32) , 2 (I5, block 32) or 3 (I6, block 16)");
+  TORCH_CHECK(valid_layout(layout, block), "quant_linear: layout 0 (U4, block 32), 1 (I8, block 16 or 32), ",
+              "2 (I5, block 32) or 3 (I6, block 16)");
   const int64_t rows = x.size(0), k = x.size(1), n = out_features;
   const int64_t blocks = packed.size(1), block_bytes = packed.size(2);
   const int64_t scale_count = layout == kU4 ? 2 : 1;
@@ -494,8 +495,8 @@ at::Tensor quant_linear_rows(const at::Tensor& packed, const at::Tensor& ids, in
                              int64_t block, bool half_scales, at::ScalarType dtype) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
               "quant_linear_rows: packed weights [panels, blocks, bytes] uint8");
-  TORCH_CHECK(valid_layout(layout, block),
-              "quant_linear_rows: layout 0 (U4, block 32), 1 (I8, block 16 or 32) , 2 (I5, block 32) or 3 (I6, block 16)");
+  TORCH_CHECK(valid_layout(layout, block), "quant_linear_rows: layout 0 (U4, block 32), 1 (I8, block 16 or 32), ",
+              "2 (I5, block 32) or 3 (I6, block 16)");
   const int64_t blocks = packed.size(1), block_bytes = packed.size(2), k = blocks * block;
   const int64_t scale_bytes = half_scales ? 2 : 4, codes = code_bytes(layout, block);
   const at::Tensor flat_ids = ids.reshape({-1}).to(at::kLong).contiguous();
