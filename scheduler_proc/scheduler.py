@@ -169,6 +169,10 @@ class Scheduler:
         )
 
     def handle_generate(self, msg: GenerateReq) -> None:
+        if msg.scheduler_boot_id and msg.scheduler_boot_id != self.boot_id:
+            # Sent to a predecessor that died first; the tokenizer resubmits it to this boot.
+            self.counters.stale_requests += 1
+            return
         req = Req(
             msg.rid,
             unpack_int32(msg.input_ids).copy(),

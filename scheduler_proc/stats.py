@@ -36,6 +36,9 @@ class SchedulerCounters:
         oldest in flight (worker_link.py): refused, never used."""
         self.resumed_requests = 0
         """Requests requeued as prefills after their worker group was lost."""
+        self.stale_requests = 0
+        """GenerateReqs addressed to an earlier scheduler boot (GenerateReq.scheduler_boot_id):
+        dropped, the tokenizer resubmits them to this one."""
         self.spec_accepted_drafts = 0
         self.steps = 0
         self.last_step_time_s = 0.0
@@ -93,7 +96,8 @@ class SchedulerCounters:
             dropped_frames=s.io.dropped_frames
             + self.worker.dropped_frames
             + self.ignored_replies
-            + self.refused_results,
+            + self.refused_results
+            + self.stale_requests,
             retractions=self.retractions,
             worker_busy_s=self.worker.busy_s,
             worker_idle_s=self.worker.idle_s,

@@ -280,3 +280,13 @@ def test_a_killed_tokenizer_is_restarted_and_its_requests_are_freed(fault_server
         http.get("/server_info").json()["scheduler_stats"],
         server.log_tail(40),
     )
+
+
+def test_requests_sent_while_the_scheduler_is_down_run_once_on_its_successor(fault_server, fault_reference):
+    """Requests sent between a scheduler's death and its successor's start wait in the
+    tokenizer's socket and reach the successor, which the tokenizer also resubmits its open
+    requests to: each must run once (a second copy used to fail it with 'already running')."""
+    killed = child(fault_server, "trident::scheduler")
+    killed.send_signal(signal.SIGKILL)
+    assert run_with_fault(fault_server, None) == fault_reference
+    assert child(fault_server, "trident::scheduler").pid != killed.pid

@@ -35,6 +35,12 @@ class ReplicaSet:
         self.stats: list[SchedulerStats | None] = [None] * self.size
         """Mirror: each scheduler's latest periodic stats."""
 
+    def boot_id(self, replica: int) -> str:
+        """The boot_id of `replica`'s scheduler as last announced, which addresses requests
+        (GenerateReq.scheduler_boot_id); empty before its first ServerInfo."""
+        info = self.infos[replica]
+        return "" if info is None else info.boot_id
+
     async def send(self, replica: int, msg: Any) -> None:
         await self.pushes[replica].send(msg)
 

@@ -199,7 +199,8 @@ class RequestManager:
             self.metrics.prompt_tokens.inc(len(prompt) * len(params))
         try:
             for handle, sp in zip(handles, params, strict=True):
-                await self.replicas.send(replica, GenerateReq(handle.rid, packed, sp))
+                msg = GenerateReq(handle.rid, packed, sp, scheduler_boot_id=self.replicas.boot_id(replica))
+                await self.replicas.send(replica, msg)
         except BaseException:
             for handle in handles:
                 handle.close()
@@ -326,5 +327,5 @@ class RequestManager:
             produced = len(req.generated)
             sp = msgspec.structs.replace(req.sampling, max_new_tokens=max(1, req.sampling.max_new_tokens - produced))
             ids, resumed = pack_int32(req.prompt_ids + req.generated), pack_int32(req.generated)
-            self._send_soon(req.replica, GenerateReq(req.rid, ids, sp, resumed))
+            self._send_soon(req.replica, GenerateReq(req.rid, ids, sp, resumed, info.boot_id))
             self.metrics.resumed_requests.inc()

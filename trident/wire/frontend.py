@@ -90,6 +90,12 @@ class GenerateReq(msgspec.Struct, array_like=True, tag="generate"):
     """int32 tokens the request produced before its scheduler was lost, which end
     `input_ids`: written by the tokenizer when it resubmits, passed to the worker with the
     row (`AddedRequest.generated_ids`) so that its grammar matcher re-advances over them."""
+    scheduler_boot_id: str = ""
+    """The `ServerInfo.boot_id` of the scheduler the tokenizer meant this for (its latest).
+    A request sent while that scheduler was dead waits in the socket and reaches its
+    successor, to which the tokenizer also resubmits every open request once it sees the
+    successor's ServerInfo: the scheduler drops one addressed to another boot, so each runs
+    once. Empty: any scheduler (tools that drive a scheduler directly)."""
 
 
 class AbortReq(msgspec.Struct, array_like=True, tag="abort"):
