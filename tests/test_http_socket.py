@@ -1,4 +1,5 @@
-"""The HTTP listening socket makes connections that send small writes at once.
+"""The HTTP front door's connections: small writes go at once, and an idle keep-alive
+connection stays open longer than clients keep theirs.
 
 asyncio turns Nagle's algorithm off only on sockets that say they are TCP; a socket made
 with proto 0 kept it on, and each response's last small write then waited for the client's
@@ -8,9 +9,15 @@ delayed ACK: non-streamed responses took 48 ms instead of 4.6 ms (docs/benchmark
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
+import time
 
+from tests.helpers import running_server, write_sim_profile
 from tokenizer_proc.__main__ import _bind
+
+HTTPX_KEEPALIVE_EXPIRY_S = 5.0
+"""httpx's default idle expiry, which the openai client inherits."""
 
 
 def test_connections_accepted_on_the_http_socket_have_nagle_off():
@@ -32,3 +39,21 @@ def test_connections_accepted_on_the_http_socket_have_nagle_off():
         return value
 
     assert asyncio.run(accepted_nodelay()) != 0
+
+
+def _get_health(conn: socket.socket, port: int) -> bytes:
+    conn.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+    return conn.recv(65536)
+
+
+def test_an_idle_connection_outlives_the_clients_own_keep_alive_expiry(tmp_path):
+    """If the server closed idle connections when httpx does (5 s), a request sent on one as
+    it closed would fail with 'Server disconnected': the client must be the one to close."""
+    profile = write_sim_profile(str(tmp_path / "profile.json"), const_s=0.01)
+    with running_server(["--worker", "simulated", "--sim-profile", profile]) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            assert _get_health(conn, server.port).startswith(b"HTTP/1.1 200")
+            time.sleep(HTTPX_KEEPALIVE_EXPIRY_S + 1.5)
+            readable, _, _ = select.select([conn], [], [], 0)
+            assert not readable, "the server closed (or wrote to) the idle connection"
+            assert _get_health(conn, server.port).startswith(b"HTTP/1.1 200")

@@ -38,6 +38,11 @@ from trident.wire.control import ProtocolMismatch  # noqa: E402
 logger = logging.getLogger("tokenizer_proc")
 
 GRACEFUL_SHUTDOWN_S = 2
+KEEP_ALIVE_S = 75
+"""How long an idle HTTP connection stays open. Longer than the clients' own idle expiry
+(httpx, under the openai client: 5 s; aiohttp: 15 s), so the client is the one to close it:
+with uvicorn's default of 5 s both ends gave up together, and a request sent on a connection
+the server was closing failed with 'Server disconnected without sending a response'."""
 
 
 class StartupError(Exception):
@@ -130,6 +135,7 @@ async def _serve(ctx: ChildContext, sock: socket.socket, state: FrontendState) -
         access_log=args.log_level.lower() == "debug",
         lifespan="off",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = _Server(config, state.manager)
 
