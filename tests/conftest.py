@@ -1,10 +1,37 @@
-"""Shared fixtures: one real SmolLM2 server (float32, checks on) for the API tests."""
+"""Shared fixtures: one real SmolLM2 server (float32, checks on) for the API tests; and the
+order in which files start."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.helpers import Server, smollm2_gguf
+
+LONGEST_FILES_FIRST = (
+    "test_fast_path_vs_transformers.py",
+    "test_gemma3_270m.py",
+    "test_structured_outputs.py",
+    "test_model_families.py",
+    "test_overlap_and_speculative.py",
+    "test_tensor_parallel.py",
+    "test_chaos.py",
+    "test_faults.py",
+    "test_data_parallel_and_multi_node.py",
+    "test_batch_invariance_served.py",
+    "test_load.py",
+    "test_parity_with_transformers.py",
+)
+"""The files that take longest (a run's --durations, summed per file), in that order. The two
+pytest processes take whole files in collection order, so these go first: a long file
+started last would run on alone while the other process idles."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
+
+    items.sort(key=rank)  # stable: tests keep their order within a file
 
 
 @pytest.fixture(scope="session")

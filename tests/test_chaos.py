@@ -4,7 +4,7 @@ at random, more often than the old budget of 5 restarts allowed. Nothing is lost
 equals the fault-free run, a killed tokenizer is back within 15 s, and killing the launcher
 leaves no process behind.
 
-`python -m pytest -q -s tests/test_chaos.py` prints the restart timeline (docs/benchmarks.md).
+`python -m pytest -q -s -n 0 tests/test_chaos.py` prints the restart timeline (docs/benchmarks.md).
 """
 
 from __future__ import annotations
