@@ -22,8 +22,9 @@ LONGEST_FILES_FIRST = (
     "test_parity_with_transformers.py",
 )
 """The files that take longest (a run's --durations, summed per file), in that order. The two
-pytest processes take whole files in collection order, so these go first: a long file
-started last would run on alone while the other process idles."""
+pytest processes take whole files in collection order (`--no-loadscope-reorder`: xdist would
+order them by their number of tests), so these go first: a long file started last would run
+on alone while the other process idles."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
