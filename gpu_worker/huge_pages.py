@@ -1,10 +1,10 @@
 """Memory backed by 2 MB pages for weights that decode steps stream from end to end.
 
 Why: a 1-row decode step reads every weight once, at the memory's pace, and in 4 KB pages it
-also walks the page tables once every 4 KB. On Zen 4 (Linux THP in `madvise` mode, so a
-plain allocation never gets 2 MB pages) Gemma 3's 178 MB Q8_0 head read in 10.4 ms from 4 KB
-pages and 5.8 ms from 2 MB pages (17 against 31 GB/s; docs/benchmarks.md). llama.cpp maps the
-file, whose page cache can be huge pages.
+also walks the page tables once every 4 KB. With Linux THP in `madvise` mode a plain
+allocation never gets 2 MB pages, and Gemma 3's head then reads at about half the speed
+(docs/benchmarks.md, "Quantized linear kernels"). llama.cpp maps the file, whose page cache
+can be huge pages.
 
 How: anonymous private mappings of `CHUNK_BYTES`, marked MADV_HUGEPAGE before their first
 touch, so the kernel backs them with 2 MB pages where it can (else 4 KB ones: correct, as
@@ -15,6 +15,7 @@ it is gone (torch.frombuffer keeps the mapping alive). Elsewhere than Linux: pla
 
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 
@@ -47,9 +48,7 @@ def huge_page_empty(shape: tuple[int, ...]) -> torch.Tensor:
     """An uninitialised contiguous uint8 tensor of `shape` in 2 MB-page memory where the OS
     gives it (else ordinary memory)."""
     global _chunk, _used
-    size = 1
-    for dim in shape:
-        size *= dim
+    size = math.prod(shape)
     with _lock:
         if _chunk is None or _used + size > _chunk.numel():
             _chunk = _new_chunk(max(CHUNK_BYTES, -(-size // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES))

@@ -153,8 +153,8 @@ def test_a_simulated_step_adds_the_front_ends_measured_share(tmp_path):
 def test_sweep_steps_read_kv_that_was_written_as_a_served_workers_do(tmp_path):
     """A swept row's cached prefix was never computed; its pages must hold written values all
     the same: attention over a pool left untouched reads the operating system's zero page
-    from cache (on Zen 4, 30 layers of 8 rows x 1,100 keys: 8.6 ms of CPU untouched, 21.1 ms
-    written), and a profile fitted on that under-predicts every served step with long KV."""
+    from cache, about twice as fast as written KV (docs/benchmarks.md, "Simulated-worker
+    fidelity"), and a profile fitted on that under-predicts every served step with long KV."""
     import time
 
     import torch

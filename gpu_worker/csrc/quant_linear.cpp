@@ -78,8 +78,8 @@ constexpr int64_t kU4 = 0, kI8 = 1, kI5 = 2, kI6 = 3;
 constexpr int kMaxTileRows = 8;
 constexpr int kAvx2TileRows = 3;
 // Calls of up to this many rows run on the calling thread alone: they read their weights at
-// the memory's pace from one core (Zen 4, Gemma 3's head in 2 MB pages: 5.9 ms on one thread,
-// 6.2 on two at 1 row; 7.7 and 8.2 at 4 rows), and a parallel region per call (73 in a Gemma
+// the memory's pace from one core (Zen 4: one thread is as fast as two on Gemma 3's head at
+// 1 and 4 rows), and a parallel region per call (73 in a Gemma
 // decode step) costs its fork and join, far more where a teammate is descheduled by the
 // scheduler process or other load (docs/benchmarks.md, "Quantized linear kernels"). The
 // split changes no bits.
