@@ -209,6 +209,27 @@ def _copy_sources(build_dir: str) -> list[str]:
     return [os.path.join(src, os.path.basename(path)) for path in SOURCES]
 
 
+def _put_our_ninja_first_on_path() -> None:
+    """torch builds with whichever `ninja` PATH finds first. Ours is the `ninja` package's (a
+    dependency): a system ninja of another version reads the shared build directory's log as
+    foreign and rebuilds every kernel, and the next start under the package's ninja rebuilds
+    them all again (a checkout and an unactivated venv of the wheel see different PATHs).
+    The venv's own bin/ is the fallback: it holds ninja when installed there."""
+    candidates = [os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        candidates.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    for bin_dir in candidates:
+        if shutil.which("ninja", path=bin_dir):
+            path = os.environ.get("PATH", "")
+            if path.split(os.pathsep)[0] != bin_dir:
+                os.environ["PATH"] = bin_dir + os.pathsep + path
+            return
+
+
 @contextmanager
 def _exclusive_build(build_dir: str) -> Iterator[None]:
     """One process at a time builds or loads from `build_dir`, under an flock that the OS
@@ -237,8 +258,7 @@ def _build() -> bool:
     try:
         build_dir = kernel_cache_dir(isa)
         logger.info("loading the C++ CPU kernels (%s, %s; the first build takes ~30 s)", isa, build_dir)
-        if shutil.which("ninja") is None:  # an installed venv run without activating it holds ninja in its bin/
-            os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+        _put_our_ninja_first_on_path()
         with _exclusive_build(build_dir):
             sources = _copy_sources(build_dir)
             cpp_extension.load(

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 U4_BLOCK = 32
@@ -59,10 +60,9 @@ class U4Weights:
         return self.codes.shape
 
     def dequantize(self) -> np.ndarray:
-        """float32 [N, K]: the weights as gguf dequantizes them."""
-        return _per_element(self.scales, self.block) * self.codes.astype(np.float32) + _per_element(
-            self.mins, self.block
-        )
+        """float32 [N, K]: the weights as gguf dequantizes them (a multiply, then an add)."""
+        products = _blockwise(self.codes, self.block) * _per_block(self.scales)
+        return (products + _per_block(self.mins)).reshape(self.shape).numpy()
 
     def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> U4Weights:
         """The same operation on rows (slice, permute, pad) applied to codes, scales and mins."""
@@ -93,7 +93,7 @@ class I8Weights:
         return self.codes.shape
 
     def dequantize(self) -> np.ndarray:
-        return _per_element(self.scales, self.block) * self.codes.astype(np.float32)
+        return (_blockwise(self.codes, self.block) * _per_block(self.scales)).reshape(self.shape).numpy()
 
     def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> I8Weights:
         return I8Weights(fn(self.codes), fn(self.scales), self.block, self.bits)
@@ -113,8 +113,17 @@ class I8Weights:
 QuantWeights = U4Weights | I8Weights
 
 
-def _per_element(values: np.ndarray, block: int) -> np.ndarray:
-    return np.repeat(values, block, axis=1)
+def _blockwise(codes: np.ndarray, block: int) -> torch.Tensor:
+    """codes [N, K] as float32 [N, K // block, block]. Dequantizing in torch (threads, the
+    scales broadcast rather than repeated) is what makes a dense load of Gemma 3 quick: in
+    numpy its 168M-element embedding took most of the load (docs/benchmarks.md)."""
+    rows, cols = codes.shape
+    return torch.from_numpy(np.ascontiguousarray(codes)).reshape(rows, cols // block, block).float()
+
+
+def _per_block(values: np.ndarray) -> torch.Tensor:
+    """scales or mins [N, K // block] -> [N, K // block, 1], to broadcast over a block."""
+    return torch.from_numpy(np.ascontiguousarray(values)).unsqueeze(-1)
 
 
 def _block_range(start: int, length: int, block: int) -> tuple[int, int]:

@@ -1,11 +1,23 @@
-"""Shared fixtures: one real SmolLM2 server (float32, checks on) for the API tests; and the
-order in which files start."""
+"""Shared fixtures: one real SmolLM2 server (float32, checks on) for the API tests; the
+order in which files start, and which share a pytest process; a directory the processes share."""
 
 from __future__ import annotations
 
-import pytest
+import os
+import shutil
+import tempfile
 
-from tests.helpers import Server, smollm2_gguf
+from gpu_worker.omp_policy import use_passive_omp_wait
+
+# Before numpy and torch are imported, for the references and in-process workers that tests
+# run: the settings the launcher gives its children (trident/child_process.py) and the worker
+# takes (omp_policy.py). The two pytest processes share 2 cores with the servers they start.
+os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
+use_passive_omp_wait()
+
+import pytest  # noqa: E402
+
+from tests.helpers import SHARED_DIR_ENV, Server, smollm2_gguf  # noqa: E402
 
 LONGEST_FILES_FIRST = (
     "test_fast_path_vs_transformers.py",
@@ -25,6 +37,38 @@ LONGEST_FILES_FIRST = (
 pytest processes take whole files in collection order (`--no-loadscope-reorder`: xdist would
 order them by their number of tests), so these go first: a long file started last would run
 on alone while the other process idles."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A parallel run's controller makes the directory its pytest processes share (they start
+    after this, with its environment)."""
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", default=None):
+        os.environ[SHARED_DIR_ENV] = tempfile.mkdtemp(prefix="trident-tests-shared-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and SHARED_DIR_ENV in os.environ:
+        shutil.rmtree(os.environ.pop(SHARED_DIR_ENV), ignore_errors=True)
+
+
+RUN_WITH = {"test_gemma3_270m.py": "test_fast_path_vs_transformers.py"}
+"""file -> the file whose pytest process runs it too: both take transformers' float32 Gemma 3
+reference (helpers.transformers_float32, cached per process), which takes a minute to load."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Whole files to each process, as `--dist loadfile` does, but a file of RUN_WITH goes with
+    its partner (it must follow it in LONGEST_FILES_FIRST)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedReferenceScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            name = file.rpartition("/")[2]
+            return file.removesuffix(name) + RUN_WITH[name] if name in RUN_WITH else file
+
+    return SharedReferenceScheduling(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

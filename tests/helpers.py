@@ -3,6 +3,7 @@ in-process worker with descriptors, and running the worker's model on one prompt
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import importlib.util
 import json
@@ -48,15 +49,41 @@ def smollm2_tokenizer() -> Any:
     return load_tokenizer(smollm2_gguf())
 
 
+SHARED_DIR_ENV = "TRIDENT_TEST_SHARED_DIR"
+"""A directory every pytest process of one run sees (conftest.py makes it for a parallel run
+and removes it after): what one process computed there, the others need not compute again."""
+
+
 @functools.cache
 def transformers_float32(gguf_path: str) -> Any:
-    """transformers' float32 model of a GGUF file, the correctness reference: loaded once per
-    test process (dequantizing Gemma 3's 262k-row embedding in Python takes tens of seconds)."""
+    """transformers' float32 model of a GGUF file, the correctness reference, once per test
+    process. transformers' GGUF reader takes tens of seconds (Gemma 3 the longest), so in a
+    parallel run the first process to need a model also saves its config and float32 weights
+    in the shared directory, and the others build it from those: the same weights, config and
+    generation config (transformers will not save_pretrained a model read from GGUF)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_model, save_model
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     directory, name = os.path.split(gguf_path)
-    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    shared = os.environ.get(SHARED_DIR_ENV)
+    if not shared:
+        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    saved = os.path.join(shared, f"transformers-float32-{name}")
+    weights = os.path.join(saved, "model.safetensors")
+    with open(saved + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits for the first one's save
+        if os.path.exists(os.path.join(saved, "complete")):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(saved), dtype=torch.float32)
+            load_model(model, weights)
+            model.generation_config = GenerationConfig.from_pretrained(saved)
+            return model.eval()
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+        model.config.save_pretrained(saved)
+        model.generation_config.save_pretrained(saved)
+        save_model(model, weights)
+        open(os.path.join(saved, "complete"), "w").close()
+        return model
 
 
 def free_port() -> int:

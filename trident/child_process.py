@@ -19,6 +19,12 @@ from trident.wire.control import process_name
 PACKAGES_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 """The folder that holds `trident/` and the process packages: a checkout, or site-packages."""
 MODULE_OF_ROLE = {"worker": "gpu_worker", "scheduler": "scheduler_proc", "tokenizer": "tokenizer_proc"}
+CHILD_ENV_DEFAULTS = {"NUMPY_MADVISE_HUGEPAGE": "0"}
+"""Environment a child gets unless the user's environment says otherwise. numpy asks for 2 MB
+pages for every large array; under THP's default `madvise` defrag each such first touch may
+compact memory synchronously, and on a busy host that made the short-lived arrays of a GGUF
+load many times slower (docs/benchmarks.md). Weights that do gain from huge pages get them
+on purpose (gpu_worker/huge_pages.py)."""
 
 
 def child_cwd(run_dir: str) -> str:
@@ -53,7 +59,7 @@ class Child:
     ) -> Child:
         cmd = [sys.executable, "-m", MODULE_OF_ROLE[role], "--args-file", args_file]
         cmd += ["--parent-pid", str(os.getpid()), "--rank", str(rank), "--dp-rank", str(dp_rank)]
-        proc = subprocess.Popen(cmd, cwd=child_cwd(run_dir), env=dict(os.environ, **env))
+        proc = subprocess.Popen(cmd, cwd=child_cwd(run_dir), env={**CHILD_ENV_DEFAULTS, **os.environ, **env})
         return cls(role, rank, dp_rank, proc, os.pidfd_open(proc.pid), process_name(role, rank, dp_rank, dp_size))
 
     def wait_or_kill(self, timeout: float) -> None:
