@@ -33,10 +33,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+if TYPE_CHECKING:
+    import torch
 
 U4_BLOCK = 32
 """Elements per scale/min pair of the U4 layout."""
@@ -117,12 +120,16 @@ def _blockwise(codes: np.ndarray, block: int) -> torch.Tensor:
     """codes [N, K] as float32 [N, K // block, block]. Dequantizing in torch (threads, the
     scales broadcast rather than repeated) is what makes a dense load of Gemma 3 quick: in
     numpy its 168M-element embedding took most of the load (docs/benchmarks.md)."""
+    import torch  # here: the launcher reads GGUF headers through this package, without torch
+
     rows, cols = codes.shape
     return torch.from_numpy(np.ascontiguousarray(codes)).reshape(rows, cols // block, block).float()
 
 
 def _per_block(values: np.ndarray) -> torch.Tensor:
     """scales or mins [N, K // block] -> [N, K // block, 1], to broadcast over a block."""
+    import torch
+
     return torch.from_numpy(np.ascontiguousarray(values)).unsqueeze(-1)
 
 

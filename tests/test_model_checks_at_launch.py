@@ -104,3 +104,16 @@ def test_a_truncated_safetensors_file_is_refused(tiny_llama, tmp_path):
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)
     assert "model.safetensors is truncated" in launch_error(whole)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma-3-270m"])
+def test_the_launcher_resolves_and_checks_a_gguf_without_importing_torch(model):
+    """The launcher's own start, before any child exists, is on every server's start path:
+    torch's import there would add a second or two to each."""
+    code = (
+        "import sys\nfrom trident.model_source import resolve_model\n"
+        f"resolve_model({model!r})\nprint('torch' in sys.modules)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
