@@ -96,6 +96,11 @@ def make_venv(venv: str, wheel: str) -> str:
     ).stdout.strip()
     with open(os.path.join(venv_site, "trident_check_dependencies.pth"), "w") as f:
         f.write("\n".join(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))) + "\n")
+    # An installed dependency's program lies in the venv's bin/: ninja's, which builds the kernels
+    # (a system ninja of another version would rebuild the cache the test suite just built).
+    ninja = os.path.join(sysconfig.get_path("scripts"), "ninja")
+    if os.path.exists(ninja):
+        os.symlink(ninja, os.path.join(venv, "bin", "ninja"))
     check_dependencies_installed(python)
     return python
 
