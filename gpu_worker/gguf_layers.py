@@ -43,10 +43,12 @@ def pad_rows(weights: QuantWeights, rows: int) -> QuantWeights:
 
 @contextmanager
 def weights_left_uninitialised() -> Iterator[None]:
-    """Builds nn.Linear and nn.Embedding without their random initialisation: the memory of
-    a weight that is never written is never touched, so it costs no resident memory (the
-    worker's heap keeps every page it touches: malloc_policy.py). The worker builds its model
-    inside this for `--weight-dtype gguf`, where every such weight is loaded or released."""
+    """Builds nn.Linear and nn.Embedding without their random initialisation. The worker
+    builds its model inside this: load_weights writes every weight from the checkpoint, or
+    releases it (`--weight-dtype gguf`) and refuses a checkpoint that lacks one, so drawing
+    random values first only costs time at every start, and the memory of a released weight
+    is then never touched, so it costs no resident memory (the worker's heap keeps every
+    page it touches: malloc_policy.py)."""
     saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
     nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
     try:

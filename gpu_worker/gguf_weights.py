@@ -222,7 +222,9 @@ def iter_gguf_weights(
         elif arch == "gemma3" and name.endswith("norm.weight"):
             data = data - 1.0
         if isinstance(data, np.ndarray):
-            yield name, torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
+            # Copied only where not already a writable float32 array of our own (a view of the
+            # read-only file mapping is not).
+            yield name, torch.from_numpy(np.require(data, dtype=np.float32, requirements=["C", "W"]))
         else:
             yield name, data
     if dense_fallbacks:

@@ -11,7 +11,6 @@ together inside the forward, and rank 0's sampled tokens are broadcast (parallel
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -212,7 +211,7 @@ class Worker(WorkerLoop):
     def load_model(self, model_path: str, quantized: bool) -> LlamaForCausalLM:
         """This rank's part of the model on the device in the worker's dtype, weights from the
         checkpoint (benchmarks/gpu_check.py builds random weights on the device instead)."""
-        with weights_left_uninitialised() if quantized else contextlib.nullcontext():
+        with weights_left_uninitialised():
             model = LlamaForCausalLM(self.cfg, self.plan, self.tp)
         model.load_weights(iter_weights(model_path, self.cfg, quantized))
         return model.to(device=self.device, dtype=self.dtype).eval()
