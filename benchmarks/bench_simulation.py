@@ -56,8 +56,15 @@ COMPARED = {
 }
 
 
-def serve(label: str, launch_args: list[str], bench_args: list[str]) -> dict[str, Any]:
-    """Starts `launch.py` with launch_args, runs bench_serving with bench_args, stops it."""
+def serve(label: str, launch_args: list[str], bench_args: list[str], record_dir: str | None = None) -> dict[str, Any]:
+    """Starts `launch.py` with launch_args, runs bench_serving with bench_args, stops it;
+    with `record_dir`, the server records its steps there as LABEL.rec."""
+    if record_dir:
+        os.makedirs(record_dir, exist_ok=True)
+        recording = os.path.join(record_dir, f"{label}.rec")
+        if os.path.exists(recording):
+            os.remove(recording)  # the recorder would start a new file beside it
+        launch_args = [*launch_args, "--record-batches", recording]
     args = build_parser().parse_args([*bench_args, "--label", label, "--disable-tqdm"])
     requests = build_workload(workload_spec(args), load_tokenizer(args.tokenizer))
     command = " ".join([sys.executable, "launch.py", *launch_args])
@@ -180,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run each round on the profile without the front end's contention",
     )
+    p.add_argument(
+        "--record-dir",
+        default=None,
+        help="record every server's steps there (LABEL.rec; benchmarks/compare_step_timelines.py reads them)",
+    )
     p.add_argument("--output-json", default=os.path.join(RESULTS, "sim_fidelity.json"))
     ns = p.parse_args(argv)
     workloads = ns.workloads.split(",")
@@ -194,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         real_docs: list[dict] = []
         sim_docs: dict[str, list[dict]] = {label: [] for label in sims}
         for i in range(ns.repeats):
-            real_docs.append(serve(f"real-{name}-{i + 1}", model_args, WORKLOADS[name]))
+            real_docs.append(serve(f"real-{name}-{i + 1}", model_args, WORKLOADS[name], ns.record_dir))
             for label, path in sims.items():
                 sim_args = [*model_args, "--worker", "simulated", "--sim-profile", path]
-                sim_docs[label].append(serve(f"{label}-{name}-{i + 1}", sim_args, WORKLOADS[name]))
+                sim_docs[label].append(serve(f"{label}-{name}-{i + 1}", sim_args, WORKLOADS[name], ns.record_dir))
         report["workloads"][name] = compare(name, real_docs, sim_docs["sim"])
         if ns.ablate_frontend:
             report["workloads"][name]["without_frontend"] = compare(name, real_docs, sim_docs["sim-alone"])

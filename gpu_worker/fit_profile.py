@@ -49,6 +49,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -68,8 +69,9 @@ from gpu_worker.step_profile import (
     fit_step_times,
     ratio_quantiles,
 )
-from trident.wire.backend import BatchDescriptor
+from trident.wire.backend import BatchDescriptor, StepResult
 from trident.wire.child import ChildContext
+from trident.wire.recording import read_recording
 
 if TYPE_CHECKING:
     from gpu_worker.profile_sweep import SweepTimes  # imports torch: only inside main()
@@ -94,13 +96,13 @@ def time_recording(path: str, passes: int, overrides: dict) -> tuple[np.ndarray,
     return np.stack([shapes[i] for i in ids]), np.asarray([seconds[i] for i in ids])
 
 
-def recorded_timings(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """(shapes, seconds) of every computing step, with the forward times the recording holds."""
+def recorded_steps(path: str) -> Iterator[tuple[int, np.ndarray, StepResult]]:
+    """(step id, shape, recorded result) of every step of a recording that has a result, in
+    the order the scheduler sent them; shapes come from replaying the descriptors through a
+    simulated worker's batch state (no model, no sleep)."""
     from gpu_worker.simulated import SimulatedWorker  # imports torch: not before main() sets the OpenMP policy
 
     rec = load_recording(path)
-    if rec.args.speculative_algorithm:
-        raise ValueError(f"{path}: recorded step times need a recording without speculative decoding")
     run_dir = tempfile.mkdtemp(prefix="trident-fit-")
     no_sleep = os.path.join(run_dir, "zero.json")
     StepProfile(dict.fromkeys(COEFFICIENT_NAMES, 0.0)).save(no_sleep)
@@ -108,13 +110,18 @@ def recorded_timings(path: str) -> tuple[np.ndarray, np.ndarray]:
         rec.args, run_dir=run_dir, worker="simulated", sim_profile=no_sleep, check_seq_lens=False, tp_size=1
     )
     worker = SimulatedWorker(ChildContext(args, "worker", 0))
-    shapes, seconds = [], []
     for step_id, _ in replay_steps(worker, rec.sent, desc=f"{path} shapes"):
         result = rec.results.get(step_id)
-        if result is not None and worker.last_step_features[0]:
-            shapes.append(worker.last_step_features)
-            seconds.append(result.forward_time_s)
-    return np.stack(shapes), np.asarray(seconds)
+        if result is not None:
+            yield step_id, worker.last_step_features, result
+
+
+def recorded_timings(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(shapes, seconds) of every computing step, with the forward times the recording holds."""
+    if read_recording(path)[0].speculative_algorithm:  # the header only
+        raise ValueError(f"{path}: recorded step times need a recording without speculative decoding")
+    steps = [(shape, result.forward_time_s) for _, shape, result in recorded_steps(path) if shape[0]]
+    return np.stack([s for s, _ in steps]), np.asarray([t for _, t in steps])
 
 
 def step_kinds(shapes: np.ndarray) -> np.ndarray:
@@ -227,13 +234,14 @@ def main(argv: list[str] | None = None) -> int:
             shapes.append(times.shapes[fastest])
             seconds.append(times.seconds[fastest])
             kinds += [times.kinds[i] for i in fastest]
-            spread.append((times.shapes, times.seconds))
+            # A shape's repeats scatter around its fastest, which is what is fitted.
+            spread.append((times.shapes, times.seconds, times.seconds[fastest][times.group]))
         for path in ns.recordings:
             timed = recorded_timings(path) if ns.timing == "recorded" else time_recording(path, ns.passes, overrides)
             shapes.append(timed[0])
             seconds.append(timed[1])
             kinds += step_kinds(timed[0]).tolist()
-            spread.append(timed)
+            spread.append((*timed, None))  # one time per step: around the prediction
         served = recorded_timings(ns.frontend_from) if ns.frontend_from else None
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -255,14 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         profile.worker_threads, profile.host_cores = worker_threads(), os.cpu_count() or 1
     predicted = profile.predict(all_shapes)
     profile.fit = fit_report(all_shapes, all_seconds, predicted, np.asarray(kinds))
-    spread_shapes = np.concatenate([s for s, _ in spread])
-    spread_seconds = np.concatenate([t for _, t in spread])
     if served is not None:
         profile.frontend = fit_frontend(profile, *served)
-        spread_shapes, spread_seconds = served
-        profile.fit["frontend_fitted_on_steps"] = int(len(spread_seconds))
-    typical = profile.predict(spread_shapes) + np.asarray([profile.frontend_seconds(s) for s in spread_shapes])
-    profile.step_time_ratios = ratio_quantiles(typical, spread_seconds)
+        spread = [(*served, profile.predict(served[0]) + np.asarray([profile.frontend_seconds(s) for s in served[0]]))]
+        profile.fit["frontend_fitted_on_steps"] = int(len(served[1]))
+    typical = np.concatenate([profile.predict(s) if ref is None else ref for s, _, ref in spread])
+    profile.step_time_ratios = ratio_quantiles(typical, np.concatenate([t for _, t, _ in spread]))
     profile.save(ns.output)
     share = profile.frontend or ("live" if profile.contention() else "not simulated")
     print(
