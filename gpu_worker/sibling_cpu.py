@@ -1,16 +1,20 @@
-"""CPU time the server's other processes spend: what a simulated worker's steps are stretched by.
+"""CPU time the rest of the host spends: what a simulated worker's steps are stretched by.
 
 A model worker on a CPU shares its cores with the tokenizer and the scheduler (and the
-launcher): every moment they run during a step, one of the worker's threads waits, and its
-teammates wait for it at the next barrier. A simulated worker only sleeps, so the same
-front end runs on idle cores and the step loses nothing. `SiblingCpu` reads, at a step's
-start and end, how much CPU those processes used in between; `Contention` turns that into
-the time the real worker would have lost (simulated.py adds it to the step).
+launcher), and with whatever else runs on the host, a benchmark's client first of all:
+every moment they run during a step, one of the worker's threads waits, and its teammates
+wait for it at the next barrier. A simulated worker only sleeps, so the same processes run
+on idle cores and the step loses nothing. `SiblingCpu` reads, at a step's start and end,
+how much CPU those processes used in between; `Contention` turns that into the time the
+real worker would have lost (simulated.py adds it to the step).
 
-The processes are those under launch.py (this worker's parent) that are not workers, and
-launch.py itself. Each is read through its process CPU clock (clock_gettime on the clock id
-Linux derives from a pid): all its threads, in nanoseconds, one system call, where
-/proc/<pid>/stat counts in 10 ms ticks, coarser than a decode step.
+The processes are every process on the host but the server's workers (`host_pids`): the
+front end, and the client that streams its tokens (bench_frontend_cpu.py: 1.0-1.7 ms of
+CPU a step beside the front end's 3-4, docs/benchmarks.md), which the real worker it is
+compared with shares its cores with. Each is read through its process CPU clock
+(clock_gettime on the clock id Linux derives from a pid): all its threads, in
+nanoseconds, one system call (~0.6 µs), where /proc/<pid>/stat counts in 10 ms ticks,
+coarser than a decode step.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import psutil
 WORKER_TITLE = "trident::worker"
 """Titles of worker processes start with this (trident/wire/control.py process_name)."""
 REFRESH_S = 2.0
-"""How often the list of processes is read again: a restarted tokenizer or scheduler has a new pid."""
+"""How often the list of processes is read again: a restarted tokenizer or scheduler, or a
+new client, has a new pid."""
 _CPUCLOCK_SCHED = 2
 
 
@@ -41,13 +46,14 @@ def _is_worker(p: psutil.Process) -> bool:
         return True  # gone or unreadable: nothing to count
 
 
-def front_end_pids(launcher_pid: int, own_pid: int) -> list[int]:
-    """launch.py and every process under it that is neither a worker nor this one."""
+def host_pids(launcher_pid: int, own_pid: int) -> list[int]:
+    """Every process on the host but this one and the other workers under launch.py (a
+    simulated worker's CPU is its own bookkeeping, not a model's)."""
     try:
-        children = psutil.Process(launcher_pid).children(recursive=True)
+        workers = {p.pid for p in psutil.Process(launcher_pid).children(recursive=True) if _is_worker(p)}
     except psutil.Error:
-        return []
-    return [launcher_pid] + [p.pid for p in children if p.pid != own_pid and not _is_worker(p)]
+        workers = set()
+    return [pid for pid in psutil.pids() if pid != own_pid and pid not in workers]
 
 
 class SiblingCpu:
@@ -55,19 +61,21 @@ class SiblingCpu:
     the last `mark()`."""
 
     def __init__(self, find: Callable[[], list[int]] | None = None) -> None:
-        """`find`: returns the pids to count; default: the front end of this worker's server."""
-        self._find = find or (lambda: front_end_pids(os.getppid(), os.getpid()))
+        """`find`: returns the pids to count; default: the host's but this server's workers."""
+        self._find = find or (lambda: host_pids(os.getppid(), os.getpid()))
         self._pids: list[int] = []
         self._found_at = -REFRESH_S
         self._marked: dict[int, float] = {}
 
     def _read(self) -> dict[int, float]:
-        used = {}
+        used, gone = {}, []
         for pid in self._pids:
             try:
                 used[pid] = time.clock_gettime(process_cpu_clock(pid))
-            except OSError:  # exited since the list was read: look again next time
-                self._found_at = -REFRESH_S
+            except OSError:  # exited since the list was read (a restart's new pid comes with the next list)
+                gone.append(pid)
+        if gone:
+            self._pids = [pid for pid in self._pids if pid not in gone]
         return used
 
     def mark(self) -> None:
@@ -85,20 +93,21 @@ class SiblingCpu:
 
 @dataclass(frozen=True)
 class Contention:
-    """How much of the front end's CPU a real worker's step would have lost, from the host
-    the profile was measured on.
+    """How much of the CPU other processes used during a step (the front end's, a client's) a
+    real worker's step would have lost, from the host the profile was measured on.
 
-    With as many worker threads as cores, every CPU second the front end runs during a step
-    displaces a worker thread for that second, and the step (whose threads meet at barriers)
-    ends that much later. With fewer threads than cores, the front end first fills the
-    cores the worker leaves idle. What it assumes: the front end costs the same CPU on the
-    simulating host as it would beside the real worker, and a displaced thread costs the
-    step its own time and no more (no cache refill, no wake-up latency)."""
+    With as many worker threads as cores, every CPU second they run during a step displaces
+    a worker thread for that second, and the step (whose threads meet at barriers) ends that
+    much later. With fewer threads than cores, they first fill the cores the worker leaves
+    idle. What it assumes: they cost the same CPU on the simulating host as they would
+    beside the real worker, and a displaced thread costs the step its own time and no more
+    (no cache refill, no wake-up latency; measured with a process burning CPU in bursts
+    beside the swept worker: 0.6-1.1 of the burned time, docs/benchmarks.md)."""
 
     worker_threads: int
     host_cores: int
 
     def lost_seconds(self, front_end_cpu_s: float, step_s: float) -> float:
-        """Seconds a step of `step_s` loses to `front_end_cpu_s` of front-end CPU within it."""
+        """Seconds a step of `step_s` loses to `front_end_cpu_s` of other processes' CPU within it."""
         idle_cores = max(0, self.host_cores - self.worker_threads)
         return max(0.0, front_end_cpu_s - idle_cores * step_s)

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import numpy as np
+import psutil
 import pytest
 
 from gpu_worker.sibling_cpu import Contention, SiblingCpu
@@ -186,9 +187,9 @@ def test_contention_counts_only_what_the_idle_cores_cannot_absorb():
 
 
 def front_end_cpu_seconds(server: Server) -> float:
-    """CPU of the launcher, the tokenizer and the scheduler so far."""
+    """CPU of the launcher, the tokenizer, the scheduler and this test (the client) so far."""
     procs = [p for p in server.process_tree() if not " ".join(p.cmdline()).startswith("trident::worker")]
-    return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+    return sum(p.cpu_times().user + p.cpu_times().system for p in [*procs, psutil.Process()])
 
 
 def stream_requests(server: Server, n: int = 24) -> tuple[float, float, int]:
