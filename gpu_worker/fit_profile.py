@@ -9,7 +9,7 @@ recordings, or from both:
 (gpu_worker/profile_sweep.py: decode, prefill, mixed and verify steps across their
 ranges); no server and no recording is needed, and the fit sees every kind of step, not
 only those of one workload. A shape keeps its fastest repeat for the fit (the slower ones
-measure the neighbours); the spread of all repeats around the prediction is kept.
+measure the neighbours); the spread of all repeats around their shape's fastest is kept.
 
 A profile whose steps were all timed on a worker alone (`--sweep`, `--timing replay`)
 records the worker's threads and the host's cores: a simulated worker then stretches each
@@ -188,6 +188,16 @@ def fastest_of_each_point(times: SweepTimes) -> np.ndarray:
     return order[np.r_[True, np.diff(times.group[order]) != 0]]
 
 
+def fastest_of_its_point(times: SweepTimes) -> np.ndarray:
+    """Each timed step's reference for the spread: the fastest repeat of its grid point, which
+    is what the fit sees. The repeats of one shape scatter around it by the host's noise; the
+    model's misfit of a shape is the same on every repeat, so it is left out: drawn at random
+    per step it scaled a run's single big prefill step (and so its TTFT) by another shape's
+    misfit (docs/benchmarks.md, "Simulated-worker fidelity")."""
+    _, point = np.unique(times.group, return_inverse=True)  # fastest_of_each_point's order
+    return times.seconds[fastest_of_each_point(times)][point]
+
+
 def fit_frontend(profile: StepProfile, shapes: np.ndarray, seconds: np.ndarray) -> dict[str, float]:
     """The served steps' time beyond the prediction, per step and per sampling row
     (non-negative least squares on seconds: the share is a total, not a typical step)."""
@@ -234,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             shapes.append(times.shapes[fastest])
             seconds.append(times.seconds[fastest])
             kinds += [times.kinds[i] for i in fastest]
-            # A shape's repeats scatter around its fastest, which is what is fitted.
-            spread.append((times.shapes, times.seconds, times.seconds[fastest][times.group]))
+            spread.append((times.shapes, times.seconds, fastest_of_its_point(times)))
         for path in ns.recordings:
             timed = recorded_timings(path) if ns.timing == "recorded" else time_recording(path, ns.passes, overrides)
             shapes.append(timed[0])

@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from gpu_worker.sibling_cpu import Contention, SiblingCpu
+from gpu_worker.sibling_cpu import Contention, SiblingCpu, host_pids
 from gpu_worker.step_profile import StepProfile
 from tests.helpers import Server, free_port_block, running_server, wait_until, write_sim_profile
 from trident.wire.signing import new_secret, write_secret_file
@@ -178,6 +178,24 @@ def test_sibling_cpu_counts_another_processs_cpu_time_to_the_millisecond():
         assert cpu.since_mark() == 0.0  # an exited process counts nothing, and breaks nothing
     finally:
         spin.kill()
+
+
+def test_the_cpu_counted_is_the_whole_hosts_but_the_servers_workers():
+    """A client on the same host takes cores from a real worker as the front end does: every
+    process counts (pid 1, a process outside the server) but this worker and the other workers."""
+    worker = subprocess.Popen(["bash", "-c", 'exec -a "trident::worker[tp1]" sleep 30'])
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        assert wait_until(lambda: " ".join(psutil.Process(worker.pid).cmdline()).startswith("trident::"), timeout=5)
+        # This process stands for launch.py, `other` for the worker doing the counting.
+        counted = host_pids(launcher_pid=os.getpid(), own_pid=other.pid)
+        assert {1, os.getpid()} <= set(counted)
+        assert worker.pid not in counted and other.pid not in counted
+    finally:
+        worker.kill()
+        other.kill()
+        worker.wait()
+        other.wait()
 
 
 def test_contention_counts_only_what_the_idle_cores_cannot_absorb():
