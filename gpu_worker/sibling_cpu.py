@@ -107,7 +107,7 @@ class Contention:
     worker_threads: int
     host_cores: int
 
-    def lost_seconds(self, front_end_cpu_s: float, step_s: float) -> float:
-        """Seconds a step of `step_s` loses to `front_end_cpu_s` of other processes' CPU within it."""
+    def lost_seconds(self, others_cpu_s: float, step_s: float) -> float:
+        """Seconds a step of `step_s` loses to `others_cpu_s` of other processes' CPU within it."""
         idle_cores = max(0, self.host_cores - self.worker_threads)
-        return max(0.0, front_end_cpu_s - idle_cores * step_s)
+        return max(0.0, others_cpu_s - idle_cores * step_s)

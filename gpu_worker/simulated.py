@@ -15,18 +15,22 @@ row accepts a hash-chosen number of drafts, and the accepted tokens are the same
 Tokens avoid EOS and the low ids (special and single-byte tokens), so requests run to
 their length limit and every token detokenizes to text.
 
-The front end's share of the cores. A real worker on a CPU shares its cores with the
-tokenizer and the scheduler, and every moment they run during a step is taken from the
-forward; a sleeping worker feels none of it. Where the profile says how many threads the
-real worker ran on how many cores (StepProfile.contention), each step is stretched, live, by
-the CPU the server's other processes used during it (sibling_cpu.py), and stretched again by
-what they used during the stretch, until it settles: the front end's cost follows whatever
-it does on each step, with nothing fitted. A profile with a fitted `frontend` share adds that
-instead; one with neither simulates a worker alone.
+The rest of the host's share of the cores. A real worker on a CPU shares its cores with the
+tokenizer and the scheduler, and with whatever else runs on the host (a benchmark's
+client), and every moment they run during a step is taken from the forward; a sleeping
+worker feels none of it. Where the profile says how many threads the real worker ran on how
+many cores (StepProfile.contention), each step is stretched, live, by the CPU every other
+process on the host but the server's workers used during it (sibling_cpu.py), and stretched
+again by what they used during the stretch, until it settles: the cost follows whatever the
+front end and the client do on each step, with nothing fitted. A profile with a fitted
+`frontend` share adds that instead; one with neither simulates a worker alone.
 
-What it does not model: processes outside the server (a benchmark client on the same host,
-neighbours), memory bandwidth another process takes, the cost of tokens' content (every
-token costs the same), and KV retraction pressure beyond what the advertised pool implies.
+What it does not model: when the other processes run within a step (their CPU in the
+worker's own single-threaded moments, ~1-1.5 ms of a decode step, would cost a real worker
+nothing), memory bandwidth another process takes, the host's own speed drifting between the
+sweep and the run (~10 % within 16 minutes on the quiet Zen 4 host, docs/benchmarks.md), the
+cost of tokens' content (every token costs the same), and KV retraction pressure beyond
+what the advertised pool implies.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ class SimulatedWorker(WorkerLoop):
         self.state = BatchState(args.max_running_requests, max_pages_per_row, args.page_size, self.sampling, cpu)
         self._row_offset = np.zeros(args.max_running_requests, dtype=np.int64)
         self.contention = self.profile.contention()
-        self.front_end_cpu = SiblingCpu() if self.contention else None
+        self.others_cpu = SiblingCpu() if self.contention else None
         self.open_sockets(ctx)
 
     def summary(self) -> str:
@@ -103,8 +107,8 @@ class SimulatedWorker(WorkerLoop):
         return np.zeros(self.num_draft_tokens, dtype=np.int64)
 
     def step(self, desc: BatchDescriptor) -> StepResult | WorkerError:
-        if self.front_end_cpu is not None:
-            self.front_end_cpu.mark()
+        if self.others_cpu is not None:
+            self.others_cpu.mark()
         return super().step(desc)
 
     def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
@@ -115,18 +119,19 @@ class SimulatedWorker(WorkerLoop):
         # Sleep out what this step costs, less what it already took.
         alone = self.step_seconds()
         self._sleep_until(self.step_started + alone)
-        if self.front_end_cpu is not None and self.last_step_features[0]:
-            self._stretch_for_front_end(alone)
+        if self.others_cpu is not None and self.last_step_features[0]:
+            self._stretch_for_other_processes(alone)
         return accepted, []
 
-    def _stretch_for_front_end(self, alone: float) -> None:
-        """Extends the step by what the front end's CPU during it would have taken from a real
-        worker (Contention.lost_seconds), including during the extension itself."""
-        assert self.front_end_cpu is not None and self.contention is not None
+    def _stretch_for_other_processes(self, alone: float) -> None:
+        """Extends the step by what the other processes' CPU during it (the front end's, a
+        client's) would have taken from a real worker (Contention.lost_seconds), including
+        during the extension itself."""
+        assert self.others_cpu is not None and self.contention is not None
         end = self.step_started + alone
         for _ in range(MAX_STRETCHES):
             elapsed = time.perf_counter() - self.step_started
-            new_end = self.step_started + alone + self.contention.lost_seconds(self.front_end_cpu.since_mark(), elapsed)
+            new_end = self.step_started + alone + self.contention.lost_seconds(self.others_cpu.since_mark(), elapsed)
             if new_end - end < SETTLED_S:
                 return
             end = new_end

@@ -37,16 +37,22 @@ once per step; on a CPU it is that plus the per-step overhead of the loop.
 
 A deterministic step takes the prediction; a measured one scatters around it (on a CPU
 shared with the front end, the same shape takes 0.8-1.5x its typical time, with a tail
-past 3x). A fitted profile keeps that spread, as quantiles of measured / predicted time
+past 3x). A fitted profile keeps that spread, as quantiles of measured / typical time
 over its fitted steps (`step_time_ratios`), and a simulated worker scales each step by a
 draw from them: without it, a simulation matches either the real run's median step (its
-ITL) or its mean step (its throughput), never both.
+ITL) or its mean step (its throughput), never both. The typical time of a swept step is
+its shape's fastest repeat (what the fit sees), so the spread is the host's noise on one
+shape and not the model's misfit across shapes, which is the same on every repeat of a
+shape and would otherwise scale a run's one big prefill step by another shape's error
+(fit_profile.fastest_of_its_point); a recorded step, timed once, is typical at its
+prediction.
 
-What a profile cannot see is the CPU the front end (tokenizer and scheduler) takes from
-the worker's cores while a step runs: a swept worker runs alone. A simulated server runs
-the real front end, so a simulated worker measures it live (sibling_cpu.py): each step is
-stretched by the CPU the server's other processes used during it, less what the cores the
-profiled worker left idle absorb. That needs no fit and follows whatever the front end
+What a profile cannot see is the CPU the front end (tokenizer and scheduler) and a client
+on the same host take from the worker's cores while a step runs: a swept worker runs
+alone. A simulated server runs the real front end beside the same client, so a simulated
+worker measures them live (sibling_cpu.py): each step is stretched by the CPU every other
+process on the host used during it, less what the cores the profiled worker left idle
+absorb. That needs no fit and follows whatever the front end
 does on each kind of step (tokenizing a long prompt, streaming many rows); it needs the
 profiled worker's threads and the host's cores (`worker_threads`, `host_cores`, which
 `fit_profile --sweep` writes; a profile without them, like every GPU profile, simulates no
