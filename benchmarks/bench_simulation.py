@@ -20,8 +20,10 @@ and report output throughput, median TTFT and median ITL of both and simulated /
 per workload (the goal: each within 10 %), each metric the median over the repeats: on
 this machine two real runs of the same workload differ by up to 30 % (the spread is
 reported), more than the tolerance. With `--ablate-frontend` each round also runs a third
-server: the same profile without the front end's contention, to show what it adds.
-Example:
+server: the same profile without the front end's contention, to show what it adds. With
+`--record-dir` every server records its steps (LABEL.rec), and
+benchmarks/compare_step_timelines.py sets a real and a simulated run side by side, step by
+step. Example:
 
     python benchmarks/bench_simulation.py --dtype bfloat16 --repeats 2 \
         --profile-out trident/profiles/cpu-smollm2-bf16.json
