@@ -9,12 +9,11 @@ how much CPU those processes used in between; `Contention` turns that into the t
 real worker would have lost (simulated.py adds it to the step).
 
 The processes are every process on the host but the server's workers (`host_pids`): the
-front end, and the client that streams its tokens (bench_frontend_cpu.py: 1.0-1.7 ms of
-CPU a step beside the front end's 3-4, docs/benchmarks.md), which the real worker it is
-compared with shares its cores with. Each is read through its process CPU clock
-(clock_gettime on the clock id Linux derives from a pid): all its threads, in
-nanoseconds, one system call (~0.6 µs), where /proc/<pid>/stat counts in 10 ms ticks,
-coarser than a decode step.
+front end, and the client that streams its tokens (bench_frontend_cpu.py measures both,
+docs/benchmarks.md), which the real worker it is compared with shares its cores with.
+Each is read through its process CPU clock (clock_gettime on the clock id Linux derives
+from a pid): all its threads, in nanoseconds, one system call, where /proc/<pid>/stat
+counts in 10 ms ticks, coarser than a decode step.
 """
 
 from __future__ import annotations
@@ -101,8 +100,8 @@ class Contention:
     much later. With fewer threads than cores, they first fill the cores the worker leaves
     idle. What it assumes: they cost the same CPU on the simulating host as they would
     beside the real worker, and a displaced thread costs the step its own time and no more
-    (no cache refill, no wake-up latency; measured with a process burning CPU in bursts
-    beside the swept worker: 0.6-1.1 of the burned time, docs/benchmarks.md)."""
+    (no cache refill, no wake-up latency; docs/benchmarks.md has it measured with a
+    process burning CPU in bursts beside the swept worker)."""
 
     worker_threads: int
     host_cores: int

@@ -25,12 +25,12 @@ again by what they used during the stretch, until it settles: the cost follows w
 front end and the client do on each step, with nothing fitted. A profile with a fitted
 `frontend` share adds that instead; one with neither simulates a worker alone.
 
-What it does not model: when the other processes run within a step (their CPU in the
-worker's own single-threaded moments, ~1-1.5 ms of a decode step, would cost a real worker
-nothing), memory bandwidth another process takes, the host's own speed drifting between the
-sweep and the run (~10 % within 16 minutes on the quiet Zen 4 host, docs/benchmarks.md), the
-cost of tokens' content (every token costs the same), and KV retraction pressure beyond
-what the advertised pool implies.
+What it does not model (docs/benchmarks.md, "Simulated-worker fidelity", has them
+measured): when the other processes run within a step (their CPU in the worker's own
+single-threaded moments would cost a real worker nothing), memory bandwidth another process
+takes, the host's own speed drifting between the sweep and the run, the cost of tokens'
+content (every token costs the same), and KV retraction pressure beyond what the
+advertised pool implies.
 """
 
 from __future__ import annotations
