@@ -5,15 +5,18 @@ main builds it from ServerArgs (GGUF read, dequantize or repack, kernels, KV poo
 
 One JSON line per (model, dtype, repeat): wall and CPU seconds. torch's import and the
 kernels' first build are not in it (both happen before the first measurement). Run it with
-the environment the launcher gives a worker (NUMPY_MADVISE_HUGEPAGE=0, set here unless the
-caller set it) so the numbers are a served worker's.
+the environment the launcher gives a worker (CHILD_ENV_DEFAULTS, set here unless the
+caller set them) so the numbers are a served worker's.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")  # trident/child_process.py: before numpy
+from trident.child_process import CHILD_ENV_DEFAULTS
+
+for key, value in CHILD_ENV_DEFAULTS.items():  # before numpy is imported
+    os.environ.setdefault(key, value)
 
 import argparse  # noqa: E402
 import json  # noqa: E402

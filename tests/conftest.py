@@ -8,11 +8,13 @@ import shutil
 import tempfile
 
 from gpu_worker.omp_policy import use_passive_omp_wait
+from trident.child_process import CHILD_ENV_DEFAULTS
 
 # Before numpy and torch are imported, for the references and in-process workers that tests
-# run: the settings the launcher gives its children (trident/child_process.py) and the worker
-# takes (omp_policy.py). The two pytest processes share 2 cores with the servers they start.
-os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
+# run: the settings the launcher gives its children and the worker takes (omp_policy.py).
+# The two pytest processes share 2 cores with the servers they start.
+for key, value in CHILD_ENV_DEFAULTS.items():
+    os.environ.setdefault(key, value)
 use_passive_omp_wait()
 
 import pytest  # noqa: E402

@@ -66,9 +66,13 @@ def transformers_float32(gguf_path: str) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     directory, name = os.path.split(gguf_path)
+
+    def from_gguf() -> Any:
+        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+
     shared = os.environ.get(SHARED_DIR_ENV)
     if not shared:
-        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+        return from_gguf()
     saved = os.path.join(shared, f"transformers-float32-{name}")
     weights = os.path.join(saved, "model.safetensors")
     with open(saved + ".lock", "w") as lock:
@@ -78,7 +82,7 @@ def transformers_float32(gguf_path: str) -> Any:
             load_model(model, weights)
             model.generation_config = GenerationConfig.from_pretrained(saved)
             return model.eval()
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+        model = from_gguf()
         model.config.save_pretrained(saved)
         model.generation_config.save_pretrained(saved)
         save_model(model, weights)
