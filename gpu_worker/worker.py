@@ -109,15 +109,23 @@ def worker_device(args: ServerArgs, rank: int, dp_rank: int) -> torch.device:
     return torch.device(args.device)
 
 
+def cpu_threads_per_worker(args: ServerArgs) -> int:
+    """--cpu-threads, or the CPUs this process may run on shared among the node's workers
+    (os.cpu_count() would count the host's, past a taskset or a container's limit)."""
+    if args.cpu_threads > 0:
+        return args.cpu_threads
+    workers_here = args.dp_size * layout_of(args).ranks_per_node
+    return max(1, len(os.sched_getaffinity(0)) // workers_here)
+
+
 class Worker(WorkerLoop):
     def __init__(self, ctx: ChildContext) -> None:
         super().__init__(ctx)
         args = ctx.args
         self.device = worker_device(args, ctx.rank, ctx.dp_rank)
         require_kernels(args.decode_attention != "torch")
-        if self.device.type == "cpu":  # the workers of this node share its cores
-            workers_here = args.dp_size * layout_of(args).ranks_per_node
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers_here))
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads_per_worker(args))
         self.dtype = resolve_dtype(args, self.device)
         self.cfg = load_config(args.model_path)
         self.vocab_size = self.cfg.vocab_size

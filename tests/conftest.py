@@ -43,8 +43,13 @@ on alone while the other process idles."""
 
 def pytest_configure(config: pytest.Config) -> None:
     """A parallel run's controller makes the directory its pytest processes share (they start
-    after this, with its environment)."""
-    if not hasattr(config, "workerinput") and config.getoption("numprocesses", default=None):
+    after this, with its environment). Each of those processes computes on one thread
+    (helpers.IN_PROCESS_CPU_THREADS says why): the two fill the 2 cores between them."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(1)
+    elif config.getoption("numprocesses", default=None):
         os.environ[SHARED_DIR_ENV] = tempfile.mkdtemp(prefix="trident-tests-shared-")
 
 

@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IN_PROCESS_CPU_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 0
+"""--cpu-threads of the workers tests build in their own process. In a parallel run each of
+the two pytest processes computes on one thread, as conftest sets torch: two threads each
+beside the other process and its servers cost a third more CPU for the same steps
+(docs/benchmarks.md, "Test suite time"). 0 (the worker's default) in a run of one process."""
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

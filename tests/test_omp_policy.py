@@ -1,4 +1,5 @@
-"""The worker's OpenMP threads spin briefly, then sleep, when they wait, unless the user chose otherwise."""
+"""The worker's OpenMP threads: how many it computes on, and how they wait (they spin briefly, then
+sleep, unless the user chose otherwise)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,19 @@ def test_after_torch_is_loaded_it_is_too_late_and_says_so():
     code = "import os, torch\nfrom gpu_worker.omp_policy import use_passive_omp_wait\n"
     code += "print(use_passive_omp_wait(), os.environ.get('OMP_WAIT_POLICY'))"
     assert run(code).stdout.split() == ["False", "None"]
+
+
+def test_a_worker_computes_on_its_cpus_shared_among_the_nodes_workers_unless_cpu_threads_is_set():
+    from gpu_worker.worker import cpu_threads_per_worker
+    from trident.wire.server_args import ServerArgs
+
+    cpus = os.sched_getaffinity(0)
+    args = ServerArgs(model_path="m")
+    assert cpu_threads_per_worker(args) == len(cpus)
+    assert cpu_threads_per_worker(ServerArgs(model_path="m", tp_size=len(cpus))) == 1
+    assert cpu_threads_per_worker(ServerArgs(model_path="m", cpu_threads=3)) == 3
+    try:
+        os.sched_setaffinity(0, {min(cpus)})  # as `taskset -c 0` starts it: one CPU of the host's
+        assert cpu_threads_per_worker(args) == 1
+    finally:
+        os.sched_setaffinity(0, cpus)

@@ -207,6 +207,14 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     base_gpu_id: Annotated[
         int, Flag(PARALLELISM, "with --device cuda, rank r of this node runs on cuda:(base + r)")
     ] = 0
+    cpu_threads: Annotated[
+        int,
+        Flag(
+            PARALLELISM,
+            "threads each worker computes on, with --device cpu; 0: the CPUs the server may run on "
+            "(its affinity, as taskset or a container limits it) divided among this node's workers",
+        ),
+    ] = 0
     nnodes: Annotated[int, Flag(PARALLELISM, "nodes the server spans")] = 1
     node_rank: Annotated[
         int, Flag(PARALLELISM, "this node: 0 runs HTTP, tokenizer and schedulers; others only worker ranks")
