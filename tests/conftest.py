@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 from gpu_worker.omp_policy import use_passive_omp_wait
 from trident.child_process import CHILD_ENV_DEFAULTS
@@ -84,6 +85,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
 
     items.sort(key=rank)  # stable: tests keep their order within a file
+
+
+@pytest.fixture
+def worker_threads() -> Iterator[None]:
+    """The test computes on as many threads as a lone worker takes here, whatever the run's
+    setting (one per pytest process in a parallel run): how the C++ kernels split rows and
+    columns across threads is part of what they are checked for."""
+    import torch
+
+    from gpu_worker.worker import cpu_threads_per_worker
+    from trident.wire.server_args import ServerArgs
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads_per_worker(ServerArgs(model_path="")))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -32,10 +32,12 @@ if TYPE_CHECKING:
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_PROCESS_CPU_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 0
-"""--cpu-threads of the workers tests build in their own process. In a parallel run each of
-the two pytest processes computes on one thread, as conftest sets torch: two threads each
-beside the other process and its servers cost a third more CPU for the same steps
-(docs/benchmarks.md, "Test suite time"). 0 (the worker's default) in a run of one process."""
+"""--cpu-threads of the workers tests build in their own process, and of the servers they
+start unless a test sets it. In a parallel run each of the two pytest processes computes on
+one thread, as conftest sets torch: two threads each, beside the other process and its
+servers, cost a third more CPU for the same steps (docs/benchmarks.md, "Test suite time").
+0 (the worker's default) in a run of one process. The kernel tests compute on a worker's
+own count (conftest's `worker_threads`)."""
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -59,6 +61,22 @@ SHARED_DIR_ENV = "TRIDENT_TEST_SHARED_DIR"
 and removes it after): what one process computed there, the others need not compute again."""
 
 
+@contextmanager
+def one_gguf_reader_per_file() -> Iterator[None]:
+    """transformers opens a GGUF with gguf.GGUFReader twice, for its config and for its
+    tensors, and each reader parses every item of the vocabulary's arrays (Gemma 3's 262k
+    tokens: ~15 s each): meanwhile, a file's second reader is its first. The reader is
+    read-only (a memory map and the fields parsed from it), so sharing it changes nothing."""
+    import gguf
+
+    reader_class = gguf.GGUFReader
+    gguf.GGUFReader = functools.cache(reader_class)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = reader_class
+
+
 @functools.cache
 def transformers_float32(gguf_path: str) -> Any:
     """transformers' float32 model of a GGUF file, the correctness reference, once per test
@@ -73,7 +91,8 @@ def transformers_float32(gguf_path: str) -> Any:
     directory, name = os.path.split(gguf_path)
 
     def from_gguf() -> Any:
-        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+        with one_gguf_reader_per_file():
+            return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
 
     shared = os.environ.get(SHARED_DIR_ENV)
     if not shared:
@@ -133,6 +152,8 @@ class Server:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, os.path.join(REPO_ROOT, "launch.py"), "--port", str(self.port), *extra_args]
+        if IN_PROCESS_CPU_THREADS and "--cpu-threads" not in extra_args:
+            cmd += ["--cpu-threads", str(IN_PROCESS_CPU_THREADS)]
         self.proc = subprocess.Popen(
             cmd,
             cwd=REPO_ROOT,

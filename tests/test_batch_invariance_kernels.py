@@ -32,7 +32,7 @@ from tests.helpers import IN_PROCESS_CPU_THREADS, smollm2_gguf
 from trident.wire.child import ChildContext
 from trident.wire.server_args import ServerArgs
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("worker_threads")]  # and on a worker's threads
 
 SEQUENCE_SLOTS = 160
 """Pool tokens each sequence of the checks may fill."""

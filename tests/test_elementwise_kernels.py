@@ -12,6 +12,8 @@ from gpu_worker.cpu_kernels import ElementwiseKernels, load_elementwise_kernels
 from gpu_worker.kv_pool import write_kv
 from gpu_worker.model import RMSNorm, RotaryEmbedding, apply_rotary
 
+pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

@@ -10,6 +10,8 @@ import torch
 from gpu_worker.cpu_kernels import load_greedy_argmax
 from gpu_worker.sampler import SamplingTable
 
+pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
+
 ARGMAX = load_greedy_argmax()
 needs_kernel = pytest.mark.skipif(ARGMAX is None, reason="the C++ kernels cannot be built here")
 

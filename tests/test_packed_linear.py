@@ -21,6 +21,8 @@ from gpu_worker.packed_linear import (
 )
 from tests.helpers import make_random_llama, prompt_logits
 
+pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
+
 needs_onednn_bf16 = pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bf16 instructions for oneDNN"
 )

@@ -21,6 +21,8 @@ from trident.wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, For
 from trident.wire.codec import pack_int32
 from trident.wire.frontend import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
+
 PAGE = 4
 HEAD_DIM = 16
 

@@ -12,6 +12,8 @@ import torch
 
 from gpu_worker.cpu_kernels import load_decode_attention as load
 
+pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
+
 
 @pytest.fixture(scope="module")
 def kernel():

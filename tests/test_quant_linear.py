@@ -22,6 +22,8 @@ from gpu_worker.cpu_kernels import load_quant_linear
 from gpu_worker.quant_linear import QuantLinear
 from tests.helpers import REPO_ROOT
 
+pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
+
 BEST_PATH = load_quant_linear()
 PATHS = [path for path in ("avx512_vnni", "avx2") if path == BEST_PATH or (BEST_PATH and path == "avx2")]
 needs_kernels = pytest.mark.skipif(not BEST_PATH, reason="the quantized kernels need an x86 CPU with AVX2")
@@ -126,6 +128,7 @@ def test_a_row_gives_the_same_bits_whatever_its_batch_and_the_thread_count(layou
     for begin, end in ((0, 64), (7, 39), (100, 300)):
         assert torch.equal(layer(x[begin:end]), whole[begin:end])
     threads = torch.get_num_threads()
+    assert threads > 1 or len(os.sched_getaffinity(0)) == 1, "`whole` was to split its rows across threads"
     try:
         torch.set_num_threads(1)
         assert torch.equal(layer(x), whole)
