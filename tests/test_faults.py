@@ -29,7 +29,6 @@ from tests.workload import (
     generation_tokens,
     prompts,
     run_with_fault,
-    settled_generation_tokens,
 )
 from trident.wire.backend import BatchDescriptor, PageAppends, ResetBatch, StepResult, WorkerCounters
 from trident.wire.codec import FrameEncoder, pack_int32
@@ -244,7 +243,7 @@ def test_launch_py_without_a_free_port_is_a_clear_error(fault_model):
 def test_a_killed_tokenizer_is_restarted_and_its_requests_are_freed(fault_server):
     server = fault_server
     http = server.http()
-    before = settled_generation_tokens(server)
+    before = generation_tokens(server)
     with ThreadPoolExecutor(2) as pool:
         lost = [
             pool.submit(

@@ -7,7 +7,7 @@ a test can compare them with an undisturbed run (the `fault_reference` fixture).
 
 from __future__ import annotations
 
-import time
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -35,17 +35,13 @@ def child(server: Server, title: str) -> psutil.Process:
 
 
 def generation_tokens(server: Server) -> int:
-    stats = server.http().get("/server_info").json()["scheduler_stats"]
-    return stats["generation_tokens"] if stats else 0
-
-
-def settled_generation_tokens(server: Server) -> int:
-    """generation_tokens once the statistics count everything the server finished before
-    (they are published every half second); 0 at once on a server that has run nothing."""
-    if generation_tokens(server) == 0:
-        return 0
-    time.sleep(STATS_PERIOD_S)
-    return generation_tokens(server)
+    """Tokens the tokenizer has handed to clients so far: its /metrics counter, live, where
+    the scheduler's statistics lag by up to their period, longer than a short workload takes
+    to finish (a fault meant to land mid-generation then landed after it). It restarts from 0
+    with the tokenizer."""
+    metrics = server.http().get("/metrics").text
+    found = re.search(r"^trident_generation_tokens_total (\S+)$", metrics, re.M)
+    return int(float(found.group(1))) if found else 0
 
 
 def run_with_fault(
@@ -54,7 +50,7 @@ def run_with_fault(
     """Sends the workload (or `prompt_ids`) concurrently and applies `fault` once generation
     is under way (on a server shared between tests: under way in this run)."""
     http = server.http()
-    before = settled_generation_tokens(server) if fault is not None else 0
+    before = generation_tokens(server) if fault is not None else 0
     params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
 
     def one(ids: list[int]) -> list[int]:
