@@ -11,15 +11,16 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
 import pytest
 
-from tests.helpers import Server, wait_until
+from tests.helpers import IN_PROCESS_CPU_THREADS, Server, running_server, wait_until
 from tests.structured_schemas import SCHEMAS, WEATHER_TOOL
-from tests.workload import child
+from tests.workload import child, generation_tokens
 
 MODEL = "smollm2-135m"
 SAMPLES = 4
@@ -27,6 +28,24 @@ HOT = {"temperature": 0.8, "seed": 7, "n": SAMPLES}
 EBNF = 'root ::= "The answer is " ("yes" | "no") " because " [a-z]+ "."'
 REGEX = r"(red|green|blue) #[0-9a-f]{6}"
 GREEDY_SCHEMA = SCHEMAS["array_of_objects"]
+
+
+DEFAULT_SERVER = ["--model", MODEL, "--max-total-tokens", "16384", "--check-seq-lens"]
+"""The default model as a user starts it: bf16 and batch invariant, so greedy text does not
+depend on what shares the batch, on overlap or on a restart."""
+
+
+@pytest.fixture(scope="module")
+def default_server() -> Iterator[Server]:
+    with running_server(DEFAULT_SERVER) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def default_plain_loop_server() -> Iterator[Server]:
+    """Overlap off; the SIGKILL tests restart its processes, so it is kept apart."""
+    with running_server([*DEFAULT_SERVER, "--disable-overlap"]) as server:
+        yield server
 
 
 def chat(server: Server, prompt: str, **kw):
@@ -40,24 +59,24 @@ def json_schema_format(schema: dict, strict: bool = True) -> dict:
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
-def test_json_schema_outputs_always_parse_and_validate(smollm2_server, name):
+def test_json_schema_outputs_always_parse_and_validate(default_server, name):
     schema = SCHEMAS[name]
-    res = chat(smollm2_server, "Reply with a JSON example.", response_format=json_schema_format(schema), **HOT)
+    res = chat(default_server, "Reply with a JSON example.", response_format=json_schema_format(schema), **HOT)
     assert len(res.choices) == SAMPLES
     for choice in res.choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), schema)
 
 
-def test_json_schema_not_strict_still_validates(smollm2_server):
+def test_json_schema_not_strict_still_validates(default_server):
     schema = SCHEMAS["nested_object"]
-    res = chat(smollm2_server, "A person as JSON.", response_format=json_schema_format(schema, strict=False), **HOT)
+    res = chat(default_server, "A person as JSON.", response_format=json_schema_format(schema, strict=False), **HOT)
     for choice in res.choices:
         jsonschema.validate(json.loads(choice.message.content), schema)
 
 
-def test_json_object_always_gives_a_json_object(smollm2_server):
-    res = smollm2_server.client().completions.create(
+def test_json_object_always_gives_a_json_object(default_server):
+    res = default_server.client().completions.create(
         model=MODEL, prompt="Some data:", max_tokens=120, extra_body={"response_format": {"type": "json_object"}}, **HOT
     )
     for choice in res.choices:
@@ -68,8 +87,8 @@ def test_json_object_always_gives_a_json_object(smollm2_server):
 
 
 @pytest.mark.parametrize("field,holds", [("regex", lambda t: re.fullmatch(REGEX, t)), ("ebnf", None)])
-def test_regex_and_ebnf_hold_on_generate(smollm2_server, field, holds):
-    http = smollm2_server.http()
+def test_regex_and_ebnf_hold_on_generate(default_server, field, holds):
+    http = default_server.http()
     spec = REGEX if field == "regex" else EBNF
     for seed in range(SAMPLES):
         params = {field: spec, "temperature": 0.8, "seed": seed, "max_new_tokens": 60}
@@ -95,8 +114,8 @@ OTHER_TOOL = {"type": "function", "function": {"name": "get_time", "parameters":
 
 
 @pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
-def test_forced_tool_calls_give_valid_arguments(smollm2_server, tool_choice):
-    res = chat(smollm2_server, "What is the weather in Oslo?", tools=[WEATHER_TOOL], tool_choice=tool_choice, **HOT)
+def test_forced_tool_calls_give_valid_arguments(default_server, tool_choice):
+    res = chat(default_server, "What is the weather in Oslo?", tools=[WEATHER_TOOL], tool_choice=tool_choice, **HOT)
     for choice in res.choices:
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content is None and len(choice.message.tool_calls) == 1
@@ -104,9 +123,9 @@ def test_forced_tool_calls_give_valid_arguments(smollm2_server, tool_choice):
 
 
 @pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
-def test_forced_tool_calls_stream_as_tool_call_deltas(smollm2_server, tool_choice):
+def test_forced_tool_calls_stream_as_tool_call_deltas(default_server, tool_choice):
     stream = chat(
-        smollm2_server,
+        default_server,
         "What is the weather in Oslo?",
         tools=[WEATHER_TOOL, OTHER_TOOL] if tool_choice == NAMED else [WEATHER_TOOL],
         tool_choice=tool_choice,
@@ -128,8 +147,8 @@ def test_forced_tool_calls_stream_as_tool_call_deltas(smollm2_server, tool_choic
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_TOOL["function"]["parameters"])
 
 
-def test_auto_tool_choice_answers_text_or_a_well_formed_call(smollm2_server):
-    res = chat(smollm2_server, "What is the weather in Oslo?", tools=[WEATHER_TOOL], tool_choice="auto", **HOT)
+def test_auto_tool_choice_answers_text_or_a_well_formed_call(default_server):
+    res = chat(default_server, "What is the weather in Oslo?", tools=[WEATHER_TOOL], tool_choice="auto", **HOT)
     for choice in res.choices:
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
@@ -140,8 +159,8 @@ def test_auto_tool_choice_answers_text_or_a_well_formed_call(smollm2_server):
             assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
 
 
-def test_logit_bias_moves_the_greedy_token(smollm2_server):
-    http = smollm2_server.http()
+def test_logit_bias_moves_the_greedy_token(default_server):
+    http = default_server.http()
 
     def first_token(bias: dict[str, float]) -> int:
         params = {"max_new_tokens": 1, "temperature": 0, "logit_bias": bias}
@@ -153,7 +172,7 @@ def test_logit_bias_moves_the_greedy_token(smollm2_server):
     assert first_token({str(top): -100}) != top
     pushed = 47  # '?' in SmolLM2's vocabulary: not the natural next token here
     assert pushed != top and first_token({str(pushed): 100}) == pushed
-    res = smollm2_server.client().completions.create(
+    res = default_server.client().completions.create(
         model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0, logit_bias={str(pushed): 100}
     )
     assert res.choices[0].text == "?"
@@ -187,9 +206,9 @@ BAD_REQUESTS = [
 ]
 
 
-def test_unknown_fields_and_bad_constraints_get_400_and_restart_nothing(smollm2_server):
-    pids = {p.pid for p in smollm2_server.process_tree()}
-    http = smollm2_server.http()
+def test_unknown_fields_and_bad_constraints_get_400_and_restart_nothing(default_server):
+    pids = {p.pid for p in default_server.process_tree()}
+    http = default_server.http()
     for path, body, param in BAD_REQUESTS:
         r = http.post(path, json=body)
         assert r.status_code == 400, (path, body, r.text)
@@ -197,13 +216,13 @@ def test_unknown_fields_and_bad_constraints_get_400_and_restart_nothing(smollm2_
         assert error["param"] == param, error
         assert error["type"] == "invalid_request_error" and error["message"]
     with pytest.raises(openai.BadRequestError, match="temprature"):
-        smollm2_server.client().completions.create(model=MODEL, prompt="Hi", extra_body={"temprature": 0})
-    assert {p.pid for p in smollm2_server.process_tree()} == pids
+        default_server.client().completions.create(model=MODEL, prompt="Hi", extra_body={"temprature": 0})
+    assert {p.pid for p in default_server.process_tree()} == pids
 
 
-def test_openai_no_op_fields_are_accepted(smollm2_server):
+def test_openai_no_op_fields_are_accepted(default_server):
     res = chat(
-        smollm2_server,
+        default_server,
         "Hi",
         max_tokens=2,
         user="u1",
@@ -228,34 +247,34 @@ def _greedy_plain(server: Server, prompt: str) -> str:
 PROMPTS = [f"List team member number {i} as JSON." for i in range(6)]
 
 
-def test_constrained_and_unconstrained_rows_batched_together(smollm2_server):
-    alone = [_greedy_constrained(smollm2_server, PROMPTS[0]), _greedy_plain(smollm2_server, PROMPTS[1])]
+def test_constrained_and_unconstrained_rows_batched_together(default_server):
+    alone = [_greedy_constrained(default_server, PROMPTS[0]), _greedy_plain(default_server, PROMPTS[1])]
     with ThreadPoolExecutor(8) as pool:
-        constrained = [pool.submit(_greedy_constrained, smollm2_server, p) for p in PROMPTS]
-        plain = [pool.submit(_greedy_plain, smollm2_server, p) for p in PROMPTS]
+        constrained = [pool.submit(_greedy_constrained, default_server, p) for p in PROMPTS]
+        plain = [pool.submit(_greedy_plain, default_server, p) for p in PROMPTS]
         constrained, plain = [f.result() for f in constrained], [f.result() for f in plain]
     for text in constrained:
         jsonschema.validate(json.loads(text), GREEDY_SCHEMA)
     assert constrained[0] == alone[0] and plain[1] == alone[1]
 
 
-def test_overlap_on_and_off_give_the_same_constrained_greedy_text(smollm2_server, smollm2_plain_loop_server):
+def test_overlap_on_and_off_give_the_same_constrained_greedy_text(default_server, default_plain_loop_server):
     for prompt in PROMPTS[:3]:
-        assert _greedy_constrained(smollm2_server, prompt) == _greedy_constrained(smollm2_plain_loop_server, prompt)
+        assert _greedy_constrained(default_server, prompt) == _greedy_constrained(default_plain_loop_server, prompt)
 
 
 @pytest.mark.parametrize("victim", ["trident::worker[tp0]", "trident::scheduler"], ids=["worker", "scheduler"])
-def test_constrained_request_survives_a_sigkill_with_the_same_text(smollm2_server, smollm2_plain_loop_server, victim):
+def test_constrained_request_survives_a_sigkill_with_the_same_text(default_server, default_plain_loop_server, victim):
     prompt = PROMPTS[4]
-    expected = _greedy_constrained(smollm2_server, prompt)
-    server = smollm2_plain_loop_server
+    expected = _greedy_constrained(default_server, prompt)
+    server = default_plain_loop_server
     before = {p.pid for p in server.process_tree()}
     process = child(server, victim)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(_greedy_constrained, server, prompt)
-        baseline = _generation_tokens(server)
+        baseline = generation_tokens(server)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and _generation_tokens(server) < baseline + 8:
+        while time.monotonic() < deadline and generation_tokens(server) < baseline + 8:
             time.sleep(0.05)
         process.kill()
         text = future.result(timeout=300)
@@ -273,15 +292,10 @@ def _resumed_requests(server: Server) -> int:
     return stats.get("resumed_requests", 0) + int(float(by_tokenizer.group(1)) if by_tokenizer else 0)
 
 
-def _generation_tokens(server: Server) -> int:
-    stats = server.http().get("/server_info").json()["scheduler_stats"]
-    return stats["generation_tokens"] if stats else 0
-
-
 def test_offline_engine_takes_the_same_constraints():
     from trident.engine import Engine
 
-    with Engine(dtype="float32", max_total_tokens=8192) as engine:
+    with Engine(max_total_tokens=8192, cpu_threads=IN_PROCESS_CPU_THREADS) as engine:
         hot = {"temperature": 0.8, "seed": 1, "max_new_tokens": 120}
         regex, schema = engine.generate(
             ["Answer:", "A team as JSON:"],
