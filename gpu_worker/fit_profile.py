@@ -67,7 +67,6 @@ from gpu_worker.step_profile import (
     StepProfile,
     fit_shapes,
     fit_step_times,
-    model_terms,
     ratio_quantiles,
 )
 from trident.wire.backend import BatchDescriptor, StepResult
@@ -238,14 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="WARNING")
     overrides = {k: v for k, v in (("model_path", ns.model), ("dtype", ns.dtype)) if v}
     shapes, seconds, kinds, spread = [], [], [], []
-    idle: tuple[np.ndarray, np.ndarray] | None = None
     try:
         if ns.sweep:
             times = sweep_timings(ns)
             fastest = fastest_of_each_point(times)
-            assert times.cpu_seconds is not None
-            idle_core_s = worker_threads() * times.seconds[fastest] - times.cpu_seconds[fastest]
-            idle = (times.shapes[fastest], np.maximum(0.0, idle_core_s))
             shapes.append(times.shapes[fastest])
             seconds.append(times.seconds[fastest])
             kinds += [times.kinds[i] for i in fastest]
@@ -275,9 +270,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     if ns.timing == "replay" or not ns.recordings:  # every step timed on a worker alone
         profile.worker_threads, profile.host_cores = worker_threads(), os.cpu_count() or 1
-    if idle is not None:
-        idle_coef = fit_step_times(model_terms(idle[0], knee), idle[1], "absolute")
-        profile.idle_coefficients = dict(zip(COEFFICIENT_NAMES, idle_coef.tolist()))
     predicted = profile.predict(all_shapes)
     profile.fit = fit_report(all_shapes, all_seconds, predicted, np.asarray(kinds))
     if served is not None:

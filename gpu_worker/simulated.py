@@ -129,11 +129,9 @@ class SimulatedWorker(WorkerLoop):
         during the extension itself."""
         assert self.others_cpu is not None and self.contention is not None
         end = self.step_started + alone
-        idle = self.profile.idle_core_seconds(self.last_step_features)
         for _ in range(MAX_STRETCHES):
             elapsed = time.perf_counter() - self.step_started
-            lost = self.contention.lost_seconds(self.others_cpu.since_mark(), elapsed, idle)
-            new_end = self.step_started + alone + lost
+            new_end = self.step_started + alone + self.contention.lost_seconds(self.others_cpu.since_mark(), elapsed)
             if new_end - end < SETTLED_S:
                 return
             end = new_end

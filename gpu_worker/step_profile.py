@@ -191,11 +191,6 @@ class StepProfile:
     step_time_ratios: list[float] = field(default_factory=list)
     """Measured / predicted step time at the 0th, 1st, ..., 100th percentile of the fitted
     steps (ratio_quantiles); empty for hand-written profiles, whose steps take the prediction."""
-    idle_coefficients: dict[str, float] = field(default_factory=dict)
-    """Core-seconds per unit of each term (COEFFICIENT_NAMES) that the worker's own threads
-    leave idle in a step: its threads x the step's time, less its CPU (threads that wait at
-    a barrier sleep, omp_policy.py). Other processes' CPU fills that first, at no cost to
-    the step (Contention). Fitted by fit_profile --sweep; empty: none assumed."""
 
     def vector(self) -> np.ndarray:
         return np.asarray([self.coefficients.get(name, 0.0) for name in COEFFICIENT_NAMES])
@@ -204,13 +199,6 @@ class StepProfile:
         """Step seconds of the worker alone for one step's shape (SHAPE order), or for a
         matrix of them (one step per row)."""
         return model_terms(shapes, self.token_knee) @ self.vector()
-
-    def idle_core_seconds(self, shape: np.ndarray) -> float:
-        """Core-seconds the worker alone leaves idle in a step of this shape (idle_coefficients)."""
-        if not self.idle_coefficients:
-            return 0.0
-        idle = np.asarray([self.idle_coefficients.get(name, 0.0) for name in COEFFICIENT_NAMES])
-        return float(model_terms(shape, self.token_knee) @ idle)
 
     def frontend_seconds(self, shape: np.ndarray) -> float:
         """What the front end's CPU adds to a served step of this shape (0 if not measured)."""
