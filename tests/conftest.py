@@ -45,7 +45,7 @@ on alone while the other process idles."""
 def pytest_configure(config: pytest.Config) -> None:
     """A parallel run's controller makes the directory its pytest processes share (they start
     after this, with its environment). Each of those processes computes on one thread
-    (helpers.IN_PROCESS_CPU_THREADS says why): the two fill the 2 cores between them."""
+    (helpers.TEST_CPU_THREADS says why): the two fill the 2 cores between them."""
     if hasattr(config, "workerinput"):
         import torch
 

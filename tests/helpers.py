@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IN_PROCESS_CPU_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 0
+TEST_CPU_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 0
 """--cpu-threads of the workers tests build in their own process, and of the servers they
 start unless a test sets it. In a parallel run each of the two pytest processes computes on
 one thread, as conftest sets torch: two threads each, beside the other process and its
@@ -152,8 +152,8 @@ class Server:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, os.path.join(REPO_ROOT, "launch.py"), "--port", str(self.port), *extra_args]
-        if IN_PROCESS_CPU_THREADS and "--cpu-threads" not in extra_args:
-            cmd += ["--cpu-threads", str(IN_PROCESS_CPU_THREADS)]
+        if TEST_CPU_THREADS and "--cpu-threads" not in extra_args:
+            cmd += ["--cpu-threads", str(TEST_CPU_THREADS)]
         self.proc = subprocess.Popen(
             cmd,
             cwd=REPO_ROOT,

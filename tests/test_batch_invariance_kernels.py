@@ -28,7 +28,7 @@ import torch
 
 from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow, QueryKeys, shifted_causal_mask
 from tests.family_models import FAMILY_CHECKPOINTS, WINDOW, make_family_checkpoint
-from tests.helpers import IN_PROCESS_CPU_THREADS, smollm2_gguf
+from tests.helpers import TEST_CPU_THREADS, smollm2_gguf
 from trident.wire.child import ChildContext
 from trident.wire.server_args import ServerArgs
 
@@ -175,7 +175,7 @@ def default_worker(model_path: str | None = None, **args) -> Iterator:
         max_total_tokens=16384,
         max_running_requests=8,
         run_dir=tempfile.mkdtemp(),
-        cpu_threads=IN_PROCESS_CPU_THREADS,
+        cpu_threads=TEST_CPU_THREADS,
         **args,
     )
     ctx = ChildContext(server_args, "worker", 0)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.batch_state import group_by_length
-from tests.helpers import IN_PROCESS_CPU_THREADS, WorkerDriver
+from tests.helpers import TEST_CPU_THREADS, WorkerDriver
 from trident.wire.child import ChildContext
 from trident.wire.server_args import ServerArgs
 
@@ -40,7 +40,7 @@ def compiled_worker(request, tmp_path_factory):
         max_total_tokens=4096,
         max_running_requests=8,
         run_dir=tempfile.mkdtemp(prefix="trident-test-"),
-        cpu_threads=IN_PROCESS_CPU_THREADS,
+        cpu_threads=TEST_CPU_THREADS,
     )
     ctx = ChildContext(args, "worker", 0)
     yield Worker(ctx)

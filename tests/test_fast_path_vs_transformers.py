@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import IN_PROCESS_CPU_THREADS, WorkerDriver, smollm2_gguf, transformers_float32
+from tests.helpers import TEST_CPU_THREADS, WorkerDriver, smollm2_gguf, transformers_float32
 from trident.wire.backend import AddedRequest, ExtendChunk, ForwardMode, PageAppends
 from trident.wire.child import ChildContext
 from trident.wire.codec import pack_int32
@@ -127,7 +127,7 @@ def teacher_forced_logits(path: str, ids: list[int], monkeypatch, weight_dtype: 
         max_total_tokens=4096,
         max_running_requests=4,
         run_dir=tempfile.mkdtemp(),
-        cpu_threads=IN_PROCESS_CPU_THREADS,
+        cpu_threads=TEST_CPU_THREADS,
     )
     ctx = ChildContext(args, "worker", 0)
     try:

@@ -22,7 +22,7 @@ import torch
 from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow
 from gpu_worker.flat_decode import FlatDecodeLoop
 from tests.family_models import make_family_checkpoint
-from tests.helpers import IN_PROCESS_CPU_THREADS, WorkerDriver, make_random_llama
+from tests.helpers import TEST_CPU_THREADS, WorkerDriver, make_random_llama
 from trident.wire.child import ChildContext
 from trident.wire.server_args import ServerArgs
 
@@ -49,7 +49,7 @@ def worker(request, model_dir):
         max_total_tokens=4096,
         max_running_requests=8,
         run_dir=tempfile.mkdtemp(prefix="trident-test-"),
-        cpu_threads=IN_PROCESS_CPU_THREADS,
+        cpu_threads=TEST_CPU_THREADS,
     )
     ctx = ChildContext(args, "worker", 0)
     yield Worker(ctx)

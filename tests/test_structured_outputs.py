@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers import IN_PROCESS_CPU_THREADS, Server, running_server, wait_until
+from tests.helpers import TEST_CPU_THREADS, Server, running_server, wait_until
 from tests.structured_schemas import SCHEMAS, WEATHER_TOOL
 from tests.workload import child, generation_tokens
 
@@ -295,7 +295,7 @@ def _resumed_requests(server: Server) -> int:
 def test_offline_engine_takes_the_same_constraints():
     from trident.engine import Engine
 
-    with Engine(max_total_tokens=8192, cpu_threads=IN_PROCESS_CPU_THREADS) as engine:
+    with Engine(max_total_tokens=8192, cpu_threads=TEST_CPU_THREADS) as engine:
         hot = {"temperature": 0.8, "seed": 1, "max_new_tokens": 120}
         regex, schema = engine.generate(
             ["Answer:", "A team as JSON:"],
