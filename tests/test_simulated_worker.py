@@ -241,6 +241,15 @@ def stream_requests(server: Server, n: int = 24) -> tuple[float, float, int]:
     return after["worker_busy_s"] - before["worker_busy_s"], cpu, after["steps"] - before["steps"]
 
 
+SUSTAINED_LOAD_FACTOR = 2.0
+"""How far past the others' CPU a step's stretch may go. Bursts (the front end's, this test's
+client) cost a real step 0.6-1.1 of the CPU they burn (docs/benchmarks.md). But the stretch
+re-reads the CPU used during each extension, so load that lasts the whole step compounds
+(`MAX_STRETCHES`): beside the other pytest process of a parallel run, whose servers compute
+on one thread without pause, the stretch came to 1.59x the others' CPU, and 1.37x beside a
+single-threaded sweep (a known limit of `Contention`, docs/benchmarks.md)."""
+
+
 def test_a_simulated_step_is_stretched_by_the_other_processes_cpu_during_it(tmp_path):
     """The same workload behind a worker alone and behind one whose profile says its threads
     fill the cores, alternating: the second's steps are longer by the CPU the front end and
@@ -265,4 +274,4 @@ def test_a_simulated_step_is_stretched_by_the_other_processes_cpu_during_it(tmp_
     step_shared, others = totals["shared"][0] / totals["shared"][2], totals["shared"][1] / totals["shared"][2]
     report = f"step alone {step_alone * 1e3:.2f} ms, shared {step_shared * 1e3:.2f}, others' CPU {others * 1e3:.2f}"
     assert others > 0.001, report  # tokenizing, scheduling, streaming and receiving 24 rows a step
-    assert 0.4 * others < step_shared - step_alone < 1.2 * others + 0.001, report
+    assert 0.4 * others < step_shared - step_alone < SUSTAINED_LOAD_FACTOR * others + 0.001, report
