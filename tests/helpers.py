@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -194,6 +195,13 @@ class Server:
 
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=120)
+
+    def counter(self, name: str) -> float:
+        """An unlabelled sample of the tokenizer's /metrics (e.g. `trident_restarts_total`),
+        live; 0 when absent."""
+        with self.http() as http:
+            found = re.search(rf"^{re.escape(name)} (\S+)$", http.get("/metrics").text, re.M)
+        return float(found.group(1)) if found else 0.0
 
     def scheduler_stats(self) -> dict:
         """The scheduler's last published statistics (`GET /server_info`); zero counters

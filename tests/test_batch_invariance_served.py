@@ -69,11 +69,6 @@ def in_a_crowd(server: Server, prompts: list[list[int]], crowd: int, **sampling)
         return [futures["ours", i].result() for i in range(len(prompts))]
 
 
-def restarts(server: Server) -> float:
-    metrics = server.http().get("/metrics").text
-    return float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("trident_restarts_total ")))
-
-
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     return text_prompts()
@@ -116,9 +111,9 @@ def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_crowd(default_serv
 
 @pytest.mark.parametrize("fault", [kill_worker, kill_scheduler], ids=["sigkill_worker", "sigkill_scheduler"])
 def test_requests_resumed_after_a_sigkill_keep_their_tokens(default_server, prompts, reference, fault):
-    before = restarts(default_server)
+    before = default_server.counter("trident_restarts_total")
     assert run_with_fault(default_server, fault, prompts, MAX_NEW) == reference
-    assert restarts(default_server) == before + 1
+    assert default_server.counter("trident_restarts_total") == before + 1
 
 
 def test_16_token_chunks_without_overlap_keep_the_tokens(prompts, reference):

@@ -8,7 +8,6 @@ also prove that a restarted process handles the next one."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -57,7 +56,7 @@ def hang_worker(server: Server) -> None:
 
 def restarts(server: Server) -> float:
     """The launcher's restart count as /metrics reports it."""
-    return float(re.search(r"^trident_restarts_total (\S+)$", server.http().get("/metrics").text, re.M).group(1))
+    return server.counter("trident_restarts_total")
 
 
 @pytest.mark.parametrize(

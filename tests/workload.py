@@ -7,7 +7,6 @@ a test can compare them with an undisturbed run (the `fault_reference` fixture).
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -39,9 +38,7 @@ def generation_tokens(server: Server) -> int:
     the scheduler's statistics lag by up to their period, longer than a short workload takes
     to finish (a fault meant to land mid-generation then landed after it). It restarts from 0
     with the tokenizer."""
-    metrics = server.http().get("/metrics").text
-    found = re.search(r"^trident_generation_tokens_total (\S+)$", metrics, re.M)
-    return int(float(found.group(1))) if found else 0
+    return int(server.counter("trident_generation_tokens_total"))
 
 
 def run_with_fault(
