@@ -12,8 +12,11 @@ only those of one workload. A shape keeps its fastest repeat for the fit (the sl
 measure the neighbours); the spread of all repeats around their shape's fastest is kept.
 
 A profile whose steps were all timed on a worker alone (`--sweep`, `--timing replay`)
-records the worker's threads and the host's cores: a simulated worker then stretches each
-step, live, by the front end's CPU during it (gpu_worker/sibling_cpu.py).
+records the worker's threads and the cores it could run on: a simulated worker then
+stretches each step, live, by the front end's CPU during it (gpu_worker/sibling_cpu.py).
+A sweep also measures each step's CPU, and keeps how many cores the worker's threads left
+idle by the step's token count (step_profile.fit_idle_cores): the front end fills those
+first.
 
 `--frontend-from RECORDING` (with any of the above): a served run's recording, whose
 steps were timed by the worker while the tokenizer and scheduler shared its cores. What
@@ -65,6 +68,7 @@ from gpu_worker.step_profile import (
     SHAPE,
     TERMS,
     StepProfile,
+    fit_idle_cores,
     fit_shapes,
     fit_step_times,
     ratio_quantiles,
@@ -163,7 +167,8 @@ def this_cpu() -> str:
     except OSError:
         pass
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name}, {os.cpu_count()} cores, torch {torch.backends.cpu.get_cpu_capability()}, {' '.join(isa)}"
+    cores = len(os.sched_getaffinity(0))
+    return f"{name}, {cores} cores, torch {torch.backends.cpu.get_cpu_capability()}, {' '.join(isa)}"
 
 
 def worker_threads() -> int:
@@ -237,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="WARNING")
     overrides = {k: v for k, v in (("model_path", ns.model), ("dtype", ns.dtype)) if v}
     shapes, seconds, kinds, spread = [], [], [], []
+    times = None
     try:
         if ns.sweep:
             times = sweep_timings(ns)
@@ -269,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         kv_pool_tokens=ns.kv_pool_tokens,
     )
     if ns.timing == "replay" or not ns.recordings:  # every step timed on a worker alone
-        profile.worker_threads, profile.host_cores = worker_threads(), os.cpu_count() or 1
+        profile.worker_threads, profile.host_cores = worker_threads(), len(os.sched_getaffinity(0))
+    if times is not None and times.cpu_seconds is not None:
+        tokens = times.shapes[:, SHAPE.index("tokens")]
+        profile.idle_cores_by_tokens = fit_idle_cores(tokens, times.seconds, times.cpu_seconds, worker_threads())
     predicted = profile.predict(all_shapes)
     profile.fit = fit_report(all_shapes, all_seconds, predicted, np.asarray(kinds))
     if served is not None:
@@ -283,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"wrote {ns.output}: knee {knee}, {profile.coefficients}\nfront end: {share}"
         f" (worker threads {profile.worker_threads}, host cores {profile.host_cores})\nfit: {profile.fit}"
+        f"\nidle cores by tokens: {[(int(n), round(c, 3)) for n, c in profile.idle_cores_by_tokens]}"
     )
     return 0
 

@@ -184,18 +184,21 @@ class ShapeTimer:
     def _tokens(self, n: int) -> bytes:
         return pack_int32(self.rng.integers(_FIRST_TOKEN, self.worker.vocab_size, n))
 
-    def _step(self, mode: ForwardMode, removed: list[int], added: list, pages: list, extends: list) -> float:
+    def _step(
+        self, mode: ForwardMode, removed: list[int], added: list, pages: list, extends: list
+    ) -> tuple[float, float]:
+        """(the step's time by `clock`, the CPU every thread of this process used in it)."""
         desc = BatchDescriptor(self.step_id, int(mode), removed, added, PageAppends.of_rows(pages), extends, 0)
         self.step_id += 1
-        start = self.clock()
+        start, cpu_start = self.clock(), time.process_time()
         out = self.worker.step(desc)
-        elapsed = self.clock() - start
+        elapsed, cpu = self.clock() - start, time.process_time() - cpu_start
         if not isinstance(out, StepResult):
             raise RuntimeError(f"sweep step {desc.step_id} failed: {out}")
-        return elapsed
+        return elapsed, cpu
 
-    def time_shape(self, shape: StepShape, repeats: int) -> tuple[np.ndarray, np.ndarray]:
-        """(features, seconds) of the shape's timed steps (one row each)."""
+    def time_shape(self, shape: StepShape, repeats: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(features, seconds, CPU seconds) of the shape's timed steps (one row each)."""
         self.worker.state.reset(self.step_id)
         self.worker.on_reset()
         self.next_page = 1
@@ -213,10 +216,10 @@ class ShapeTimer:
         self.drafter.k = shape.drafts
         prefill_pages = [self._pages(shape.prefill_prefix + shape.prefill_chunk) for _ in range(shape.prefill_rows)]
         mode = {"prefill": ForwardMode.EXTEND, "mixed": ForwardMode.MIXED}.get(shape.kind, ForwardMode.DECODE)
-        features, seconds, previous = [], [], []
+        features, seconds, cpu_seconds, previous = [], [], [], []
         for k in range(repeats + 1):  # the first is a warm-up
             fresh = [shape.decode_rows + (k % 2) * shape.prefill_rows + i for i in range(shape.prefill_rows)]
-            elapsed = self._step(
+            elapsed, cpu = self._step(
                 mode,
                 previous,
                 [AddedRequest(s, shape.prefill_prefix, params) for s in fresh],
@@ -227,8 +230,9 @@ class ShapeTimer:
             if k:
                 features.append(self.worker.last_step_features)
                 seconds.append(elapsed)
+                cpu_seconds.append(cpu)
         self.drafter.k = 0
-        return np.stack(features), np.asarray(seconds)
+        return np.stack(features), np.asarray(seconds), np.asarray(cpu_seconds)
 
 
 def sweep_worker(model_path: str, dtype: str, context_length: int = 0, max_total_tokens: int = 0) -> WorkerLoop:
@@ -259,6 +263,8 @@ class SweepTimes:
     """Which grid point each step timed (steps of one point share the index)."""
     kinds: list[str]
     """Each step's kind: decode, prefill, mixed or verify."""
+    cpu_seconds: np.ndarray | None = None
+    """Each timed step's CPU, every thread of the worker's process (None: not measured)."""
 
 
 def run_sweep(
@@ -266,11 +272,14 @@ def run_sweep(
 ) -> SweepTimes:
     """Times every shape of the grid `repeats` times, with a progress bar."""
     timer = ShapeTimer(worker, clock=clock)
-    shapes, seconds, group, kinds = [], [], [], []
+    shapes, seconds, cpu_seconds, group, kinds = [], [], [], [], []
     for i, shape in enumerate(tqdm(grid, desc="sweeping step shapes", unit="shape")):
-        f, s = timer.time_shape(shape, repeats)
+        f, s, c = timer.time_shape(shape, repeats)
         shapes.append(f)
         seconds.append(s)
+        cpu_seconds.append(c)
         group += [i] * len(s)
         kinds += [shape.kind] * len(s)
-    return SweepTimes(np.concatenate(shapes), np.concatenate(seconds), np.asarray(group), kinds)
+    return SweepTimes(
+        np.concatenate(shapes), np.concatenate(seconds), np.asarray(group), kinds, np.concatenate(cpu_seconds)
+    )

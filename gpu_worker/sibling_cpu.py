@@ -95,10 +95,11 @@ class Contention:
     """How much of the CPU other processes used during a step (the front end's, a client's) a
     real worker's step would have lost, from the host the profile was measured on.
 
-    With as many worker threads as cores, every CPU second they run during a step displaces
-    a worker thread for that second, and the step (whose threads meet at barriers) ends that
-    much later. With fewer threads than cores, they first fill the cores the worker leaves
-    idle. What it assumes: they cost the same CPU on the simulating host as they would
+    They first fill what the worker leaves idle: the cores beyond its threads, and the
+    core-time its own threads sleep in the step, waiting at barriers or for a serial part
+    (StepProfile.idle_core_seconds). Past that, every CPU second they run displaces a
+    worker thread for that second, and the step (whose threads meet at barriers) ends that
+    much later. What it assumes: they cost the same CPU on the simulating host as they would
     beside the real worker, and a displaced thread costs the step its own time and no more
     (no cache refill, no wake-up latency; docs/benchmarks.md has it measured with a
     process burning CPU in bursts beside the swept worker)."""
@@ -106,7 +107,8 @@ class Contention:
     worker_threads: int
     host_cores: int
 
-    def lost_seconds(self, others_cpu_s: float, step_s: float) -> float:
-        """Seconds a step of `step_s` loses to `others_cpu_s` of other processes' CPU within it."""
+    def lost_seconds(self, others_cpu_s: float, step_s: float, worker_idle_core_s: float = 0.0) -> float:
+        """Seconds a step of `step_s` loses to `others_cpu_s` of other processes' CPU within
+        it, where the worker's threads leave `worker_idle_core_s` of their cores' time idle."""
         idle_cores = max(0, self.host_cores - self.worker_threads)
-        return max(0.0, others_cpu_s - idle_cores * step_s)
+        return max(0.0, others_cpu_s - idle_cores * step_s - worker_idle_core_s)

@@ -20,14 +20,16 @@ tokenizer and the scheduler, and with whatever else runs on the host (a benchmar
 client), and every moment they run during a step is taken from the forward; a sleeping
 worker feels none of it. Where the profile says how many threads the real worker ran on how
 many cores (StepProfile.contention), each step is stretched, live, by the CPU every other
-process on the host but the server's workers used during it (sibling_cpu.py), and stretched
-again by what they used during the stretch, until it settles: the cost follows whatever the
-front end and the client do on each step, with nothing fitted. A profile with a fitted
+process on the host but the server's workers used during it (sibling_cpu.py), less the
+core-time the profiled worker's own threads left idle in a step of that shape, and
+stretched again by what they used during the stretch, until it settles: the cost follows
+whatever the front end and the client do on each step. A profile with a fitted
 `frontend` share adds that instead; one with neither simulates a worker alone.
 
 What it does not model (docs/benchmarks.md, "Simulated-worker fidelity", has them
-measured): when the other processes run within a step (their CPU in the worker's own
-single-threaded moments would cost a real worker nothing), memory bandwidth another process
+measured): when the other processes run within a step (the idle core-time absorbs their CPU
+wherever it falls), load that lasts the whole step (a sustained neighbour shares the cores
+fairly; the stretch charges it as bursts, which overstates it), memory bandwidth another process
 takes, the host's own speed drifting between the sweep and the run, the cost of tokens'
 content (every token costs the same), and KV retraction pressure beyond what the
 advertised pool implies.
@@ -129,9 +131,11 @@ class SimulatedWorker(WorkerLoop):
         during the extension itself."""
         assert self.others_cpu is not None and self.contention is not None
         end = self.step_started + alone
+        idle = self.profile.idle_core_seconds(self.last_step_features, alone)
         for _ in range(MAX_STRETCHES):
             elapsed = time.perf_counter() - self.step_started
-            new_end = self.step_started + alone + self.contention.lost_seconds(self.others_cpu.since_mark(), elapsed)
+            lost = self.contention.lost_seconds(self.others_cpu.since_mark(), elapsed, idle)
+            new_end = self.step_started + alone + lost
             if new_end - end < SETTLED_S:
                 return
             end = new_end

@@ -56,7 +56,19 @@ absorb. That needs no fit and follows whatever the front end
 does on each kind of step (tokenizing a long prompt, streaming many rows); it needs the
 profiled worker's threads and the host's cores (`worker_threads`, `host_cores`, which
 `fit_profile --sweep` writes; a profile without them, like every GPU profile, simulates no
-contention). The older alternative, `frontend`, holds a share fitted on one served recording
+contention). Nor are the worker's own threads busy all the time: a thread that waits at a
+barrier sleeps (omp_policy.py), and the front end's CPU fills that core-time before it
+displaces anyone. How much a step leaves idle depends on how its work splits across the
+threads, which its token count decides: on 2 Zen 4 cores a 1- or 2-row decode step runs
+on one thread and leaves a core idle throughout, a 4-row one about a fifth of a core, and
+from 8 tokens up about 1 core-ms of serial work at the step's ends is left, a few
+percent of the step (docs/benchmarks.md). The sweep measures it per shape (threads x step
+time - the process's CPU), and the profile keeps it as idle cores by token count
+(`idle_cores_by_tokens`, fit_idle_cores), read as a fraction of the step's time: a model
+linear in the step's terms could not fall from one idle core at 1 row to none at 8 (a
+fit on them came out ~3 core-ms on every step, the large steps' value, and was taken back).
+
+The older alternative, `frontend`, holds a share fitted on one served recording
 (`fit_profile --frontend-from`, the served steps' extra time over the prediction, per step
 and per sampling row); a profile that has it uses it instead, and draws the spread around
 prediction plus share (which is how it was measured).
@@ -191,6 +203,11 @@ class StepProfile:
     step_time_ratios: list[float] = field(default_factory=list)
     """Measured / predicted step time at the 0th, 1st, ..., 100th percentile of the fitted
     steps (ratio_quantiles); empty for hand-written profiles, whose steps take the prediction."""
+    idle_cores_by_tokens: list[list[float]] = field(default_factory=list)
+    """[tokens, idle cores] pairs, tokens ascending: how many of the worker's threads' cores
+    a swept step of that many tokens left idle on average (fit_idle_cores); between and
+    beyond them, `idle_core_seconds` interpolates. Empty: none assumed (recorded and GPU
+    profiles)."""
 
     def vector(self) -> np.ndarray:
         return np.asarray([self.coefficients.get(name, 0.0) for name in COEFFICIENT_NAMES])
@@ -199,6 +216,14 @@ class StepProfile:
         """Step seconds of the worker alone for one step's shape (SHAPE order), or for a
         matrix of them (one step per row)."""
         return model_terms(shapes, self.token_knee) @ self.vector()
+
+    def idle_core_seconds(self, shape: np.ndarray, step_s: float) -> float:
+        """Core-seconds the worker's own threads leave idle in a step of this shape lasting
+        `step_s` (idle_cores_by_tokens): what other processes' CPU fills first (Contention)."""
+        if not self.idle_cores_by_tokens or not shape[0]:
+            return 0.0
+        tokens, idle_cores = np.asarray(self.idle_cores_by_tokens, dtype=np.float64).T
+        return float(np.interp(np.log2(max(1.0, shape[1])), np.log2(tokens), idle_cores)) * step_s
 
     def frontend_seconds(self, shape: np.ndarray) -> float:
         """What the front end's CPU adds to a served step of this shape (0 if not measured)."""
@@ -295,3 +320,14 @@ def fit_shapes(shapes: np.ndarray, seconds: np.ndarray, loss: str = "relative") 
         fits.append((float(np.sum(((terms @ coef - seconds) * weight) ** 2)), knee, coef))
     _, knee, coef = min(fits, key=lambda f: f[0])
     return knee, coef
+
+
+def fit_idle_cores(tokens: np.ndarray, seconds: np.ndarray, cpu_seconds: np.ndarray, threads: int) -> list[list[float]]:
+    """StepProfile.idle_cores_by_tokens from timed steps: each step's idle cores (`threads` x
+    its time, less the CPU its process used, over its time; clipped to [0, threads]: a step's
+    CPU can include a little of the last one's, and spill past `threads` x time), their
+    median over the steps of each power of two of tokens (rounded on a log scale), keyed by
+    the median token count of those steps."""
+    idle = np.clip((threads * seconds - cpu_seconds) / seconds, 0.0, float(threads))
+    bucket = np.rint(np.log2(np.maximum(tokens, 1.0))).astype(np.int64)
+    return [[float(np.median(tokens[bucket == b])), float(np.median(idle[bucket == b]))] for b in np.unique(bucket)]

@@ -16,6 +16,7 @@ from gpu_worker.step_profile import (
     COEFFICIENT_NAMES,
     SHAPE,
     StepProfile,
+    fit_idle_cores,
     fit_shapes,
     fit_step_times,
     ratio_quantiles,
@@ -170,6 +171,34 @@ def test_a_simulated_step_adds_the_front_ends_measured_share(tmp_path):
     assert worker.step_seconds() == pytest.approx(0.01 + 10 * 0.001 + 0.002 + 10 * 0.0005)
     worker.last_step_features = np.zeros(len(SHAPE))  # an idle step: no front-end share either
     assert worker.step_seconds() == 0.0
+
+
+def test_idle_cores_are_kept_by_token_count_and_read_as_a_share_of_the_step():
+    """Swept steps on 2 threads whose idle cores fall from one (1 and 2 rows: one thread
+    works) to a fifth (4 rows) to 0.05 (8 tokens and up), as measured on 2 Zen 4 cores: the
+    profile keeps each power of two's median, and a step between them reads the
+    interpolation, times its own length. A step's CPU read a little past 2 x its time (the
+    last step's tail) counts as no idle core, not as a negative one."""
+    rng = np.random.default_rng(4)
+    tokens = np.repeat([1, 2, 4, 8, 64, 512], 9).astype(float)
+    idle = np.interp(np.log2(tokens), np.log2([1, 2, 4, 8]), [1.0, 0.98, 0.2, 0.05])
+    seconds = rng.uniform(0.005, 0.5, len(tokens))
+    noise = rng.normal(0.0, 0.01, len(tokens))
+    cpu = (2 - idle + noise) * seconds
+    cpu[-1] = 2.1 * seconds[-1]
+    table = fit_idle_cores(tokens, seconds, cpu, threads=2)
+    assert [n for n, _ in table] == [1, 2, 4, 8, 64, 512]
+    assert np.allclose([c for _, c in table], [1.0, 0.98, 0.2, 0.05, 0.05, 0.05], atol=0.02)
+    profile = StepProfile(TRUE_MODEL.coefficients, idle_cores_by_tokens=table)
+    step = np.asarray([1.0, 1, 1, 100, 0, 0, 0])
+    assert profile.idle_core_seconds(step, 0.01) == pytest.approx(0.01 * table[0][1])
+    step[1] = 16  # a third of the way from 8 to 64 on a log scale
+    between = table[3][1] + (table[4][1] - table[3][1]) / 3
+    assert profile.idle_core_seconds(step, 0.02) == pytest.approx(0.02 * between)
+    step[1] = 8192  # past the largest swept step: its value
+    assert profile.idle_core_seconds(step, 1.0) == pytest.approx(table[-1][1])
+    assert profile.idle_core_seconds(np.zeros(len(SHAPE)), 1.0) == 0.0  # an idle step
+    assert TRUE_MODEL.idle_core_seconds(step, 1.0) == 0.0  # a profile without the table
 
 
 def test_sweep_steps_read_kv_that_was_written_as_a_served_workers_do(tmp_path):

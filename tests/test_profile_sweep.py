@@ -103,3 +103,6 @@ def test_fit_profile_sweep_command_writes_a_profile_with_its_cpu_and_spread(tmp_
     assert {"decode", "prefill", "mixed", "verify"} <= {k.split("_")[0] for k in profile.fit}
     ratios = np.asarray(profile.step_time_ratios)
     assert len(ratios) == 101 and (np.diff(ratios) >= 0).all() and ratios[0] > 0
+    idle = np.asarray(profile.idle_cores_by_tokens)  # measured on every swept step
+    assert idle.shape[0] >= 5 and (np.diff(idle[:, 0]) > 0).all() and idle[0, 0] == 1
+    assert ((idle[:, 1] >= 0) & (idle[:, 1] <= profile.worker_threads)).all()

@@ -204,6 +204,14 @@ def test_contention_counts_only_what_the_idle_cores_cannot_absorb():
     assert Contention(worker_threads=1, host_cores=2).lost_seconds(0.05, step_s=0.03) == pytest.approx(0.02)
 
 
+def test_contention_fills_the_core_time_the_workers_own_threads_leave_idle_first():
+    both = Contention(worker_threads=2, host_cores=2)
+    assert both.lost_seconds(0.004, step_s=0.03, worker_idle_core_s=0.001) == pytest.approx(0.003)
+    assert both.lost_seconds(0.004, step_s=0.03, worker_idle_core_s=0.03) == 0.0  # a one-thread step
+    one = Contention(worker_threads=1, host_cores=2)  # the idle core, then the idle thread's time
+    assert one.lost_seconds(0.05, step_s=0.03, worker_idle_core_s=0.005) == pytest.approx(0.015)
+
+
 def others_cpu_seconds(server: Server) -> dict[int, float]:
     """CPU so far of every process on the host but the server's workers, by pid: what its
     simulated worker counts (the front end, this test's client, whatever else runs beside)."""
