@@ -8,8 +8,9 @@ recordings, or from both:
 `--sweep` times the real model worker alone, in this process, over a grid of step shapes
 (gpu_worker/profile_sweep.py: decode, prefill, mixed and verify steps across their
 ranges); no server and no recording is needed, and the fit sees every kind of step, not
-only those of one workload. A shape keeps its fastest repeat for the fit (the slower ones
-measure the neighbours); the spread of all repeats around their shape's fastest is kept.
+only those of one workload. A shape is timed once in each of `--repeats` passes over the
+grid, so that its steps sample the host's slow and fast spells as a served run does; it
+keeps its median step for the fit, and the spread of all its steps around that median.
 
 A profile whose steps were all timed on a worker alone (`--sweep`, `--timing replay`)
 records the worker's threads and the cores it could run on: a simulated worker then
@@ -183,24 +184,28 @@ def sweep_timings(ns: argparse.Namespace) -> SweepTimes:
     from trident.model_source import default_model_path
 
     worker = sweep_worker(ns.model or default_model_path(), ns.dtype or "auto", ns.context_length, ns.max_total_tokens)
-    grid = sweep_grid(worker.context_length, ns.max_prefill_tokens, worker.num_pages - 1, ns.repeats)
-    return run_sweep(worker, grid, ns.repeats)
+    grid = sweep_grid(worker.context_length, ns.max_prefill_tokens, worker.num_pages - 1, 1)
+    return run_sweep(worker, grid, 1, passes=ns.repeats)
 
 
-def fastest_of_each_point(times: SweepTimes) -> np.ndarray:
-    """Index of the fastest timed step of each grid point."""
+def median_of_each_point(times: SweepTimes) -> np.ndarray:
+    """Index of the median timed step of each grid point (the lower of the middle two for
+    an even count). Not the fastest: on a shared host a shape timed in a fast spell of the
+    cores would be predicted for a served run that also lives through the slow ones."""
     order = np.lexsort((times.seconds, times.group))
-    return order[np.r_[True, np.diff(times.group[order]) != 0]]
+    starts = np.flatnonzero(np.r_[True, np.diff(times.group[order]) != 0])
+    counts = np.diff(np.r_[starts, len(order)])
+    return order[starts + (counts - 1) // 2]
 
 
-def fastest_of_its_point(times: SweepTimes) -> np.ndarray:
-    """Each timed step's reference for the spread: the fastest repeat of its grid point, which
-    is what the fit sees. The repeats of one shape scatter around it by the host's noise; the
-    model's misfit of a shape is the same on every repeat, so it is left out: drawn at random
+def median_of_its_point(times: SweepTimes) -> np.ndarray:
+    """Each timed step's reference for the spread: the median step of its grid point, which
+    is what the fit sees. The steps of one shape scatter around it by the host's noise; the
+    model's misfit of a shape is the same on every step, so it is left out: drawn at random
     per step it scaled a run's single big prefill step (and so its TTFT) by another shape's
     misfit (docs/benchmarks.md, "Simulated-worker fidelity")."""
-    _, point = np.unique(times.group, return_inverse=True)  # fastest_of_each_point's order
-    return times.seconds[fastest_of_each_point(times)][point]
+    _, point = np.unique(times.group, return_inverse=True)  # median_of_each_point's order
+    return times.seconds[median_of_each_point(times)][point]
 
 
 def fit_frontend(profile: StepProfile, shapes: np.ndarray, seconds: np.ndarray) -> dict[str, float]:
@@ -216,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("recordings", nargs="*")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
     p.add_argument("--sweep", action="store_true", help="time the model worker alone over a grid of step shapes")
-    p.add_argument("--repeats", type=int, default=3, help="--sweep: timed steps per shape (after one warm-up)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="--sweep: passes over the grid, timing each shape once (after a warm-up)"
+    )
     p.add_argument("--max-prefill-tokens", type=int, default=2048, help="--sweep: the largest prefill chunk")
     p.add_argument("--context-length", type=int, default=0, help="--sweep: longest KV (0: the model's)")
     p.add_argument("--max-total-tokens", type=int, default=0, help="--sweep: KV pool (0: sized as a server sizes it)")
@@ -246,11 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.sweep:
             times = sweep_timings(ns)
-            fastest = fastest_of_each_point(times)
-            shapes.append(times.shapes[fastest])
-            seconds.append(times.seconds[fastest])
-            kinds += [times.kinds[i] for i in fastest]
-            spread.append((times.shapes, times.seconds, fastest_of_its_point(times)))
+            medians = median_of_each_point(times)
+            shapes.append(times.shapes[medians])
+            seconds.append(times.seconds[medians])
+            kinds += [times.kinds[i] for i in medians]
+            spread.append((times.shapes, times.seconds, median_of_its_point(times)))
         for path in ns.recordings:
             timed = recorded_timings(path) if ns.timing == "recorded" else time_recording(path, ns.passes, overrides)
             shapes.append(timed[0])

@@ -268,18 +268,31 @@ class SweepTimes:
 
 
 def run_sweep(
-    worker: WorkerLoop, grid: list[StepShape], repeats: int, clock: Callable[[], float] = time.perf_counter
+    worker: WorkerLoop,
+    grid: list[StepShape],
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+    passes: int = 1,
 ) -> SweepTimes:
-    """Times every shape of the grid `repeats` times, with a progress bar."""
+    """Times every shape of the grid `repeats` times in each of `passes` passes over the
+    grid, with a progress bar.
+
+    Passes spread a shape's timed steps over the sweep's minutes. A shared host's cores run
+    at one speed for tens of seconds, then at another (docs/benchmarks.md: a 4 x 512 prefill
+    took 1.23 s for a minute, then 1.31-1.38 s), and a served run lives through both; steps
+    timed back to back see one."""
     timer = ShapeTimer(worker, clock=clock)
     shapes, seconds, cpu_seconds, group, kinds = [], [], [], [], []
-    for i, shape in enumerate(tqdm(grid, desc="sweeping step shapes", unit="shape")):
+    progress = tqdm(total=passes * len(grid), desc="sweeping step shapes", unit="shape")
+    for i, shape in ((i, shape) for _ in range(passes) for i, shape in enumerate(grid)):
         f, s, c = timer.time_shape(shape, repeats)
         shapes.append(f)
         seconds.append(s)
         cpu_seconds.append(c)
         group += [i] * len(s)
         kinds += [shape.kind] * len(s)
+        progress.update()
+    progress.close()
     return SweepTimes(
         np.concatenate(shapes), np.concatenate(seconds), np.asarray(group), kinds, np.concatenate(cpu_seconds)
     )

@@ -41,11 +41,11 @@ past 3x). A fitted profile keeps that spread, as quantiles of measured / typical
 over its fitted steps (`step_time_ratios`), and a simulated worker scales each step by a
 draw from them: without it, a simulation matches either the real run's median step (its
 ITL) or its mean step (its throughput), never both. The typical time of a swept step is
-its shape's fastest repeat (what the fit sees), so the spread is the host's noise on one
-shape and not the model's misfit across shapes, which is the same on every repeat of a
-shape and would otherwise scale a run's one big prefill step by another shape's error
-(fit_profile.fastest_of_its_point); a recorded step, timed once, is typical at its
-prediction.
+its shape's median step over the sweep's passes (what the fit sees), so the spread is the
+host's noise on one shape, its slow and fast spells included, and not the model's misfit
+across shapes, which is the same on every step of a shape and would otherwise scale a
+run's one big prefill step by another shape's error (fit_profile.median_of_its_point); a
+recorded step, timed once, is typical at its prediction.
 
 What a profile cannot see is the CPU the front end (tokenizer and scheduler) and a client
 on the same host take from the worker's cores while a step runs: a swept worker runs

@@ -24,7 +24,7 @@ HELD_OUT = [
 ]
 MEDIAN_ERROR_BOUND = 0.25
 """The bound the held-out shapes' median |predicted / measured - 1| must keep. A tiny model's
-steps last milliseconds, much of it the loop's own overhead, and a shape's fastest of six
+steps last milliseconds, much of it the loop's own overhead, and a shape's median of six
 repeats still moves by 10-20 % between runs on shared cores."""
 PASSES = 2
 """How many times the shuffled sequence of sweep and held-out shapes is timed (3 steps each)."""
@@ -55,7 +55,7 @@ def test_sweep_fitted_profile_predicts_held_out_shapes(tmp_path):
 
     import torch
 
-    from gpu_worker.fit_profile import fastest_of_each_point
+    from gpu_worker.fit_profile import median_of_each_point
     from gpu_worker.profile_sweep import SweepTimes, run_sweep, sweep_worker
     from gpu_worker.step_profile import fit_shapes
 
@@ -71,8 +71,8 @@ def test_sweep_fitted_profile_predicts_held_out_shapes(tmp_path):
     finally:
         torch.set_num_threads(threads)
     times = SweepTimes(timed.shapes, timed.seconds, sequence[timed.group], timed.kinds)
-    fastest = fastest_of_each_point(times)  # one step per point, in point order
-    swept, held_out = fastest[: -len(HELD_OUT)], fastest[-len(HELD_OUT) :]
+    medians = median_of_each_point(times)  # one step per point, in point order
+    swept, held_out = medians[: -len(HELD_OUT)], medians[-len(HELD_OUT) :]
     knee, coef = fit_shapes(times.shapes[swept], times.seconds[swept])
     profile = StepProfile(dict(zip(COEFFICIENT_NAMES, coef.tolist())), token_knee=knee)
     ratio = profile.predict(times.shapes[held_out]) / times.seconds[held_out]
