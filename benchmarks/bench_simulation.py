@@ -14,9 +14,11 @@ In one command, on this machine:
    - `prefill`: 8 requests, prompts of 1,000-1,200 tokens, 16 output tokens;
    - `mixed`: 48 requests, prompts of 32-256 words, outputs of 16-192 tokens;
    all at once, ignore_eos: start trident on the real model, run it, stop it; then the same
-   with `--worker simulated --sim-profile <the profile>`; alternating `--repeats` times;
+   with `--worker simulated --sim-profile <the profile>`; alternating `--repeats` times.
 
-and report output throughput, median TTFT and median ITL of both and simulated / real
+Round i runs its servers with `--seed i`, so that the simulated workers' draws from the
+profile's spread differ from round to round, as the host's noise does for the real ones.
+It reports output throughput, median TTFT and median ITL of both and simulated / real
 per workload (the goal: each within 10 %), each metric the median over the repeats: on
 this machine two real runs of the same workload differ by up to 30 % (the spread is
 reported), more than the tolerance. With `--ablate-frontend` each round also runs a third
@@ -208,9 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         real_docs: list[dict] = []
         sim_docs: dict[str, list[dict]] = {label: [] for label in sims}
         for i in range(ns.repeats):
-            real_docs.append(serve(f"real-{name}-{i + 1}", model_args, WORKLOADS[name], ns.record_dir))
+            # Each round seeds its servers apart: a simulated worker draws its steps' spread
+            # from a sequence seeded by --seed, and one seed would give every round the same
+            # draws (the mixed workload's second big step drew 0.86 in every round).
+            round_args = [*model_args, "--seed", str(i + 1)]
+            real_docs.append(serve(f"real-{name}-{i + 1}", round_args, WORKLOADS[name], ns.record_dir))
             for label, path in sims.items():
-                sim_args = [*model_args, "--worker", "simulated", "--sim-profile", path]
+                sim_args = [*round_args, "--worker", "simulated", "--sim-profile", path]
                 sim_docs[label].append(serve(f"{label}-{name}-{i + 1}", sim_args, WORKLOADS[name], ns.record_dir))
         report["workloads"][name] = compare(name, real_docs, sim_docs["sim"])
         if ns.ablate_frontend:
