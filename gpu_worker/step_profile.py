@@ -81,6 +81,7 @@ their numbers come from.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from dataclasses import asdict, dataclass, field
@@ -217,13 +218,19 @@ class StepProfile:
         matrix of them (one step per row)."""
         return model_terms(shapes, self.token_knee) @ self.vector()
 
+    @functools.cached_property
+    def _idle_cores_by_log2_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """idle_cores_by_tokens as arrays, tokens on a log scale: built once, read every step."""
+        tokens, idle_cores = np.asarray(self.idle_cores_by_tokens, dtype=np.float64).reshape(-1, 2).T
+        return np.log2(tokens), idle_cores
+
     def idle_core_seconds(self, shape: np.ndarray, step_s: float) -> float:
         """Core-seconds the worker's own threads leave idle in a step of this shape lasting
         `step_s` (idle_cores_by_tokens): what other processes' CPU fills first (Contention)."""
         if not self.idle_cores_by_tokens or not shape[0]:
             return 0.0
-        tokens, idle_cores = np.asarray(self.idle_cores_by_tokens, dtype=np.float64).T
-        return float(np.interp(np.log2(max(1.0, shape[1])), np.log2(tokens), idle_cores)) * step_s
+        log2_tokens, idle_cores = self._idle_cores_by_log2_tokens
+        return float(np.interp(np.log2(max(1.0, shape[1])), log2_tokens, idle_cores)) * step_s
 
     def frontend_seconds(self, shape: np.ndarray) -> float:
         """What the front end's CPU adds to a served step of this shape (0 if not measured)."""
