@@ -4,6 +4,8 @@
   attention reading the paged KV pool in place (`--decode-attention`);
 - `torch.ops.trident.vnni_linear` (csrc/vnni_linear.cpp): a bf16 linear layer for decode
   batches on weights packed for AVX512-BF16 (packed_linear.py uses it);
+- `torch.ops.trident.amx_linear` (csrc/amx_linear.cpp): a bf16 linear layer for every batch
+  size on AMX tiles, where the CPU has AMX-BF16;
 - the elementwise steps of a layer, one op each (model.py, `ElementwiseKernels`):
   `torch.ops.trident.rms_norm` and `.add_rms_norm` (csrc/rms_norm.cpp: RMSNorm in one
   pass, after the residual add; LLaMA's x*w or Gemma's x*(1+w)), `.silu_and_mul` and
@@ -53,6 +55,7 @@ SOURCES = [
     for name in (
         "paged_decode_attention.cpp",
         "vnni_linear.cpp",
+        "amx_linear.cpp",
         "widening_bf16_linear.cpp",
         "rms_norm.cpp",
         "layer_elementwise.cpp",
@@ -77,8 +80,8 @@ the row; kv_rows: each query row's row of kv_indices (default: its own)."""
 
 @dataclass(frozen=True)
 class Bf16LinearKernel:
-    """A bf16 linear of our own on weights packed for it: the AVX512-BF16 one for decode
-    batches (csrc/vnni_linear.cpp) or the AVX2 one (csrc/widening_bf16_linear.cpp)."""
+    """A bf16 linear of our own on weights packed for it: the AMX one (csrc/amx_linear.cpp),
+    the AVX512-BF16 one (csrc/vnni_linear.cpp) or the AVX2 one (csrc/widening_bf16_linear.cpp)."""
 
     pack: Callable[[torch.Tensor], torch.Tensor]
     """weight [n, k] bf16 -> its packed copy, made once at load (k even for the VNNI kernel)."""
@@ -125,6 +128,10 @@ def _vnni_pack_weight_fake(weight):
 
 def _bf16_linear_fake(x, packed_weight, bias, out_features):
     return x.new_empty(x.shape[0], out_features)
+
+
+def _amx_pack_weight_fake(weight):
+    return weight.new_empty((weight.shape[0] + 31) // 32, (weight.shape[1] + 31) // 32, 2, 16, 32)
 
 
 def _widening_pack_weight_fake(weight):
@@ -285,6 +292,8 @@ def _build() -> bool:
     torch.library.register_fake("trident::paged_decode_attention")(_decode_attention_fake)
     torch.library.register_fake("trident::vnni_pack_weight")(_vnni_pack_weight_fake)
     torch.library.register_fake("trident::vnni_linear")(_bf16_linear_fake)
+    torch.library.register_fake("trident::amx_pack_weight")(_amx_pack_weight_fake)
+    torch.library.register_fake("trident::amx_linear")(_bf16_linear_fake)
     torch.library.register_fake("trident::widening_pack_weight")(_widening_pack_weight_fake)
     torch.library.register_fake("trident::widening_bf16_linear")(_bf16_linear_fake)
     torch.library.register_fake("trident::greedy_argmax")(_greedy_argmax_fake)
@@ -317,6 +326,15 @@ def load_vnni_linear() -> Bf16LinearKernel | None:
         return None
     ops = torch.ops.trident
     return Bf16LinearKernel(ops.vnni_pack_weight, ops.vnni_linear) if ops.cpu_has_avx512_bf16() else None
+
+
+def load_amx_linear() -> Bf16LinearKernel | None:
+    """The bf16 linear on AMX tiles; None where the kernels cannot be built or the CPU has no
+    AMX-BF16 (or the OS does not grant this process the tile state)."""
+    if not _build():
+        return None
+    ops = torch.ops.trident
+    return Bf16LinearKernel(ops.amx_pack_weight, ops.amx_linear) if ops.cpu_has_amx_bf16() else None
 
 
 def load_widening_bf16_linear() -> Bf16LinearKernel | None:

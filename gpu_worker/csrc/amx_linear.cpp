@@ -1,0 +1,259 @@
+// y = x @ w.T (+ bias) in bfloat16 on Intel AMX tiles (AMX-BF16), for every number of rows:
+// decode steps, prompt chunks and mixed steps alike.
+//
+// AMX multiplies a 16 x 32 tile of bfloat16 inputs by a 32 x 16 tile of bfloat16 weights into a
+// 16 x 16 tile of float32 sums (TDPBF16PS): one instruction does what ~16 AVX512-BF16 dot
+// products do, so a step's linear layers stop being bound by arithmetic at the batch sizes a
+// server runs, and are bound by reading the weights once.
+//
+// Packed layout: the weight's output columns in blocks of 32 (two tiles of 16 columns), each
+// block's k in chunks of 32, each chunk two 1 KB tiles of 16 k-pairs x 16 columns x a pair:
+// tile[p][2 c + j] = w[column c][k0 + 2 p + j], the layout TDPBF16PS reads its second source in.
+// k and n are zero-padded to multiples of 32; a padded k multiplies zeros and adds exact zeros.
+//
+// Loop order: rows in blocks of up to kRowsPerPass (the inputs of a pass stay in L2), within a
+// pass the threads claim column blocks, and each column block is read from memory once for all
+// the pass's rows, 32 rows (four accumulator tiles) at a time. A decode step (<= kRowsPerPass
+// rows) therefore streams each weight once.
+//
+// Batch invariance: an output's sum runs over k-chunks 0, 1, 2, ... on one accumulator tile,
+// whatever the number of rows, the row's position in its tile, or the thread that computes it;
+// TDPBF16PS computes each element of the tile from its own row and column only. Padded rows are
+// zeros that no output reads. So a row's bits depend on its own inputs alone. Rounded to bfloat16
+// once, after the bias (nearest even).
+//
+// Registered as torch.ops.trident.amx_pack_weight / amx_linear / cpu_has_amx_bf16; the fake
+// kernels for tracing are in cpu_kernels.py.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include "kernel_common.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// AMX intrinsics arrived in GCC 11.
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TRIDENT_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t kTileRows = 16;      // rows of an input tile and of an accumulator tile
+constexpr int64_t kTileColumns = 16;   // float32 columns of an accumulator tile
+constexpr int64_t kChunk = 32;         // k of one TDPBF16PS (16 pairs)
+constexpr int64_t kBlockColumns = 32;  // output columns a packed block holds (two weight tiles)
+constexpr int64_t kTileElements = kTileRows * kChunk;  // bfloat16 elements of an input or weight tile
+constexpr int64_t kBlockChunkElements = 2 * kTileElements;
+// Rows of one pass over the weights: its inputs (at k = 2,048, 1 MB) stay in L2 while every
+// column block is read once. Larger batches (long prompt chunks) read the weights once a pass.
+constexpr int64_t kRowsPerPass = 256;
+// Column blocks a thread claims at a time (parallel_for_claimed).
+constexpr int64_t kBlocksPerClaim = 1;
+
+#ifdef TRIDENT_AMX
+// Linux hands a process AMX's 8 KB of tile state only on request (arch_prctl).
+constexpr int kArchRequestXcompPerm = 0x1023;
+constexpr int kXfeatureTileData = 18;
+
+bool request_amx_permission() {
+  static const bool granted = syscall(SYS_arch_prctl, kArchRequestXcompPerm, kXfeatureTileData) == 0;
+  return granted;
+}
+#endif
+
+bool cpu_has_amx_bf16() {
+#ifdef TRIDENT_AMX
+  return __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") && request_amx_permission();
+#else
+  return false;
+#endif
+}
+
+int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+// weight [n, k] bfloat16 -> [ceil(n / 32), ceil(k / 32), 2, 16, 32] bfloat16 (see the layout above).
+at::Tensor amx_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2, "amx_pack_weight: weight [n, k] bfloat16");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t blocks = round_up(n, kBlockColumns) / kBlockColumns, chunks = round_up(k, kChunk) / kChunk;
+  at::Tensor packed = at::zeros({blocks, chunks, 2, kTileRows, kChunk}, weight.options());
+  const at::Tensor w = weight.contiguous();
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t columns = std::min(kBlockColumns, n - block * kBlockColumns);
+      for (int64_t c = 0; c < columns; ++c) {
+        const uint16_t* row = src + (block * kBlockColumns + c) * k;
+        const int64_t tile = c / kTileColumns, column = c % kTileColumns;
+        for (int64_t kk = 0; kk < k; ++kk) {
+          const int64_t chunk = kk / kChunk, pair = (kk % kChunk) / 2, half = kk % 2;
+          dst[((block * chunks + chunk) * 2 + tile) * kTileElements + pair * kChunk + 2 * column + half] = row[kk];
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+#ifdef TRIDENT_AMX
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
+
+// The palette every tile of this kernel uses: 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = kTileRows;
+    }
+  }
+};
+
+// Tiles: 0-3 accumulators (rows a/b x columns 0-15/16-31), 4-5 inputs (rows a, b), 6-7 weights
+// (columns 0-15, 16-31). Sums `chunks` k-chunks of one 32-column block for 16 or 32 rows into
+// `sums` [32][32] float32. x_a / x_b: the rows' first chunk, `x_stride` bytes between rows.
+template <bool kTwoRowTiles>
+void block_sums(const uint16_t* x_a, const uint16_t* x_b, int64_t x_stride, const uint16_t* block, int64_t chunks,
+                float* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (kTwoRowTiles) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const uint16_t* weights = block + chunk * kBlockChunkElements;
+    _tile_loadd(4, x_a + chunk * kChunk, x_stride);
+    _tile_loadd(6, weights, 64);
+    _tile_loadd(7, weights + kTileElements, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (kTwoRowTiles) {
+      _tile_loadd(5, x_b + chunk * kChunk, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t ld = kBlockColumns * sizeof(float);
+  _tile_stored(0, sums, ld);
+  _tile_stored(1, sums + kTileColumns, ld);
+  if (kTwoRowTiles) {
+    _tile_stored(2, sums + kTileRows * kBlockColumns, ld);
+    _tile_stored(3, sums + kTileRows * kBlockColumns + kTileColumns, ld);
+  }
+}
+
+// sums [rows][32] + bias, rounded into out[row * n + column] for the first `columns` columns.
+void round_block(const float* sums, int64_t rows, const float* bias, int64_t columns, uint16_t* out, int64_t n) {
+  const __mmask16 lo_mask = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
+  const __mmask16 hi_mask =
+      columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
+  const __m512 b_lo = bias ? _mm512_maskz_loadu_ps(lo_mask, bias) : _mm512_setzero_ps();
+  const __m512 b_hi = bias ? _mm512_maskz_loadu_ps(hi_mask, bias + 16) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = sums + r * kBlockColumns;
+    const __m256bh lo = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(row), b_lo));
+    const __m256bh hi = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(row + 16), b_hi));
+    _mm256_mask_storeu_epi16(out + r * n, lo_mask, (__m256i)lo);
+    _mm256_mask_storeu_epi16(out + r * n + 16, hi_mask, (__m256i)hi);
+  }
+}
+
+// One pass: `rows` (<= kRowsPerPass) rows of x (x_stride bytes apart, k padded to chunks * 32)
+// against every column block.
+void amx_pass(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_t* packed, int64_t chunks,
+              const float* bias, int64_t n, uint16_t* out) {
+  const int64_t blocks = round_up(n, kBlockColumns) / kBlockColumns;
+  const int64_t block_elements = chunks * kBlockChunkElements;
+  trident_kernels::parallel_for_claimed(blocks, kBlocksPerClaim, [&](int64_t begin, int64_t end) {
+    const TileConfig config;
+    _tile_loadconfig(&config);
+    alignas(64) float sums[2 * kTileRows * kBlockColumns];
+    for (int64_t block = begin; block < end; ++block) {
+      const uint16_t* weights = packed + block * block_elements;
+      const int64_t column0 = block * kBlockColumns, columns = std::min(kBlockColumns, n - column0);
+      for (int64_t row0 = 0; row0 < rows; row0 += 2 * kTileRows) {
+        const uint16_t* x_a = x + row0 * (x_stride / 2);
+        const int64_t tile_rows = std::min(2 * kTileRows, rows - row0);
+        if (tile_rows > kTileRows) {
+          block_sums<true>(x_a, x_a + kTileRows * (x_stride / 2), x_stride, weights, chunks, sums);
+        } else {
+          block_sums<false>(x_a, nullptr, x_stride, weights, chunks, sums);
+        }
+        round_block(sums, tile_rows, bias ? bias + column0 : nullptr, columns, out + row0 * n + column0, n);
+      }
+    }
+    _tile_release();
+  });
+}
+
+#pragma GCC pop_options
+#endif
+
+// x [rows, k] bfloat16; packed from amx_pack_weight of a [n, k] weight; bias [n] or none -> [rows, n].
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                      int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "amx_linear: bfloat16 input");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == kTileRows &&
+                  packed.size(4) == kChunk,
+              "amx_linear: x [rows, k], a weight packed by amx_pack_weight");
+  const int64_t rows = x.size(0), k = x.size(1), chunks = packed.size(1);
+  TORCH_CHECK(round_up(k, kChunk) == chunks * kChunk && packed.size(0) == round_up(n, kBlockColumns) / kBlockColumns,
+              "amx_linear: x has ", k, " features, the packed weight ", chunks * kChunk, " (", n, " outputs)");
+  TORCH_CHECK(cpu_has_amx_bf16(), "amx_linear: this CPU has no AMX-BF16 (cpu_kernels.py does not call it then)");
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+#ifdef TRIDENT_AMX
+  const at::Tensor bias_f = trident_kernels::float_bias(bias, n);
+  const int64_t padded_k = chunks * kChunk;
+  // A tile reads 16 rows of 32 values: the rows past a pass's last, and the k past the last
+  // chunk's, must be readable zeros. Those passes read a zero-padded copy of their rows.
+  const at::Tensor xc = x.contiguous();
+  const auto* x_bits = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  std::vector<uint16_t> padded;
+  for (int64_t row0 = 0; row0 < rows; row0 += kRowsPerPass) {
+    const int64_t pass_rows = std::min(kRowsPerPass, rows - row0);
+    const uint16_t* pass_x = x_bits + row0 * k;
+    int64_t stride = k * 2;
+    if (padded_k != k || pass_rows % kTileRows != 0) {
+      padded.assign(round_up(pass_rows, kTileRows) * padded_k, 0);
+      for (int64_t r = 0; r < pass_rows; ++r) std::memcpy(&padded[r * padded_k], pass_x + r * k, k * 2);
+      pass_x = padded.data();
+      stride = padded_k * 2;
+    }
+    amx_pass(pass_x, pass_rows, stride, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), chunks,
+             bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, n, out_bits + row0 * n);
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(trident, m) {
+  m.def("amx_pack_weight(Tensor weight) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+  m.def("cpu_has_amx_bf16() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(trident, CPU, m) {
+  m.impl("amx_pack_weight", &amx_pack_weight);
+  m.impl("amx_linear", &amx_linear);
+}
+
+TORCH_LIBRARY_IMPL(trident, CompositeExplicitAutograd, m) { m.impl("cpu_has_amx_bf16", &cpu_has_amx_bf16); }

@@ -1,0 +1,83 @@
+"""The bf16 linear on AMX tiles (csrc/amx_linear.cpp): within the arithmetic's rounding of a
+float64 reference, and a row's bits independent of how many rows share its call, of its
+position among them and of the number of threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.cpu_kernels import load_amx_linear
+
+AMX = load_amx_linear()
+needs_amx = pytest.mark.skipif(
+    AMX is None, reason="this CPU lacks AMX-TILE and AMX-BF16 (or the OS does not grant AMX's tile state)"
+)
+pytestmark = needs_amx
+
+# (out, in): a multiple of the kernel's blocks, a ragged one on both axes, and a width under one k-chunk.
+SHAPES = [(96, 128), (100, 70), (3, 40)]
+
+
+def _error_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, reference: torch.Tensor) -> torch.Tensor:
+    """What the kernel's arithmetic allows: a product of two bf16 values is exact in float32,
+    so the only errors are float32 additions (at most k of them for the products, one for the
+    bias, each within 2^-24 of the running sum, which is at most sum |x w| + |b|) and the final
+    rounding to bf16 (half a bf16 ulp: 2^-8 of the result)."""
+    magnitude = x.double().abs() @ w.double().abs().T
+    if b is not None:
+        magnitude = magnitude + b.double().abs()
+    additions = x.shape[1] + 1
+    return additions * 2.0**-24 * magnitude * (1 + 2.0**-8) + 2.0**-8 * reference.abs()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_amx_linear_is_within_the_arithmetics_rounding_of_a_float64_reference(shape, with_bias):
+    n, k = shape
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(37, k, dtype=torch.bfloat16)
+    y = AMX.linear(x, AMX.pack(w), b, n)
+    reference = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert y.dtype == torch.bfloat16 and y.shape == (37, n)
+    assert ((y.double() - reference).abs() <= _error_bound(x, w, b, reference)).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_amx_linear_gives_a_row_the_same_bits_in_batches_of_1_to_80_rows(shape, worker_threads):
+    n, k = shape
+    w, b = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
+    packed = AMX.pack(w)
+    x = torch.randn(80, k, dtype=torch.bfloat16)
+    whole = AMX.linear(x, packed, b, n)
+    for rows in range(1, 81):
+        assert torch.equal(AMX.linear(x[:rows], packed, b, n), whole[:rows]), rows
+    for start in (1, 15, 16, 17, 31, 33, 79):  # every position in and across tiles
+        assert torch.equal(AMX.linear(x[start:], packed, b, n), whole[start:]), start
+
+
+def test_amx_linear_gives_the_same_bits_on_one_thread_and_on_several_and_past_one_pass():
+    """Also 600 rows: more than one pass over the weights (the kernel's 256-row passes)."""
+    w = torch.randn(200, 64, dtype=torch.bfloat16)
+    packed = AMX.pack(w)
+    x = torch.randn(600, 64, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = AMX.linear(x, packed, None, 200)
+        torch.set_num_threads(max(2, threads))
+        together = AMX.linear(x, packed, None, 200)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together)
+    assert torch.equal(AMX.linear(x[599:], packed, None, 200), alone[599:])
+    assert torch.equal(AMX.linear(x[250:300], packed, None, 200), alone[250:300])
+
+
+def test_amx_linear_of_no_rows_is_empty_and_a_mismatched_width_is_a_clear_error():
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    packed = AMX.pack(w)
+    assert AMX.linear(torch.empty(0, 64, dtype=torch.bfloat16), packed, None, 32).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="features"):
+        AMX.linear(torch.randn(2, 96, dtype=torch.bfloat16), packed, None, 32)
