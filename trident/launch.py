@@ -112,7 +112,7 @@ def cuda_missing() -> str | None:
     if torch.cuda.is_available():
         return None
     if torch.version.cuda is None:
-        return f"--device cuda, but torch {torch.__version__} is a CPU-only build (README: 'On a GPU')"
+        return f"--device cuda, but torch {torch.__version__} is a CPU-only build (docs/serving.md: 'On a GPU')"
     return f"--device cuda, but torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
 
 
