@@ -54,7 +54,7 @@ def release_freed_memory() -> None:
     weights are loaded: the temporaries of loading (float32 tensors of a checkpoint, a GGUF's
     repacked blocks) are freed by then, and under the policy above their pages would stay
     resident for the worker's lifetime: the loading peak would become the worker's size
-    (docs/benchmarks.md, "Memory")."""
+    (docs/benchmarks.md, "Method")."""
     try:
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     except (OSError, AttributeError, TypeError):
