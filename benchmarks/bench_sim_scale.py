@@ -161,9 +161,10 @@ def sweep_point(server: LaunchedServer, http: httpx.Client, n: int, ns: argparse
     bodies = [generate_body(rid, ns.prompt_len, ns.max_new) for rid in rids]
     loop = asyncio.new_event_loop()
     task = loop.run_in_executor(None, lambda: asyncio.run(send_all(server.base_url, bodies)))
-    # Wait until the N requests run with none queued; on this machine the tokenizer may pass
+    # Wait until the N requests run with none queued; on a small host the tokenizer may pass
     # them on slower than the first ones finish, so settle for a count that stopped growing
-    # (not before the first one runs: taking 4,096 connections in takes the tokenizer >5 s).
+    # (not before the first one runs: taking thousands of connections in takes the tokenizer
+    # seconds).
     deadline = time.monotonic() + 300
     best, best_at = 0, time.monotonic()
     while (st := stats(http)).get("running_requests", 0) < n or st.get("queued_requests", 1) > 0:

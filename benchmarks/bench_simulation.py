@@ -19,9 +19,9 @@ In one command, on this machine:
 Round i runs its servers with `--seed i`, so that the simulated workers' draws from the
 profile's spread differ from round to round, as the host's noise does for the real ones.
 It reports output throughput, median TTFT and median ITL of both and simulated / real
-per workload (the goal: each within 10 %), each metric the median over the repeats: on
-this machine two real runs of the same workload differ by up to 30 % (the spread is
-reported), more than the tolerance. With `--ablate-frontend` each round also runs a third
+per workload (the goal: each within 10 %), each metric the median over the repeats: on a
+shared host two real runs of the same workload can differ by more than the tolerance (the
+spread is reported). With `--ablate-frontend` each round also runs a third
 server: the same profile without the front end's contention, to show what it adds. With
 `--record-dir` every server records its steps (LABEL.rec), and
 benchmarks/compare_step_timelines.py sets a real and a simulated run side by side, step by

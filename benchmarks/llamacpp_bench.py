@@ -1,7 +1,7 @@
 """llama.cpp on a GGUF, in process: N sequences of random prompt tokens, then greedy decode.
 
 Runs with the python of llama.cpp's own venv (llama-cpp-python built from its sdist for this
-CPU; docs/benchmarks.md, /work/shared/PEERS.md), started by compare_llamacpp.py, and prints
+CPU; docs/benchmarks.md, "Method"), started by compare_llamacpp.py, and prints
 one JSON line: output tok/s over prefill and decode (what a served client sees, less HTTP),
 decode-only tok/s, and the process's resident memory (VmRSS, VmHWM: the model is mmapped,
 so the pages of the file it touched count).

@@ -151,8 +151,8 @@ async def run_requests(
         bar.update(1)
         return res
 
-    # aiohttp, not httpx: with 32 streams in flight it used 0.02 of a core against httpx's
-    # 0.06, CPU the server under test would otherwise lack (docs/benchmarks.md).
+    # aiohttp, not httpx: with many streams in flight it uses a fraction of httpx's CPU, CPU
+    # that a server under test on the same cores would otherwise lack.
     connector = aiohttp.TCPConnector(limit=max_concurrency or len(requests) or 1)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:

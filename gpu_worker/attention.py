@@ -23,7 +23,8 @@ kernel takes the window itself. The pool keeps every key: only the masks change.
 
 On CPU, groups of one query per row go instead to a C++ kernel that reads each row's keys
 where the pool has them (csrc/paged_decode_attention.cpp, `--decode-attention`): no copy,
-no padding; 3-4x faster per layer than the gather and matmuls in bfloat16 (measured).
+no padding, so it skips the gather that dominated the torch path (docs/benchmarks.md,
+"Kernels").
 
 With batch invariance (batch_invariance.py) every query of a step goes to that kernel, a
 prompt chunk's tokens and a draft's tokens too, each as its own row (`QueryKeys`): a query's

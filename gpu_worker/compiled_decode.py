@@ -7,10 +7,10 @@ around the matmuls (one of them writes the new K/V into the pool in place and ga
 keys: the generated loops run over the batch's rows, never over the pool).
 
 What is compiled: one decoder layer (regional compilation), not the whole model. Every
-layer runs the same code on its own weights and KV tensor, so one graph serves all of them:
-a graph takes ~6-9 s to build on 2 cores, where the whole 30-layer model took 60-95 s (and
-most of that in a pass that grows with the square of the graph). The price is a guard check
-and a wrapper call per layer: ~0.25 ms per layer in a profile at load ~2-5, ~7 ms a step.
+layer runs the same code on its own weights and KV tensor, so one graph serves all of them,
+and it builds in a fraction of the whole model's time (a pass of the whole-model compile
+grows with the square of the graph). The price is a guard check and a wrapper call per
+layer, paid on every layer of every step.
 
 When: only plain decode steps (every row one query, no prompt chunk). Prefill, mixed and
 draft-verify steps run eager: their structure (chunks, masks) varies from step to step,
@@ -59,9 +59,9 @@ def runs_compiled(meta: AttentionMetadata) -> bool:
 
 
 def wants_compile(setting: str, tp_size: int) -> bool:
-    """`on` compiles at tp 1. `auto` (the default) is off for now: the gain measured on 2
-    shared cores (docs/benchmarks.md) is smaller than the run-to-run noise of served
-    numbers, while every start and every restart of a worker pays the warm-up."""
+    """`on` compiles at tp 1. `auto` (the default) is off for now: beside the C++ kernels the
+    gain is smaller than the run-to-run noise of served numbers (docs/benchmarks.md), while
+    every start and every restart of a worker pays the warm-up."""
     return setting == "on" and tp_size == 1
 
 

@@ -1,8 +1,9 @@
 """The decoder layers of a plain decode step as one flat loop of op calls, for eager CPU steps.
 
-Why: at one row a bf16 decode step of SmolLM2 is ~12 ms of weight reads and ~4 ms of
-Python around ~300 C++ op calls. Most of that Python is the module tree, not the ops:
-eight `nn.Module.__call__` and ~11 submodule lookups per layer, each a microsecond or more.
+Why: at one row a bf16 decode step of a small model is mostly weight reads, but a large
+share is Python around ~300 C++ op calls, and most of that Python is the module tree, not
+the ops: eight `nn.Module.__call__` and ~11 submodule lookups per layer (docs/benchmarks.md,
+"Method").
 Here each layer is a tuple of its weights' call targets, gathered once, and the loop calls
 the ops directly. The residual add at the end of a layer goes into the next layer's input
 norm (`add_rms_norm`), one op fewer per layer. The family's parts (q/k norms, GeGLU,

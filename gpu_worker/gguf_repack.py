@@ -15,9 +15,9 @@ Every format the packaged models use converts exactly, with no new rounding, int
 
 Q5_0's codes fit 5 bits and Q6_K's 6: their I8Weights say so (`bits`), and gguf_layers.py
 packs such a weight as quant_linear.py's I5 layout (5.5 bits a weight, the file's own size;
-I8 takes 8.5) or I6 (8 bits with Q6_K's float32 scales; I8 takes 10), measured faster at
-Gemma 3's shapes (docs/benchmarks.md). Stacked with a wider part (Gemma's fused q/k/v:
-Q5_0 q and k, Q8_0 v) the whole is I8.
+I8 takes 8.5) or I6 (8 bits with Q6_K's float32 scales; I8 takes 10): fewer bytes to read,
+which makes them faster at small batches (docs/benchmarks.md, "Method"). Stacked with a
+wider part (Gemma's fused q/k/v: Q5_0 q and k, Q8_0 v) the whole is I8.
 
 "Exactly" means bitwise equal in float32 to `gguf.quants.dequantize`: d is an fp16 (11
 significant bits), so every product above fits float32's 24 bits (Q6_K's d * sc * q, the
@@ -118,8 +118,9 @@ QuantWeights = U4Weights | I8Weights
 
 def _blockwise(codes: np.ndarray, block: int) -> torch.Tensor:
     """codes [N, K] as float32 [N, K // block, block]. Dequantizing in torch (threads, the
-    scales broadcast rather than repeated) is what makes a dense load of Gemma 3 quick: in
-    numpy its 168M-element embedding took most of the load (docs/benchmarks.md)."""
+    scales broadcast rather than repeated) is what makes a dense load of Gemma 3 quick: numpy,
+    on one thread with the scales repeated, spent most of the load on its 168M-element
+    embedding."""
     import torch  # here: the launcher reads GGUF headers through this package, without torch
 
     rows, cols = codes.shape

@@ -142,7 +142,8 @@ class GrammarTable:
         forbidden = ~_unpack(bitmask[: len(masked)].numpy(), logits.shape[-1])
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
             # numpy, one thread: torch's masking ops go parallel on a row this wide, and on
-            # a shared host their thread sync cost 10-50 ms a step (docs/benchmarks.md).
+            # a shared host their thread sync costs far more than the masking itself
+            # (docs/benchmarks.md, "Structured outputs").
             out = logits.numpy().copy()
             for j, i in enumerate(masked):
                 np.copyto(out[i], -np.inf, where=forbidden[j])

@@ -2,8 +2,8 @@
 
 Why: a 1-row decode step reads every weight once, at the memory's pace, and in 4 KB pages it
 also walks the page tables once every 4 KB. With Linux THP in `madvise` mode a plain
-allocation never gets 2 MB pages, and Gemma 3's head then reads at about half the speed
-(docs/benchmarks.md, "Quantized linear kernels"). llama.cpp maps the file, whose page cache
+allocation never gets 2 MB pages, and a large head such as Gemma 3's then reads far below
+the memory's pace (docs/benchmarks.md, "Kernels"). llama.cpp maps the file, whose page cache
 can be huge pages.
 
 How: anonymous private mappings of `CHUNK_BYTES`, marked MADV_HUGEPAGE before their first

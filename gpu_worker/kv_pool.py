@@ -5,8 +5,9 @@ Token `t` of a request lives at pool index `page_table[slot, t // page_size] * p
 gathers read it under a mask, so it must exist and hold finite values (a masked score's
 weight is 0, and 0 x NaN is NaN): it is zeroed. Every other slot is written before it is
 read, as a page freed and handed out again holds its last owner's KV, so the rest of the
-pool is left as allocated: zeroing a CPU pool of 2.3 GB took 6.6 s of the worker's start,
-and an untouched page costs no memory until the first request writes it.
+pool is left as allocated: zeroing a large CPU pool would be paid on every worker start
+and restart (docs/benchmarks.md, "Method"), and an untouched page costs no memory until the
+first request writes it.
 
 One tensor per layer holds K and V of a token side by side, [pool tokens, 2, kv_heads,
 dim]: a step writes both with one `index_copy_`, and attention gathers both with one

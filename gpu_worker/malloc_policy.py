@@ -4,9 +4,8 @@ glibc serves every allocation above a threshold (128 KB, rising to at most 32 MB
 fresh mmap and unmaps it on free. A prefill step allocates and frees ~10 MB temporaries
 hundreds of times (activations of 2,048 tokens: the MLP's [tokens, 2 x 1,536] bf16 output
 is 12 MB), and each fresh mapping is paid again in page faults, one per 4 KB, on first
-touch: measured on 2 Zen 4 cores (docs/benchmarks.md), a `mul` over [2,048, 1,536] bf16
-took 3.6 ms this way against 0.5 ms on reused memory, and a 32 x 64-token prefill of
-SmolLM2 2.0-2.6 s against 1.7-1.9 s.
+touch, which costs an elementwise op several times its work on reused memory and slows a
+whole prefill noticeably (docs/benchmarks.md, "Method", has the figures).
 
 So the worker serves everything from the heap (no mmap) and never trims it: freed memory
 is reused, as a caching allocator would on a GPU. The price is that the worker keeps the
@@ -54,8 +53,8 @@ def release_freed_memory() -> None:
     """Gives the heap's free pages back to the system once (glibc's malloc_trim), after the
     weights are loaded: the temporaries of loading (float32 tensors of a checkpoint, a GGUF's
     repacked blocks) are freed by then, and under the policy above their pages would stay
-    resident for the worker's lifetime (docs/benchmarks.md: a Gemma 3 270M gguf worker 1.98
-    GB resident without this, 0.73 GB with it)."""
+    resident for the worker's lifetime: the loading peak would become the worker's size
+    (docs/benchmarks.md, "Method")."""
     try:
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     except (OSError, AttributeError, TypeError):

@@ -5,15 +5,15 @@ scheduler and tokenizer run beside them (and, on a shared machine, everything el
 default libgomp's threads spin at the end of each parallel region; when one of them is
 descheduled, its teammates spin through their whole time slice waiting for it, and every
 one of the ~200 parallel regions of a decode step can cost a slice. Sleeping at once
-(`OMP_WAIT_POLICY=PASSIVE`) gives the core back to the thread that is late. Measured on
-2 shared cores (docs/benchmarks.md): decode steps 2-3.5x faster at batch 1 and 32, with
-or without an extra competing process.
+(`OMP_WAIT_POLICY=PASSIVE`) gives the core back to the thread that is late, which made
+decode steps several times faster on shared cores at every batch size (docs/benchmarks.md,
+"Method").
 
 Sleeping at once costs a futex wake-up per region, though, and a region's teammate is
 usually back within microseconds. So a thread first spins briefly (`GOMP_SPINCOUNT` =
-10,000 spins, ~0.1 ms), then sleeps: measured interleaved on the same 2 shared cores
-(docs/benchmarks.md, 2026-12-03), decode steps at batch 1 were 25-35 % faster than when
-sleeping at once, at batch 32 from 4 % slower to 47 % faster. libgomp takes an explicit
+10,000 spins, a fraction of a millisecond), then sleeps: that keeps the wake-up off the
+common path and still yields the core to a late thread (docs/benchmarks.md has the A/B
+against sleeping at once). libgomp takes an explicit
 GOMP_SPINCOUNT over the policy's own count.
 
 A value the user set in the environment wins (either variable: a user's OMP_WAIT_POLICY

@@ -2,10 +2,8 @@
 
 On CPU, `F.linear` in bf16 is a oneDNN matmul, and oneDNN wants the weight in its own
 blocked layout: torch keeps the weight plain, so every call reorders it first. For a
-decode step that copy is as large as the work itself: measured on 2 Zen 4 cores
-(docs/benchmarks.md), SmolLM2's MLP up-projection (576 -> 3,072) takes 304 us at one row
-and 564 us at 32 rows through `F.linear`, 129 and 329 us with the weight packed once at
-load; the LM head (576 -> 49,152) 5.0 -> 2.9 ms at one row. In bf16 the results are the
+decode step that copy is as large as the work itself, so the weight is packed once at load
+(docs/benchmarks.md, "Kernels", has the per-call cost of both). In bf16 the results are the
 same bits as `F.linear` (the same oneDNN kernel, without the reorder); in float32 torch
 calls MKL instead, so packed results differ from it by float32 rounding.
 
@@ -14,12 +12,12 @@ that the `--compile` graphs call it as one opaque node: inductor's own lowering 
 oneDNN linear only accepts weights it packed itself while freezing a graph.
 
 In bf16 on a CPU with AVX512-BF16, decode batches (up to `VNNI_MAX_ROWS` rows) go to our own
-kernel instead (csrc/vnni_linear.cpp), on a second copy of the weight packed in k-pairs:
-measured on 2 Zen 4 cores (docs/benchmarks.md), SmolLM2's 120 layer weights in one pass took
-9.6 / 10.1 / 24.2 / 43.0 ms at 1 / 4 / 32 / 64 rows against oneDNN's 16.4 / 17.9 / 32.9 /
-79.7. From ~128 rows the two are level, and at prefill sizes oneDNN is ~10 % faster.
+kernel instead (csrc/vnni_linear.cpp), on a second copy of the weight packed in k-pairs.
+It reads each weight line once for a whole tile of rows, where oneDNN is built for many rows,
+so it is the faster one at decode batch sizes; from about 128 rows the two are level, and at
+prefill sizes oneDNN is ahead (docs/benchmarks.md, "Kernels").
 
-On a CPU without bf16 arithmetic (AVX2: Zen 2/3, older Intel), oneDNN has no fast bf16
+On a CPU without bf16 arithmetic (AVX2 only), oneDNN has no fast bf16
 matmul, and every bf16 batch goes to `Bf16KernelLinear` (csrc/widening_bf16_linear.cpp)
 instead: bf16 weights widened to float32 in registers.
 
@@ -62,7 +60,7 @@ class PackedLinear(nn.Module):
     # The batch size oneDNN is told to pack for; any batch size works with the result.
     PACK_FOR_ROWS = 32
     VNNI_MAX_ROWS = 64
-    """Up to here the VNNI kernel was 1.1-1.9x faster than oneDNN (docs/benchmarks.md)."""
+    """Up to here the VNNI kernel is faster than oneDNN (docs/benchmarks.md, "Kernels")."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, vnni: Bf16LinearKernel | None = None) -> None:
         super().__init__()
@@ -84,7 +82,7 @@ class PackedLinear(nn.Module):
                 return y.view(*x.shape[:-1], self.out_features)
         if torch.compiler.is_compiling():
             return packed_linear(x, self.packed_weight, self.bias, self.out_features)
-        # Eager, the custom op's Python dispatch would add ~10 us to each of ~120 calls a step.
+        # Eager, skip the custom op: its Python dispatch would be paid on each of ~120 calls a step.
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def rows_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -110,9 +108,9 @@ class Bf16KernelLinear(nn.Module):
     CPU has it, else the AVX2 one (csrc/widening_bf16_linear.cpp).
 
     The AVX2 kernel is also what a CPU with no bf16 arithmetic needs, where torch's bf16
-    matmul is a slow path: measured on 2 Zen 3 cores (docs/benchmarks.md), SmolLM2's MLP
-    up-projection (576 -> 6,144 fused) at 1 / 32 / 200 rows: 0.17 / 1.29 / 7.6 ms, against
-    0.37 / 2.69 / 9.5 ms for float32 `F.linear` on float32 weights twice the size."""
+    matmul is a slow path. Keeping the weights bf16 in memory reads half of float32's bytes,
+    and widening in registers costs less than that saves, so it also beats float32
+    `F.linear` (docs/benchmarks.md, "Kernels")."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Bf16LinearKernel) -> None:
         super().__init__()

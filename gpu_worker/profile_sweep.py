@@ -278,9 +278,8 @@ def run_sweep(
     grid, with a progress bar.
 
     Passes spread a shape's timed steps over the sweep's minutes. A shared host's cores run
-    at one speed for tens of seconds, then at another (docs/benchmarks.md: a 4 x 512 prefill
-    took 1.23 s for a minute, then 1.31-1.38 s), and a served run lives through both; steps
-    timed back to back see one."""
+    at one speed for tens of seconds, then at another, and a served run lives through both;
+    steps timed back to back see one."""
     timer = ShapeTimer(worker, clock=clock)
     shapes, seconds, cpu_seconds, group, kinds = [], [], [], [], []
     progress = tqdm(total=passes * len(grid), desc="sweeping step shapes", unit="shape")

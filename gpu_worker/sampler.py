@@ -105,8 +105,8 @@ def _uses_penalties(p: SamplingParams | None) -> bool:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The argmax of each row, first index on ties (as argmax). `max(dim).indices` rather
-    than `argmax`: on CPU in bfloat16, argmax's kernel is ~2x slower (2.99 vs 1.33 ms for
-    32 x 49,152 logits on this machine's Zen 4 cores)."""
+    than `argmax`: on CPU in bfloat16, torch's argmax kernel is the slower of the two
+    (docs/benchmarks.md, "Kernels")."""
     return logits.max(dim=-1).indices
 
 

@@ -36,8 +36,8 @@ a term rather than let more work take less time. On a GPU `const` is reading the
 once per step; on a CPU it is that plus the per-step overhead of the loop.
 
 A deterministic step takes the prediction; a measured one scatters around it (on a CPU
-shared with the front end, the same shape takes 0.8-1.5x its typical time, with a tail
-past 3x). A fitted profile keeps that spread, as quantiles of measured / typical time
+shared with the front end the same shape's time varies widely, with a long tail). A fitted
+profile keeps that spread, as quantiles of measured / typical time
 over its fitted steps (`step_time_ratios`), and a simulated worker scales each step by a
 draw from them: without it, a simulation matches either the real run's median step (its
 ITL) or its mean step (its throughput), never both. The typical time of a swept step is
@@ -59,14 +59,13 @@ profiled worker's threads and the host's cores (`worker_threads`, `host_cores`, 
 contention). Nor are the worker's own threads busy all the time: a thread that waits at a
 barrier sleeps (omp_policy.py), and the front end's CPU fills that core-time before it
 displaces anyone. How much a step leaves idle depends on how its work splits across the
-threads, which its token count decides: on 2 Zen 4 cores a 1- or 2-row decode step runs
-on one thread and leaves a core idle throughout, a 4-row one about a fifth of a core, and
-from 8 tokens up about 1 core-ms of serial work at the step's ends is left, a few
-percent of the step (docs/benchmarks.md). The sweep measures it per shape (threads x step
+threads, which its token count decides: a 1- or 2-row decode step runs on one thread and
+leaves a core idle throughout, while from a few rows up only the serial work at the step's
+ends is left (docs/benchmarks.md, "Method"). The sweep measures it per shape (threads x step
 time - the process's CPU), and the profile keeps it as idle cores by token count
 (`idle_cores_by_tokens`, fit_idle_cores), read as a fraction of the step's time: a model
-linear in the step's terms could not fall from one idle core at 1 row to none at 8 (a
-fit on them came out ~3 core-ms on every step, the large steps' value, and was taken back).
+linear in the step's terms could not fall from one idle core at 1 row to almost none at 8
+(a fit on them gave every step the large steps' value, and was taken back).
 
 The older alternative, `frontend`, holds a share fitted on one served recording
 (`fit_profile --frontend-from`, the served steps' extra time over the prediction, per step
@@ -288,13 +287,12 @@ def fit_step_times(features: np.ndarray, seconds: np.ndarray, loss: str = "relat
     seconds (`absolute`).
 
     `relative` fits the typical step of every size: a 40 ms decode step counts as much as a
-    1 s prefill chunk. On a quiet machine this also keeps the total: in docs/benchmarks.md's
-    fit it predicted an unseen workload's total step time within 0.1 % and its median decode
-    step within 1 %, where `absolute` over-predicted both by 9 % (its few long prefill
-    steps pull the per-row cost up). `absolute` keeps the fitted steps' total exactly (with
+    1 s prefill chunk. On a quiet machine this also keeps the total, where `absolute`
+    over-predicts both the total and the median decode step (its few long prefill steps
+    pull the per-row cost up). `absolute` keeps the fitted steps' total exactly (with
     `const` in the fit the residuals sum to zero), which is the safer choice when step times
-    are heavy-tailed because neighbours share the machine: there `relative` under-predicted
-    the total by 65 %.
+    are heavy-tailed because neighbours share the machine: there `relative` under-predicts
+    the total badly.
 
     No coefficient may be negative (a profile must never predict that more work takes less
     time); with ten terms the exact answer is cheap: fit every subset that keeps

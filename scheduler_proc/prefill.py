@@ -118,8 +118,8 @@ class PrefillPlanner:
     def _room_for(self, pages: int) -> bool:
         """Whether `pages` could be had now. The free list alone usually answers; only when it
         is short is the radix tree walked for what eviction could add, which costs O(cached
-        pages): done for every admission, it took 98 % of the scheduler's CPU while 1,024
-        requests were admitted over a cache of a million pages (docs/benchmarks.md)."""
+        pages): done for every admission, it was nearly all of the scheduler's CPU while
+        thousands of requests were admitted over a cache of a million pages."""
         return self.kv.allocator.available >= pages or self.kv.available_pages() >= pages
 
     def release_slot(self, req: Req) -> None:

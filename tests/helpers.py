@@ -36,7 +36,7 @@ TEST_CPU_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 0
 """--cpu-threads of the workers tests build in their own process, and of the servers they
 start unless a test sets it. In a parallel run each of the two pytest processes computes on
 one thread, as conftest sets torch: two threads each, beside the other process and its
-servers, cost a third more CPU for the same steps (docs/benchmarks.md, "Test suite time").
+servers, spend CPU waiting on a descheduled teammate (docs/benchmarks.md, "Test suite time").
 0 (the worker's default) in a run of one process. The kernel tests compute on a worker's
 own count (conftest's `worker_threads`)."""
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,8 +65,8 @@ and removes it after): what one process computed there, the others need not comp
 @contextmanager
 def one_gguf_reader_per_file() -> Iterator[None]:
     """transformers opens a GGUF with gguf.GGUFReader twice, for its config and for its
-    tensors, and each reader parses every item of the vocabulary's arrays (Gemma 3's 262k
-    tokens: ~15 s each): meanwhile, a file's second reader is its first. The reader is
+    tensors, and each reader parses every item of the vocabulary's arrays (slow for Gemma 3's
+    262k tokens): meanwhile, a file's second reader is its first. The reader is
     read-only (a memory map and the fields parsed from it), so sharing it changes nothing."""
     import gguf
 

@@ -3,8 +3,8 @@ warm-up leaves nothing to compile while serving.
 
 One in-process worker on a tiny random-weight LLaMA in float32: its decode steps run once
 through the compiled layer and once eager (the same worker, `model.decode_layer` swapped),
-on a lone row and on ragged rows that fall into several length groups. Compiling on 2 cores
-takes ~20-30 s (the warm-up builds every shape class); one test pays it once per model.
+on a lone row and on ragged rows that fall into several length groups. Compiling is slow
+(the warm-up builds every shape class), so one test pays it once per model.
 The same on Gemma 3 (tests/family_models.py): sliding-window and global layers with their
 own ropes, four norms a layer, GeGLU, q/k norms, head dim 256.
 """

@@ -185,7 +185,7 @@ def test_the_median_step_of_each_point_is_what_the_fit_sees():
 
 def test_idle_cores_are_kept_by_token_count_and_read_as_a_share_of_the_step():
     """Swept steps on 2 threads whose idle cores fall from one (1 and 2 rows: one thread
-    works) to a fifth (4 rows) to 0.05 (8 tokens and up), as measured on 2 Zen 4 cores: the
+    works) to a fifth (4 rows) to 0.05 (8 tokens and up), the shape a real sweep shows: the
     profile keeps each power of two's median, and a step between them reads the
     interpolation, times its own length. A step's CPU read a little past 2 x its time (the
     last step's tail) counts as no idle core, not as a negative one."""
@@ -214,8 +214,8 @@ def test_idle_cores_are_kept_by_token_count_and_read_as_a_share_of_the_step():
 def test_sweep_steps_read_kv_that_was_written_as_a_served_workers_do(tmp_path):
     """A swept row's cached prefix was never computed; its pages must hold written values all
     the same: attention over a pool left untouched reads the operating system's zero page
-    from cache, about twice as fast as written KV (docs/benchmarks.md, "Simulated-worker
-    fidelity"), and a profile fitted on that under-predicts every served step with long KV."""
+    from cache, much faster than written KV (docs/benchmarks.md, "Method"), and a profile
+    fitted on that under-predicts every served step with long KV."""
     import time
 
     import torch

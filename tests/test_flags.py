@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 
 import msgspec
 import pytest
 
 from tests.helpers import REPO_ROOT
 from trident.engine import parse_engine_flags
-from trident.flags import build_parser, derived_fields, flag_fields, readme_table
+from trident.flags import FLAGS_DOC, build_parser, derived_fields, flag_fields, flags_doc
 from trident.launch import server_args_from_cli
 from trident.wire.server_args import ServerArgs
 
@@ -40,12 +41,26 @@ def test_every_server_args_field_is_a_flag_with_help_or_derived_by_launch():
             assert name in help_text, name
 
 
-def test_readme_flag_table_is_the_generated_one():
-    with open(os.path.join(REPO_ROOT, "README.md")) as fh:
-        readme = fh.read()
-    assert readme_table() in readme, "run `python -m trident.flags --write-readme`"
+def test_docs_flags_md_is_the_generated_one():
+    with open(FLAGS_DOC) as fh:
+        assert fh.read() == flags_doc(), "run `python -m trident.flags --write-docs`"
     for f in flag_fields():
-        assert f"`{f.names[0]}`" in readme_table()
+        assert f"`{f.names[0]}`" in flags_doc()
+
+
+def test_help_text_says_what_a_flag_does_not_what_it_measured():
+    """Timings and CPU names go stale and differ by host: docs/benchmarks.md holds them."""
+    measurement = re.compile(r"tok/s|GB/s|GFLOP|\d\s?(ms|us|µs)\b|\d(\.\d+)?x\b|%|Zen|Xeon|Rapids|EPYC")
+    for f in flag_fields():
+        assert not measurement.search(f.flag.help), (f.name, f.flag.help)
+
+
+@pytest.mark.parametrize(("doc", "max_lines"), [("README.md", 150), ("docs/benchmarks.md", 400)])
+def test_the_front_page_and_the_benchmarks_stay_short(doc, max_lines):
+    """A newcomer reads the README in two minutes; benchmarks.md holds current figures, git the history."""
+    with open(os.path.join(REPO_ROOT, doc)) as fh:
+        lines = fh.read().splitlines()
+    assert len(lines) <= max_lines, f"{doc} has {len(lines)} lines, at most {max_lines}"
 
 
 @pytest.mark.parametrize("field", flag_fields(), ids=lambda f: f.name)

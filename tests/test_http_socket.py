@@ -3,7 +3,7 @@ connection stays open longer than clients keep theirs.
 
 asyncio turns Nagle's algorithm off only on sockets that say they are TCP; a socket made
 with proto 0 kept it on, and each response's last small write then waited for the client's
-delayed ACK: non-streamed responses took 48 ms instead of 4.6 ms (docs/benchmarks.md).
+delayed ACK, which made every non-streamed response many times slower (docs/benchmarks.md).
 """
 
 from __future__ import annotations

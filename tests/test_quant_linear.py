@@ -162,7 +162,7 @@ torch.save([layer(x), *others], sys.argv[2])
 
 @needs_vnni
 def test_the_avx2_build_gives_the_same_bits_as_the_avx512_build(tmp_path):
-    """torch's dispatch set to AVX2 makes cpu_kernels build (and cache) the AVX2 build, as on a Zen 3."""
+    """torch's dispatch set to AVX2 makes cpu_kernels build (and cache) the AVX2 build, as on an AVX2-only CPU."""
     x = torch.randn(9, 640, dtype=torch.bfloat16)
     torch.save(x, tmp_path / "x.pt")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}

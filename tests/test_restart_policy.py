@@ -82,8 +82,8 @@ def test_a_stable_period_resets_the_backoff_and_old_failures_leave_the_window():
 def test_a_worker_that_cannot_start_again_makes_the_launcher_fail_open_requests_and_exit_3(tmp_path):
     # The simulated worker reads its profile only at start: without it, every restart fails
     # before it is ready, a crash loop. A budget of 3 must run out, and the launcher exit,
-    # within the backoffs (0.5 + 1 + 2 s) plus four worker starts (~10 s each on a loaded
-    # 2-core machine; the default budget of 5 adds 12 s of backoff and two more starts).
+    # within the backoffs (0.5 + 1 + 2 s) plus four worker starts (slow on a loaded machine;
+    # the default budget of 5 adds 12 s of backoff and two more starts).
     profile = write_sim_profile(str(tmp_path / "profile.json"), const_s=0.002)
     server = Server(sim_args(profile, "--max-restarts", "3"))
     try:

@@ -251,11 +251,11 @@ def stream_requests(server: Server, n: int = 24) -> tuple[float, float, int]:
 
 SUSTAINED_LOAD_FACTOR = 2.0
 """How far past the others' CPU a step's stretch may go. Bursts (the front end's, this test's
-client) cost a real step 0.6-1.1 of the CPU they burn (docs/benchmarks.md). But the stretch
-re-reads the CPU used during each extension, so load that lasts the whole step compounds
-(`MAX_STRETCHES`): beside the other pytest process of a parallel run, whose servers compute
-on one thread without pause, the stretch came to 1.59x the others' CPU, and 1.37x beside a
-single-threaded sweep (a known limit of `Contention`, docs/benchmarks.md)."""
+client) cost a real step about the CPU they burn (docs/benchmarks.md, "Method"). But the
+stretch re-reads the CPU used during each extension, so load that lasts the whole step
+compounds (`MAX_STRETCHES`): beside the other pytest process of a parallel run, whose
+servers compute on one thread without pause, the stretch goes well past the others' CPU,
+though not to twice it (a known limit of `Contention`)."""
 
 
 def test_a_simulated_step_is_stretched_by_the_other_processes_cpu_during_it(tmp_path):

@@ -81,7 +81,8 @@ def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on connections whose
     # socket says TCP. With proto 0 each response's last small write waited for the client's
-    # delayed ACK: every non-streamed response and every stream's end came 40 ms late.
+    # delayed ACK: every non-streamed response and every stream's end came a delayed-ACK
+    # timeout late.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -162,8 +163,8 @@ def main() -> None:
     ctx = start_child("tokenizer")
     try:
         # uvloop (and httptools, which uvicorn picks when it is installed) cut this process's
-        # CPU per 32-row step from 4.0 to 3.4-3.8 ms (docs/benchmarks.md): on a CPU-only
-        # machine that CPU is taken from the worker's cores.
+        # CPU per step (docs/benchmarks.md, "Method"): on a CPU-only machine that CPU is
+        # taken from the worker's cores.
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(_run(ctx))
     except StartupError as e:

@@ -62,9 +62,9 @@ def load_tokenizer(model_path: str) -> Any:
 
 
 def _gguf_tokenizer(path: str) -> Any:
-    """transformers rebuilds a tokenizer from GGUF metadata in ~10 s (SmolLM2) to ~50 s
-    (Gemma's 262k vocabulary); the result is saved once in the user cache, keyed by the
-    file and the transformers version, and loads from there in about a second."""
+    """transformers rebuilds a tokenizer from GGUF metadata slowly (longest for Gemma's 262k
+    vocabulary), so the result is saved once in the user cache, keyed by the file and the
+    transformers version, and later starts load it from there."""
     import transformers
 
     from trident.model_source import CACHE_DIR

@@ -112,7 +112,7 @@ def cuda_missing() -> str | None:
     if torch.cuda.is_available():
         return None
     if torch.version.cuda is None:
-        return f"--device cuda, but torch {torch.__version__} is a CPU-only build (README: 'On a GPU')"
+        return f"--device cuda, but torch {torch.__version__} is a CPU-only build (docs/serving.md: 'On a GPU')"
     return f"--device cuda, but torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
 
 
@@ -190,8 +190,8 @@ def run_worker_node(launcher: Launcher, stop_requested) -> int:
 
 
 def run_and_exit(argv: list[str] | None = None) -> NoReturn:
-    """`main`, then exit without the interpreter's final garbage collection, which took 1-2 s
-    of every stop; by then every child is gone and every file and socket is closed."""
+    """`main`, then exit without the interpreter's final garbage collection, a noticeable
+    part of every stop; by then every child is gone and every file and socket is closed."""
     code = main(argv)
     logging.shutdown()
     sys.stdout.flush()

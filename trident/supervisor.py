@@ -155,8 +155,8 @@ class Launcher:
             ("scheduler", 0, d) for d in range(self.args.dp_size)
         }
         if with_tokenizer:
-            # Started with the others: it loads its tokenizer (~14 s for SmolLM2's GGUF) while
-            # the workers load the model, and its handshake waits for the schedulers.
+            # Started with the others: it loads its tokenizer (slow for a GGUF not yet in the
+            # cache) while the workers load the model, and its handshake waits for the schedulers.
             self.spawn("tokenizer")
             expected.add(("tokenizer", 0, 0))
         self.wait_ready(expected)

@@ -1,12 +1,12 @@
 // The greedy token of each row of logits: the index of its largest value, the first one on
 // ties, the first NaN if there is one (as torch's max(dim).indices).
 //
-// torch's CPU max over the vocabulary took 1.3 ms for 32 x 49,152 bfloat16 logits on 2 Zen 4
-// cores, ~3 % of a 32-row decode step; 0.16 ms here. A row is two AVX-512 passes: the
-// largest value (and whether any is NaN), then the first 16-wide block holding it. Builds
-// without AVX-512 (AVX2 hosts) take the same two passes over the bits as ordered integers,
-// in plain loops the compiler vectorises. bfloat16 only, the dtype of a CPU worker's greedy
-// logits (sampler.py keeps torch for the others).
+// torch's CPU max over the vocabulary is a measurable part of a decode step at a wide
+// vocabulary; this is several times faster (docs/benchmarks.md, "Kernels"). A row is two
+// AVX-512 passes: the largest value (and whether any is NaN), then the first 16-wide block
+// holding it. Builds without AVX-512 (AVX2 hosts) take the same two passes over the bits as
+// ordered integers, in plain loops the compiler vectorises. bfloat16 only, the dtype of a CPU
+// worker's greedy logits (sampler.py keeps torch for the others).
 //
 // Registered as torch.ops.trident.greedy_argmax (its fake kernel for tracing is in
 // cpu_kernels.py).

@@ -15,8 +15,8 @@
 
 namespace trident_kernels {
 
-// bfloat16 read as raw bits: c10::BFloat16's conversions are scalar, and at 2,048 prefill
-// rows they were most of an RMSNorm's time (1.9 ms a call against 0.35 as bits).
+// bfloat16 read as raw bits: c10::BFloat16's conversions are scalar, and at prefill sizes
+// they were most of an RMSNorm's time (docs/benchmarks.md, "Method").
 struct Bf16Bits {
   uint16_t bits;
 };
@@ -105,8 +105,8 @@ inline void rms_normalize_row(const storage_t* src, const storage_t* weight, sto
 // 64K elements, so a decode step's norms, rotary and gated activation (32 rows of a few
 // thousand) run on the calling thread. On an idle core a second thread would pay for
 // itself from ~16K elements, but the worker's cores are shared with the scheduler and
-// tokenizer: a region then waits until its teammate is scheduled again, which can be
-// 100x the op's own work (docs/benchmarks.md).
+// tokenizer: a region then waits until its teammate is scheduled again, which can cost
+// far more than the op's own work (docs/benchmarks.md, "Method").
 inline int64_t rows_per_task(int64_t row_elements) {
   return std::max<int64_t>(1, 65536 / std::max<int64_t>(row_elements, 1));
 }
@@ -115,9 +115,9 @@ inline int64_t rows_per_task(int64_t row_elements) {
 // one at a time, where at::parallel_for hands each thread a fixed share. On cores shared
 // with other processes a thread the OS preempts for a moment then holds up only the chunk it
 // is in: its teammate goes on claiming the rest, instead of finishing its own share and
-// waiting at the region's end for the other half. Measured on the 2 shared cores
-// (docs/benchmarks.md), 32-row decode steps beside a process waking 32 times a step: mean
-// 67.1 -> 63.9 ms, p90 85.4 -> 77.7; alone, the same.
+// waiting at the region's end for the other half. Beside a process that wakes many times a
+// step this shortens the median and the tail of decode steps, and alone it costs nothing
+// (docs/benchmarks.md, "Method").
 template <typename Body>
 void parallel_for_claimed(int64_t n, int64_t chunk, const Body& body) {
   const int64_t chunks = (n + chunk - 1) / chunk;

@@ -4,8 +4,8 @@
 // norms where the family has them and the write of the new K and V into the pool.
 //
 // In torch, SwiGLU is split + silu + mul and the rotary is mul + cat + mul + add over
-// sliced views: each op its own dispatch and OpenMP region, ~5-25 us apiece at decode
-// sizes, 30 layers a step. The results round to the dtype where torch's ops round (after
+// sliced views: each op its own dispatch and OpenMP region, which at decode sizes costs
+// more than the op's arithmetic, on every layer of every step. The results round to the dtype where torch's ops round (after
 // each op), so bfloat16 results are those bits but for a rare last-bit difference of the
 // exponential (a polynomial here, Sleef in torch).
 //

@@ -184,7 +184,7 @@ void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const 
 }
 
 #elif defined(TRIDENT_FAST_DECODE_BF16)
-// The AVX2 path (Zen 2/3 and other CPUs without AVX-512), the same work items: a GQA
+// The AVX2 path (CPUs without AVX-512), the same work items: a GQA
 // group's queries do not fit in 16 registers, so they stay in L1 and feed the multiply-adds
 // from memory. Scores: a token's K row is widened kChunk vectors at a time (a head of 64
 // at once), each query head summing into its own kChains accumulators. Outputs: kColumns

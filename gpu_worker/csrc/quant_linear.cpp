@@ -12,7 +12,7 @@
 // integer one: vpdpbusd (AVX512-VNNI) multiplies 64 unsigned bytes by 64 signed bytes and adds
 // each 4 products into an int32 lane; on AVX2, vpmaddubsw + vpmaddwd do the same in two steps.
 // Per output column and block b:  acc += (s_b sx_b) * dot_b (+ m_b * (sx_b * sum(qx_b)) for U4).
-// docs/benchmarks.md ("Quantized linear kernels") compares this with float activations.
+// docs/benchmarks.md ("Method") says why int8 and not float activations.
 //
 // Unsigned weights are what vpdpbusd wants: U4 codes are 0..15, I8 codes are stored +128
 // (0..255), I5 codes +16 (0..31) and I6 codes +32 (0..63); their dot with qx then exceeds the
@@ -78,11 +78,10 @@ constexpr int64_t kU4 = 0, kI8 = 1, kI5 = 2, kI6 = 3;
 constexpr int kMaxTileRows = 8;
 constexpr int kAvx2TileRows = 3;
 // Calls of up to this many rows run on the calling thread alone: they read their weights at
-// the memory's pace from one core (Zen 4: one thread is as fast as two on Gemma 3's head at
-// 1 and 4 rows), and a parallel region per call (73 in a Gemma
-// decode step) costs its fork and join, far more where a teammate is descheduled by the
-// scheduler process or other load (docs/benchmarks.md, "Quantized linear kernels"). The
-// split changes no bits.
+// the memory's pace from one core, so a second thread adds no bandwidth, and a parallel
+// region per call (one per linear layer of a step) costs its fork and join, far more where a
+// teammate is descheduled by the scheduler process or other load (docs/benchmarks.md,
+// "Kernels"). The split changes no bits.
 constexpr int64_t kOneThreadRows = 4;
 // How far ahead of its reads a tile of several rows prefetches the weights (past a panel's
 // end: into the next one, which follows it in memory and is most often the thread's next).
@@ -300,7 +299,7 @@ void vnni_tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const 
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = panel + b * block_bytes;
-    if constexpr (kRows > 1)  // one row alone ran slower with it (docs/benchmarks.md)
+    if constexpr (kRows > 1)  // one row alone ran slower with it: its reads stream already
       for (int64_t line = 0; line < block_bytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
     // One row alone gets two integer sums, so that its chain of vpdpbusd is half as long;

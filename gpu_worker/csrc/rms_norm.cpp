@@ -2,9 +2,9 @@
 // the model dtype, then multiply by the weight (LLaMA's `weight * x.float().normed.to(dtype)`).
 //
 // In torch that is ~10 ops (casts, pow, mean, add, rsqrt, mul, cast, mul), each its own
-// kernel and OpenMP region: ~45 us per call at one row on 2 Zen 4 cores, 61 calls a
-// decode step of SmolLM2. Here: one pass to sum the squares, one to scale, ~3 us at one
-// row of 576, 0.35 ms at 2,048 (bfloat16 converted as raw bits, vectorised).
+// kernel and OpenMP region, two norms a layer of every decode step. Here: one pass to sum
+// the squares, one to scale (bfloat16 converted as raw bits, vectorised), an order of
+// magnitude faster at one row (docs/benchmarks.md, "Kernels").
 //
 // With unit_offset (Gemma), the weight w scales by (1 + w) and the product is taken in
 // float32 before the one rounding (Gemma's `(normed.float() * (1 + w.float())).to(dtype)`).

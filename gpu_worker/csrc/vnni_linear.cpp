@@ -2,9 +2,10 @@
 // packed once for AVX512-BF16's dot-product instruction (vdpbf16ps).
 //
 // vdpbf16ps multiplies 16 pairs of bfloat16 by 16 pairs and adds each pair's two products to
-// a float32 lane: 64 flops an instruction, one an instruction per cycle per Zen 4 core
-// (~220 GFLOPS a core measured here). oneDNN's matmul reached ~230-340 GFLOPS on both cores at
-// 32 rows and ~14-18 GB/s of weight reads at one row, where the cores stream ~30 GB/s.
+// a float32 lane: 64 flops an instruction. oneDNN's matmul, built for many rows, stays well
+// below that peak at decode batch sizes and below the memory's pace at one row
+// (docs/benchmarks.md, "Method"); this kernel reads each weight line once for a whole tile of
+// rows, which is what makes small batches faster.
 //
 // The packed layout ("VNNI"): the weight's output columns in panels of 32, each panel's
 // k-pairs one after the other, each k-pair two 64-byte cache lines holding [w[n][k], w[n][k+1]]

@@ -1,11 +1,11 @@
 // y = x @ w.T (+ bias) in bfloat16 on CPUs with AVX2 and FMA but no bfloat16 arithmetic
-// (Zen 2/3, Intel before Cooper Lake): the weights stay bfloat16 in memory, half the bytes
+// (AVX2-only CPUs): the weights stay bfloat16 in memory, half the bytes
 // of float32, and are widened to float32 in registers, where the multiply-adds run.
 //
-// Without it, torch's bfloat16 matmul on such a CPU is a slow reference path: measured on 2
-// Zen 3 cores (docs/benchmarks.md), a 32-row decode step of SmolLM2 spent 4.4 s of 4.5 in
-// aten::mm (3.6 ms a call), 3.8x the float32 step. One stream, bound by reading the
-// weights, is where bfloat16 should win: half the bytes a token.
+// Without it, torch's bfloat16 matmul on such a CPU is a slow reference path that takes
+// nearly all of a decode step, several times the float32 step (docs/benchmarks.md,
+// "Kernels"). One stream, bound by reading the weights, is where bfloat16 should win: half
+// the bytes a token.
 //
 // The packed layout: the weight's output columns in panels of 16, each panel k rows of 16
 // bfloat16 (32 bytes, half a cache line), read front to back. The threads claim a few
@@ -93,7 +93,7 @@ void panel_tile(const float* x, int64_t k, const uint16_t* panels, const float* 
                 int64_t ldo) {
   // The loops are unrolled by pragma: left to GCC 12's own unrolling, which runs after it
   // decides what lives in registers, acc stayed an array in memory, all 12 accumulators
-  // stored every k (2.3x slower).
+  // stored every k, which the multiply-adds then waited on.
   const int64_t panel_stride = k * kPanelColumns;
   __m256 acc[kRows][kPanels][2];
 #pragma GCC unroll 16
@@ -164,7 +164,8 @@ void tile_over_panels(const float* x, int64_t row0, int rows, int64_t k, const u
 }
 
 // x is widened to float32 once per row block, here, and every panel reads the block from
-// L1/L2: not once per panel, and not through a torch cast per call (~7 us, 120 calls a step).
+// L1/L2: not once per panel, and not through a torch cast per call (a dispatch on each of
+// ~120 calls a step).
 void widen_rows(const uint16_t* x, int64_t count, float* out) {
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, widen8(x + i));

@@ -29,8 +29,8 @@ GC_GEN0_THRESHOLD = 50_000
 """Allocations between young-generation collections in the scheduler and the tokenizer
 (Python's default is 700). Both allocate a few container objects per running request per
 step (a row's token list, its queue item); at the default the cyclic collector ran several
-times a step and took half of the scheduler's CPU at 256 running requests, and at 4,096
-the tokenizer spent most of its time in it (docs/benchmarks.md). Their own structures have
+times a step and took a large share of the scheduler's CPU at hundreds of running requests,
+and most of the tokenizer's at thousands (docs/benchmarks.md, "Method"). Their own structures have
 few cycles, so collecting rarely costs little memory."""
 
 

@@ -7,7 +7,7 @@ mutates it after launch: it is configuration, not state.
 Every field is a flag. Its `Flag` (in the field's `Annotated[...]`) carries the topic group,
 help text, choices and CLI names; trident/flags.py derives from it the argparse parser of
 `trident serve` (grouped `--help`), the copy from the command line into `ServerArgs`, the
-keyword arguments of the offline `Engine` and the README's flag table. A field that launch
+keyword arguments of the offline `Engine` and docs/flags.md. A field that launch
 computes from other flags instead (the run directory, the parsed `--dist-init-addr`) is
 marked `Derived` and is not a flag.
 
@@ -15,8 +15,9 @@ To add a flag, add one field here:
 
     my_option: Annotated[int, Flag(SCHEDULING, "what it does, in one line")] = 4
 
-then run `python -m trident.flags --write-readme` to regenerate the README table
-(tests/test_flags.py fails until you do). The CLI name is `--my-option`; pass `names=` for
+then run `python -m trident.flags --write-docs` to regenerate docs/flags.md
+(tests/test_flags.py fails until you do). Help text says what a flag does and when to use
+it; measurements belong in docs/benchmarks.md. The CLI name is `--my-option`; pass `names=` for
 another spelling, `choices=` to restrict the value. A bool field is a switch that flips its
 default (`--disable-overlap` sets True; `--sim-exact-steps` sets sim_step_spread False).
 """
@@ -46,7 +47,7 @@ class Flag:
     """How a ServerArgs field appears on the command line."""
 
     group: str
-    """The topic the flag is listed under in `--help` and the README."""
+    """The topic the flag is listed under in `--help` and docs/flags.md."""
     help: str
     """One line on what the flag does; the default is appended in `--help`."""
     names: tuple[str, ...] = ()
@@ -100,8 +101,9 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             MODEL,
             "weights of the linear layers, LM head and embedding. gguf: a GGUF's own block formats as "
             "shipped (Q4_0/1, Q4_K, Q5_0, Q6_K, Q8_0; CPU); bf16: dequantized at load into --dtype; "
-            "int8: weight-only int8 with per-channel scales (CPU; faster at batch 1, slower from ~8 "
-            "running requests); auto: gguf for a .gguf on CPU in bfloat16, else bf16 (README: the rule and why)",
+            "int8: weight-only int8 with per-channel scales (CPU; half of bf16's bytes, so it helps a "
+            "few streams and costs at larger batches); auto: gguf for a .gguf on CPU in bfloat16, else bf16 "
+            "(gguf reads the fewest bytes a token; bf16 stays closer to the float reference)",
             choices=("auto", "gguf", "bf16", "int8"),
         ),
     ] = "auto"
@@ -119,8 +121,9 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str,
         Flag(
             MODEL,
-            "--compile: torch.compile the decoder layer for decode steps (tp 1; ~25 s of compiling at "
-            "start-up); --disable-compile: every step eager (gpu_worker/compiled_decode.py)",
+            "--compile: torch.compile the decoder layer for decode steps (tp 1; every start and restart "
+            "then waits for the compile, and beside the C++ kernels the gain is small); --disable-compile: "
+            "every step eager",
             choices=("auto", "on", "off"),
             switches={"--compile": "on", "--disable-compile": "off"},
         ),
@@ -140,9 +143,8 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             MODEL,
             "give up batch invariance (on by default for bf16 on CPU: a request's greedy text does not "
             "depend on what else runs, nor on chunking, the radix cache or a restart) for oneDNN's linears "
-            "and SDPA on prompt chunks (gpu_worker/batch_invariance.py). It costs nothing measured: on 2 Zen 4 "
-            "cores invariance was 1.05x (32 x 128), 1.14x (mixed) and 1.15x (1000-token prompts) the speed of "
-            "the previous kernels (docs/benchmarks.md)",
+            "and SDPA on prompt chunks: for when throughput matters more than reproducible text, on a CPU "
+            "where oneDNN's kernels are the faster ones (docs/benchmarks.md compares the two)",
         ),
     ] = False
     context_length: Annotated[int, Flag(MODEL, "max prompt + output tokens per request; 0: the model's own")] = 0
