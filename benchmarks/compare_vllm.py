@@ -38,8 +38,9 @@ Workloads (`--workload`, a comma list):
   outputs of 16-192);
 - `one-stream`: `--stream-prompts` (4) requests one after another;
 - `rows`: for each of `--rows` (1,8,32,64), that many requests at once, each of the same
-  lengths as 32x128. Its tok/s is decode alone: rows / median inter-token latency, since the
-  prefill of many prompts at once would otherwise weigh in; the roofline compares it with
+  lengths as 32x128. Its tok/s is decode alone: rows / the median time per output token
+  after the first (TPOT), since the prefill of many prompts at once would otherwise weigh
+  in (and streamed chunks can arrive bunched, so single gaps say less); the roofline compares it with
   the host's memory and compute floors (a markdown table, in the JSON too; `--output-png`
   plots it).
 
@@ -132,8 +133,8 @@ def workload_namespaces(args: argparse.Namespace) -> dict[str, argparse.Namespac
 
 
 def decode_tok_s(run: dict[str, Any]) -> float:
-    """Sequences in flight over the median gap between a sequence's tokens."""
-    return run["concurrency"] * 1000.0 / run["itl_ms"]["median"]
+    """Sequences in flight over the median time per output token after the first."""
+    return run["concurrency"] * 1000.0 / run["tpot_ms"]["median"]
 
 
 def run_engine(
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         by_rows = {e: {int(lb.removeprefix("rows=")): v for lb, v in d.items()} for e, d in decode.items()}
         table = roofline_rows(cost, limits, args.input_len + args.output_len // 2, by_rows)
         markdown = markdown_table(table)
-        print(f"\n{markdown}\n(tok/s: decode alone, rows / median inter-token latency; floors for bf16 weights)")
+        print(f"\n{markdown}\n(tok/s: decode alone, rows / median TPOT; floors for bf16 weights)")
         report |= {"host_limits": vars(limits), "model_cost": vars(cost), "roofline": roofline_json(table)}
         report["roofline_table"] = markdown
         if args.output_png:
