@@ -27,9 +27,10 @@ What it does, in order (the servers never share the CPU):
    threads before any server starts (roofline.py says how);
 3. each round, each engine in turn: starts its server (trident: `launch.py --dtype ...`;
    vLLM: its OpenAI server from its own venv, `--vllm-python`, with
-   `VLLM_CPU_NUM_OF_RESERVED_CPU=0`, else it keeps a core for its scheduler), runs every
-   workload through bench_serving (streamed /v1/completions, greedy, ignore_eos,
-   min_tokens = max_tokens), stops it. Rounds alternate the engines to show the machine's drift.
+   `VLLM_CPU_NUM_OF_RESERVED_CPU=0`, else it keeps a core for its scheduler, and
+   `VLLM_SERVER_DEV_MODE=1` for its prefix-cache reset), runs every workload through
+   bench_serving (streamed /v1/completions, greedy, ignore_eos, min_tokens = max_tokens,
+   the prefix cache emptied before each run), stops it. Rounds alternate the engines to show the machine's drift.
 
 Workloads (`--workload`, a comma list):
 - `32x128`: `--num-prompts` (64) requests of `--input-len` prompt tokens and `--output-len`

@@ -43,7 +43,9 @@ class VllmServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> VllmServer:
-        env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        # Dev mode adds /reset_prefix_cache, so each run starts cold as trident's do: else a
+        # run's prompts that an earlier run or the warm-up sent skip their prefill.
+        env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_SERVER_DEV_MODE="1")
         print(f"starting {shlex.join(self.argv)} (log: {self.log_path})", file=sys.stderr, flush=True)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
