@@ -8,7 +8,7 @@
     python benchmarks/compare_vllm.py --shape llama-3.2-1b --workload 32x128,mixed,one-stream,rows \\
         --rounds 2 --output-json benchmarks/results/vllm-1b.json --output-png benchmarks/results/vllm-1b.png
 
-    # a smoke test of the whole path in a minute or two
+    # a smoke test of the whole path (a few minutes)
     python benchmarks/compare_vllm.py --shape tiny --workload 32x128,rows --rows 1,2 \\
         --num-prompts 4 --output-len 8 --rounds 1 --engines trident
 
@@ -30,7 +30,8 @@ What it does, in order (the servers never share the CPU):
    `VLLM_CPU_NUM_OF_RESERVED_CPU=0`, else it keeps a core for its scheduler, and
    `VLLM_SERVER_DEV_MODE=1` for its prefix-cache reset), runs every workload through
    bench_serving (streamed /v1/completions, greedy, ignore_eos, min_tokens = max_tokens,
-   the prefix cache emptied before each run), stops it. Rounds alternate the engines to show the machine's drift.
+   the prefix cache emptied before each run), stops it. Rounds alternate the engines, to
+   show the machine's drift; each figure is the median over `--rounds`.
 
 Workloads (`--workload`, a comma list):
 - `32x128`: `--num-prompts` (64) requests of `--input-len` prompt tokens and `--output-len`
@@ -41,9 +42,10 @@ Workloads (`--workload`, a comma list):
 - `rows`: for each of `--rows` (1,8,32,64), that many requests at once, each of the same
   lengths as 32x128. Its tok/s is decode alone: rows / the median time per output token
   after the first (TPOT), since the prefill of many prompts at once would otherwise weigh
-  in (and streamed chunks can arrive bunched, so single gaps say less); the roofline compares it with
-  the host's memory and compute floors (a markdown table, in the JSON too; `--output-png`
-  plots it).
+  in (and streamed chunks can arrive bunched, so single gaps say less). The roofline
+  compares it with the host's memory and compute floors (a markdown table, in the JSON
+  too; `--output-png` plots it). The floors count bf16 weights: serve a GGUF to trident with
+  `--trident-args "... --weight-dtype bf16"` for a fraction of the same bytes.
 
 It prints each workload's median output tok/s per engine and trident / vLLM of the medians.
 
@@ -201,11 +203,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--export-dir", default=None, help="default: ~/.cache/trident/<shape>-bf16 or <model>-<dtype>-dense")
     m.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     w = p.add_argument_group("workloads")
-    w.add_argument("--workload", type=comma_list(WORKLOADS), default=["32x128"], help=", ".join(WORKLOADS))
+    w.add_argument("--workload", type=comma_list(WORKLOADS), default=["32x128"], help="of " + ", ".join(WORKLOADS))
     w.add_argument("--num-prompts", type=int, default=None, help="32x128: 64, mixed: 48, one-stream: --stream-prompts")
     w.add_argument("--concurrency", type=int, default=32, help="32x128's requests in flight")
     w.add_argument("--stream-prompts", type=int, default=4, help="one-stream's requests")
-    w.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
+    w.add_argument(
+        "--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64], help="the rows workload's"
+    )
     w.add_argument("--input-len", type=int, default=64)
     w.add_argument("--output-len", type=int, default=128)
     w.add_argument("--seed", type=int, default=1)
@@ -233,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         workloads[label] = (ns, requests)
         progress(f"workload {label}: {workload_stats(requests)}")
     rows_labels = [lb for lb in workloads if lb.startswith("rows=")]
-    cost = model_cost(served["name"], served["vllm"])
-    limits = None
+    cost, limits = model_cost(served["name"], served["vllm"]), None
     if rows_labels:
         progress(f"measuring the host's memory read and bf16 matmul rates on {args.roofline_threads} threads")
         limits = measure_host_limits(args.rows, cost.hidden_size, cost.intermediate_size, args.roofline_threads)
