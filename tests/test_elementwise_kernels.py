@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.cpu_kernels import ElementwiseKernels, load_elementwise_kernels
-from gpu_worker.kv_pool import write_kv
-from gpu_worker.model import RMSNorm, RotaryEmbedding, apply_rotary
+from gpu_worker.kernels.cpu_kernels import ElementwiseKernels, load_elementwise_kernels
+from gpu_worker.model.decoder import RMSNorm, RotaryEmbedding, apply_rotary
+from gpu_worker.runtime.kv_pool import write_kv
 
 pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.int8_weights import Int8Linear, quantize_per_channel
-from gpu_worker.model import LlamaForCausalLM
+from gpu_worker.layers.int8_weights import Int8Linear, quantize_per_channel
+from gpu_worker.model.decoder import LlamaForCausalLM
 from tests.helpers import make_random_llama, prompt_logits, running_server, smollm2_tokenizer
 
 TEXT = (
@@ -39,7 +39,7 @@ def test_int8_linear_equals_a_linear_layer_with_the_dequantized_weights(dtype):
 
 @pytest.mark.parametrize("out_features, in_features", [(1536, 576), (576, 1536), (49152, 576)])
 def test_an_int8_rows_output_is_the_same_bits_at_any_batch_size(out_features, in_features):
-    """Batch invariance (gpu_worker/batch_invariance.py) counts on torch's int8 kernel
+    """Batch invariance (gpu_worker/runtime/batch_invariance.py) counts on torch's int8 kernel
     summing each row alone, in one order: SmolLM2's shapes, 1 to 130 rows."""
     gen = torch.Generator().manual_seed(out_features)
     layer = Int8Linear(torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16), None)

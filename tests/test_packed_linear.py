@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.cpu_kernels import load_vnni_linear, load_widening_bf16_linear
-from gpu_worker.model import LlamaForCausalLM
-from gpu_worker.packed_linear import (
+from gpu_worker.kernels.cpu_kernels import load_vnni_linear, load_widening_bf16_linear
+from gpu_worker.layers.packed_linear import (
     Bf16KernelLinear,
     PackedLinear,
     own_kernel_linear,
     replace_linear_layers,
     wants_packed_linear,
 )
+from gpu_worker.model.decoder import LlamaForCausalLM
 from tests.helpers import make_random_llama, prompt_logits
 
 pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too

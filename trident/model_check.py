@@ -14,10 +14,10 @@ import json
 import os
 import struct
 
-from gpu_worker.families import UnsupportedModelError
-from gpu_worker.gguf_header import GGUFFormatError, read_gguf_header
-from gpu_worker.gguf_weights import hf_config_dict, hf_name
-from gpu_worker.model_config import ModelConfig
+from gpu_worker.model.families import UnsupportedModelError
+from gpu_worker.model.gguf_header import GGUFFormatError, read_gguf_header
+from gpu_worker.model.gguf_weights import hf_config_dict, hf_name
+from gpu_worker.model.model_config import ModelConfig
 
 Shapes = dict[str, tuple[int, ...]]
 

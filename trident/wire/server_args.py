@@ -111,7 +111,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             MODEL,
             "CPU linear layers: packed once at load for oneDNN and, in bf16, for our C++ decode kernel "
             "(auto: packed for bf16 and float32 on CPU) or plain, re-packed by F.linear on every call "
-            "(gpu_worker/packed_linear.py)",
+            "(gpu_worker/layers/packed_linear.py)",
             choices=("auto", "packed", "plain"),
         ),
     ] = "auto"
@@ -120,7 +120,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         Flag(
             MODEL,
             "--compile: torch.compile the decoder layer for decode steps (tp 1; ~25 s of compiling at "
-            "start-up); --disable-compile: every step eager (gpu_worker/compiled_decode.py)",
+            "start-up); --disable-compile: every step eager (gpu_worker/model/compiled_decode.py)",
             choices=("auto", "on", "off"),
             switches={"--compile": "on", "--disable-compile": "off"},
         ),
@@ -140,7 +140,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             MODEL,
             "give up batch invariance (on by default for bf16 on CPU: a request's greedy text does not "
             "depend on what else runs, nor on chunking, the radix cache or a restart) for oneDNN's linears "
-            "and SDPA on prompt chunks (gpu_worker/batch_invariance.py). It costs nothing measured: on 2 Zen 4 "
+            "and SDPA on prompt chunks (gpu_worker/runtime/batch_invariance.py). It costs nothing measured: on 2 Zen 4 "
             "cores invariance was 1.05x (32 x 128), 1.14x (mixed) and 1.15x (1000-token prompts) the speed of "
             "the previous kernels (docs/benchmarks.md)",
         ),
@@ -247,7 +247,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         Flag(
             SIMULATION,
             "simulated: workers load no model, sleep for the profile's step time and emit pseudo-tokens "
-            "(gpu_worker/simulated.py)",
+            "(gpu_worker/sim/simulated.py)",
             choices=("model", "simulated"),
         ),
     ] = "model"
@@ -255,7 +255,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str | None,
         Flag(
             SIMULATION,
-            "step-time profile of simulated workers: a JSON file (`python -m gpu_worker.fit_profile --sweep -o "
+            "step-time profile of simulated workers: a JSON file (`python -m gpu_worker.sim.fit_profile --sweep -o "
             "P.json` times the model worker alone over a grid of step shapes; recordings also work) or the name "
             "of one in trident/profiles/",
             metavar="PROFILE",
@@ -322,7 +322,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str | None,
         Flag(
             MEASUREMENT,
-            "append every descriptor and step result to FILE (replay: python -m gpu_worker.replay FILE)",
+            "append every descriptor and step result to FILE (replay: python -m gpu_worker.sim.replay FILE)",
             metavar="FILE",
         ),
     ] = None

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from gpu_worker.attention import AttentionMetadata, paged_attention
-from gpu_worker.cpu_kernels import DecodeKernel, ElementwiseKernels
+from gpu_worker.kernels.cpu_kernels import DecodeKernel, ElementwiseKernels
+from gpu_worker.model.attention import AttentionMetadata, paged_attention
 
 if TYPE_CHECKING:
-    from gpu_worker.model import DecoderLayer
+    from gpu_worker.model.decoder import DecoderLayer
 
 RowsLinear = Callable[[torch.Tensor], torch.Tensor]
 """x [rows, in] -> x @ weight.T + bias [rows, out]: a linear layer as a plain function."""

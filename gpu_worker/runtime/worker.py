@@ -19,11 +19,8 @@ import numpy as np
 import psutil
 import torch
 
-from gpu_worker.batch_invariance import batch_invariance_off_because
-from gpu_worker.batch_state import BatchState, StepPlan
-from gpu_worker.compiled_decode import wants_compile, warm_up
-from gpu_worker.cpu_kernels import load_decode_attention as load_decode_kernel
-from gpu_worker.cpu_kernels import (
+from gpu_worker.kernels.cpu_kernels import load_decode_attention as load_decode_kernel
+from gpu_worker.kernels.cpu_kernels import (
     load_elementwise_kernels,
     load_greedy_argmax,
     load_quant_linear,
@@ -32,19 +29,22 @@ from gpu_worker.cpu_kernels import (
     require_kernels,
     wants_decode_kernel,
 )
-from gpu_worker.gguf_layers import weights_left_uninitialised
-from gpu_worker.grammar import GrammarTable
-from gpu_worker.int8_weights import check_supported as check_int8_supported
-from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
-from gpu_worker.malloc_policy import release_freed_memory
-from gpu_worker.model import LlamaForCausalLM
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.ngram_drafter import NgramDrafter
-from gpu_worker.packed_linear import own_kernel_linear, wants_packed_linear
-from gpu_worker.parallel import ShardPlan, TPGroup, dist_port
-from gpu_worker.sampler import SamplingTable, sample
-from gpu_worker.weights import iter_weights, load_config
-from gpu_worker.worker_loop import WorkerLoop
+from gpu_worker.layers.gguf_layers import weights_left_uninitialised
+from gpu_worker.layers.int8_weights import check_supported as check_int8_supported
+from gpu_worker.layers.packed_linear import own_kernel_linear, wants_packed_linear
+from gpu_worker.model.compiled_decode import wants_compile, warm_up
+from gpu_worker.model.decoder import LlamaForCausalLM
+from gpu_worker.model.model_config import ModelConfig
+from gpu_worker.model.weights import iter_weights, load_config
+from gpu_worker.runtime.batch_invariance import batch_invariance_off_because
+from gpu_worker.runtime.batch_state import BatchState, StepPlan
+from gpu_worker.runtime.grammar import GrammarTable
+from gpu_worker.runtime.kv_pool import KVPool, kv_bytes_per_token
+from gpu_worker.runtime.malloc_policy import release_freed_memory
+from gpu_worker.runtime.ngram_drafter import NgramDrafter
+from gpu_worker.runtime.parallel import ShardPlan, TPGroup, dist_port
+from gpu_worker.runtime.sampler import SamplingTable, sample
+from gpu_worker.runtime.worker_loop import WorkerLoop
 from trident.wire.backend import BatchDescriptor
 from trident.wire.child import ChildContext
 from trident.wire.cluster import layout_of

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gpu_worker.cpu_kernels import Bf16LinearKernel
+from gpu_worker.kernels.cpu_kernels import Bf16LinearKernel
 
 
 @torch.library.custom_op("trident::packed_linear", mutates_args=())

@@ -19,17 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention import AttentionMetadata, StraddlingHeadsKernel, paged_attention
-from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
-from gpu_worker.cpu_kernels import Bf16LinearKernel, DecodeKernel, ElementwiseKernels
-from gpu_worker.flat_decode import FlatDecodeLoop
-from gpu_worker.gguf_layers import QuantizedParts, narrow, pad_rows, stacked_linear
-from gpu_worker.int8_weights import Int8Linear
-from gpu_worker.kv_pool import KVPool, write_kv
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.packed_linear import Bf16KernelLinear, PackedLinear, replace_linear_layers
-from gpu_worker.parallel import ShardPlan, TPGroup
-from gpu_worker.rope import RotaryEmbedding
+from gpu_worker.kernels.cpu_kernels import Bf16LinearKernel, DecodeKernel, ElementwiseKernels
+from gpu_worker.layers.gguf_layers import QuantizedParts, narrow, pad_rows, stacked_linear
+from gpu_worker.layers.int8_weights import Int8Linear
+from gpu_worker.layers.packed_linear import Bf16KernelLinear, PackedLinear, replace_linear_layers
+from gpu_worker.model.attention import AttentionMetadata, StraddlingHeadsKernel, paged_attention
+from gpu_worker.model.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
+from gpu_worker.model.flat_decode import FlatDecodeLoop
+from gpu_worker.model.model_config import ModelConfig
+from gpu_worker.model.rope import RotaryEmbedding
+from gpu_worker.runtime.kv_pool import KVPool, write_kv
+from gpu_worker.runtime.parallel import ShardPlan, TPGroup
 
 __all__ = ["LlamaForCausalLM", "RMSNorm", "RotaryEmbedding", "apply_rotary"]
 

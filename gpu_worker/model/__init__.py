@@ -1,0 +1,1 @@
+"""The model: families, config, weight loading, and the decoder (modules, flat loop, compiled layer)."""
