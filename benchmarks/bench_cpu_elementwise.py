@@ -1,4 +1,4 @@
-"""A decoder layer's elementwise steps on CPU: model.py's torch ops against the C++ ops
+"""A decoder layer's elementwise steps on CPU: decoder.py's torch ops against the C++ ops
 (cpu_kernels.ElementwiseKernels), per call, at decode and prefill row counts.
 
     python benchmarks/bench_cpu_elementwise.py [--rows 1,32,2048] [--calls 300] [--dtype bfloat16]

@@ -8,7 +8,7 @@ the ops directly. The residual add at the end of a layer goes into the next laye
 norm (`add_rms_norm`), one op fewer per layer. The family's parts (q/k norms, GeGLU,
 sandwich norms, a rope and a window per layer) travel in the tuple.
 
-The ops and their order are the module path's (model.py), so the results are the same
+The ops and their order are the module path's (decoder.py), so the results are the same
 bits; tests/test_flat_decode.py checks the logits of both paths for equality.
 
 When: a plain decode step (every row one query, no prompt chunk) on a model with the C++
