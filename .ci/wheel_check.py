@@ -34,7 +34,7 @@ import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOWED_TOP_LEVEL = {"trident", "tokenizer_proc", "scheduler_proc", "gpu_worker"}
-REQUIRED_FILES = ["gpu_worker/csrc/kernel_common.h", "gpu_worker/csrc/paged_decode_attention.cpp"]
+REQUIRED_FILES = ["gpu_worker/kernels/csrc/kernel_common.h", "gpu_worker/kernels/csrc/paged_decode_attention.cpp"]
 READY_TIMEOUT_S = 240.0
 KERNELS_LOADED = "C++ CPU kernels ready"
 KERNEL_ATTENTION = "attention kernel"

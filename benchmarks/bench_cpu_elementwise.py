@@ -1,4 +1,4 @@
-"""A decoder layer's elementwise steps on CPU: model.py's torch ops against the C++ ops
+"""A decoder layer's elementwise steps on CPU: decoder.py's torch ops against the C++ ops
 (cpu_kernels.ElementwiseKernels), per call, at decode and prefill row counts.
 
     python benchmarks/bench_cpu_elementwise.py [--rows 1,32,2048] [--calls 300] [--dtype bfloat16]
@@ -18,15 +18,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpu_worker.omp_policy import use_passive_omp_wait  # noqa: E402
+from gpu_worker.runtime.omp_policy import use_passive_omp_wait  # noqa: E402
 
 use_passive_omp_wait()  # before torch loads, as the worker process does
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from bench_cpu_linear import seconds_per_call  # noqa: E402
 
-from gpu_worker.cpu_kernels import load_elementwise_kernels  # noqa: E402
-from gpu_worker.model import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
+from gpu_worker.kernels.cpu_kernels import load_elementwise_kernels  # noqa: E402
+from gpu_worker.model.decoder import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
 

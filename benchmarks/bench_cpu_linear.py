@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gpu_worker.cpu_kernels import Bf16LinearKernel, load_vnni_linear, load_widening_bf16_linear  # noqa: E402
-from gpu_worker.weights import load_config  # noqa: E402
+from gpu_worker.kernels.cpu_kernels import Bf16LinearKernel, load_vnni_linear, load_widening_bf16_linear  # noqa: E402
+from gpu_worker.model.weights import load_config  # noqa: E402
 from trident.model_source import default_model_path  # noqa: E402
 
 

@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from gpu_worker.attention import AttentionMetadata, DecodeGroup, paged_attention  # noqa: E402
-from gpu_worker.cpu_kernels import load_decode_attention as load  # noqa: E402
+from gpu_worker.kernels.cpu_kernels import load_decode_attention as load  # noqa: E402
+from gpu_worker.model.attention import AttentionMetadata, DecodeGroup, paged_attention  # noqa: E402
 
 POOL_TOKENS = 60_000
 

@@ -4,7 +4,7 @@ Issue 8's goal is at least 0.95 with overlap on at 32+ running requests. One rou
 
 1. trident serves the workload (`--launch` with `--record-batches` added; bench_serving's
    client and flags, no warm-up requests, so the recording holds the timed run only);
-2. `python -m gpu_worker.replay` drives a freshly loaded worker alone through that recording,
+2. `python -m gpu_worker.sim.replay` drives a freshly loaded worker alone through that recording,
    checks every step samples the served tokens, and reports served and replayed tokens/s.
 
 The two halves of a round run back to back. On a shared host whose speed drifts by tens of
@@ -40,7 +40,7 @@ def one_round(index: int, args, requests: list[BenchRequest], work_dir: str) -> 
         doc = run_against(server.base_url, args, requests)
     report_path = os.path.join(work_dir, f"round{index}.json")
     replay = subprocess.run(
-        [sys.executable, "-m", "gpu_worker.replay", recording, "--json", report_path], cwd=REPO_ROOT
+        [sys.executable, "-m", "gpu_worker.sim.replay", recording, "--json", report_path], cwd=REPO_ROOT
     )
     if not os.path.exists(report_path):
         raise RuntimeError(f"round {index}: the replay failed (exit {replay.returncode})")

@@ -41,7 +41,7 @@ from serving_report import write_json  # noqa: E402
 from serving_workload import build_workload, load_tokenizer  # noqa: E402
 
 sys.path.insert(0, REPO_ROOT)
-from gpu_worker.step_profile import COEFFICIENT_NAMES, StepProfile  # noqa: E402
+from gpu_worker.sim.step_profile import COEFFICIENT_NAMES, StepProfile  # noqa: E402
 
 ROLE_TITLES = {"tokenizer": "trident::tokenizer", "scheduler": "trident::scheduler", "worker": "trident::worker[tp0]"}
 

@@ -1,4 +1,4 @@
-"""Linear layers on quantized weights (gpu_worker/quant_linear.py) against the bf16 path
+"""Linear layers on quantized weights (gpu_worker/layers/quant_linear.py) against the bf16 path
 (packed_linear.PackedLinear: the VNNI kernel up to 64 rows, oneDNN above), in one run.
 
     python benchmarks/bench_quant_linear.py [--model smollm2|gemma3|both] [--rows 1,4,32,64,300]
@@ -29,14 +29,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpu_worker.omp_policy import use_passive_omp_wait  # noqa: E402
+from gpu_worker.runtime.omp_policy import use_passive_omp_wait  # noqa: E402
 
 use_passive_omp_wait()  # before torch loads, as the worker process does (its threads' wait decides --threads 1,2)
 import torch  # noqa: E402
 
-from gpu_worker.cpu_kernels import load_vnni_linear, load_widening_bf16_linear  # noqa: E402
-from gpu_worker.packed_linear import Bf16KernelLinear, PackedLinear  # noqa: E402
-from gpu_worker.quant_linear import QuantLinear  # noqa: E402
+from gpu_worker.kernels.cpu_kernels import load_vnni_linear, load_widening_bf16_linear  # noqa: E402
+from gpu_worker.layers.packed_linear import Bf16KernelLinear, PackedLinear  # noqa: E402
+from gpu_worker.layers.quant_linear import QuantLinear  # noqa: E402
 
 SHAPES = {
     "smollm2": {

@@ -4,7 +4,7 @@ serve a workload as fast as it does behind the model?
 In one command, on this machine:
 
 1. fit (`--fit sweep`, the default): time the model worker alone over a grid of step
-   shapes (`python -m gpu_worker.fit_profile --sweep`); the simulated workers measure the
+   shapes (`python -m gpu_worker.sim.fit_profile --sweep`); the simulated workers measure the
    front end's share of the cores live. `--fitted-frontend` fits that share instead on a
    served recording of bench_serving's `random` workload at 2 requests/s
    (`--frontend-from`). `--fit recording` fits on that recording alone, as before the
@@ -50,7 +50,7 @@ from serving_report import write_json  # noqa: E402
 from serving_workload import build_workload, load_tokenizer  # noqa: E402
 
 sys.path.insert(0, REPO_ROOT)
-from gpu_worker.step_profile import StepProfile  # noqa: E402
+from gpu_worker.sim.step_profile import StepProfile  # noqa: E402
 
 RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results")
 COMPARED = {
@@ -105,7 +105,7 @@ def record_fit_workload(ns: argparse.Namespace, model_args: list[str]) -> str:
 
 
 def fit_profile(ns: argparse.Namespace, model_args: list[str]) -> str:
-    cmd = [sys.executable, "-m", "gpu_worker.fit_profile", "-o", ns.profile_out, "--loss", ns.loss]
+    cmd = [sys.executable, "-m", "gpu_worker.sim.fit_profile", "-o", ns.profile_out, "--loss", ns.loss]
     if ns.fit == "sweep":
         cmd += ["--sweep", "--dtype", ns.dtype, "--repeats", str(ns.sweep_repeats)]
         if ns.fitted_frontend:

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.launched_server import LaunchedServer  # noqa: E402
-from gpu_worker.grammar import GrammarTable  # noqa: E402
+from gpu_worker.runtime.grammar import GrammarTable  # noqa: E402
 from tests.structured_schemas import SCHEMAS  # noqa: E402
 from trident.model_source import default_model_path  # noqa: E402
 from trident.wire.frontend import GrammarSpec  # noqa: E402

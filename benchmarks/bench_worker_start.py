@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     ns = p.parse_args()
 
-    from gpu_worker.worker import Worker
+    from gpu_worker.runtime.worker import Worker
     from trident.model_source import resolve_model
     from trident.wire.child import ChildContext
     from trident.wire.server_args import ServerArgs

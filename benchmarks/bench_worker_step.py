@@ -2,7 +2,7 @@
 
     python benchmarks/bench_worker_step.py --dtype bfloat16 --batch-sizes 1,32 --profile 32
 
-It loads the model into a real `Worker` (as `gpu_worker.replay` does) and feeds it
+It loads the model into a real `Worker` (as `gpu_worker.sim.replay` does) and feeds it
 synthetic descriptors: B requests of `--prompt-len` tokens join in one extend step, then
 the batch decodes `--decode-steps` tokens, gaining one page per row per step (page size
 1), exactly as the scheduler would send it. No scheduler, no sockets: this is the
@@ -31,13 +31,13 @@ from typing import NamedTuple
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpu_worker.malloc_policy import keep_freed_memory  # noqa: E402
-from gpu_worker.omp_policy import use_passive_omp_wait  # noqa: E402
+from gpu_worker.runtime.malloc_policy import keep_freed_memory  # noqa: E402
+from gpu_worker.runtime.omp_policy import use_passive_omp_wait  # noqa: E402
 
 use_passive_omp_wait()  # before torch loads, as the worker process does
 import torch  # noqa: E402
 
-from gpu_worker.packed_linear import PackedLinear  # noqa: E402
+from gpu_worker.layers.packed_linear import PackedLinear  # noqa: E402
 from trident.model_source import default_model_path  # noqa: E402
 from trident.wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends, StepResult  # noqa: E402
 from trident.wire.child import ChildContext  # noqa: E402
@@ -103,7 +103,7 @@ def make_worker(
     **server_args: object,
 ):
     """A Worker (or `worker_class`) of these settings; `server_args`: any other ServerArgs field."""
-    from gpu_worker.worker import Worker
+    from gpu_worker.runtime.worker import Worker
 
     args = ServerArgs(
         model_path=model,
@@ -186,7 +186,7 @@ class Variant(NamedTuple):
     vnni: object | None
     """The VNNI linear kernel given to every PackedLinear, or None (oneDNN for every batch)."""
     flat_decode: bool
-    """Plain decode steps through gpu_worker/flat_decode.py (False: the module tree)."""
+    """Plain decode steps through gpu_worker/model/flat_decode.py (False: the module tree)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="ROUNDS",
         help="measure each batch size ROUNDS times with decode steps through the modules and through the "
-        "flat loop of gpu_worker/flat_decode.py, alternating",
+        "flat loop of gpu_worker/model/flat_decode.py, alternating",
     )
     p.add_argument(
         "--glibc-malloc",

@@ -49,8 +49,8 @@ def kv_pool_bytes(model_path: str, tokens: int) -> int:
     import torch
 
     sys.path.insert(0, REPO_ROOT)
-    from gpu_worker.kv_pool import kv_bytes_per_token
-    from gpu_worker.weights import load_config
+    from gpu_worker.model.weights import load_config
+    from gpu_worker.runtime.kv_pool import kv_bytes_per_token
 
     cfg = load_config(model_path)
     return tokens * kv_bytes_per_token(cfg, torch.bfloat16, cfg.num_kv_heads)

@@ -25,11 +25,11 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpu_worker.fit_profile import recorded_steps, step_kinds  # noqa: E402
-from gpu_worker.malloc_policy import keep_freed_memory  # noqa: E402
-from gpu_worker.omp_policy import use_passive_omp_wait  # noqa: E402
-from gpu_worker.replay import load_recording, replay_steps, replay_worker  # noqa: E402
-from gpu_worker.step_profile import SHAPE, StepProfile  # noqa: E402
+from gpu_worker.runtime.malloc_policy import keep_freed_memory  # noqa: E402
+from gpu_worker.runtime.omp_policy import use_passive_omp_wait  # noqa: E402
+from gpu_worker.sim.fit_profile import recorded_steps, step_kinds  # noqa: E402
+from gpu_worker.sim.replay import load_recording, replay_steps, replay_worker  # noqa: E402
+from gpu_worker.sim.step_profile import SHAPE, StepProfile  # noqa: E402
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SEGMENT_GAP_S = 1.0

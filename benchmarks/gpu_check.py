@@ -13,7 +13,7 @@ tensor parallelism, which needs a process per rank and runs the real server.
     every position of the float32 continuation, against transformers in float32.
 (b) syncs: steady decode steps on the overlapped path, audited three ways: the worker's
     own counters (seq_lens copies, staged transfers, read-backs), every torch call that
-    crosses host and device (gpu_worker/transfer_audit.py, which counts on a CPU what a GPU
+    crosses host and device (gpu_worker/runtime/transfer_audit.py, which counts on a CPU what a GPU
     would do), and the torch profiler (plus `torch.cuda.set_sync_debug_mode` on a GPU). The
     rule: exactly one seq_lens copy per overlapped step, and no other blocking copy.
 (c) throughput: ms per decode step and tok/s at 1, 32 and 128 rows on a random-weight
@@ -42,10 +42,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.bench_worker_step import SyntheticScheduler, make_worker  # noqa: E402
-from gpu_worker.kv_pool import kv_bytes_per_token  # noqa: E402
-from gpu_worker.model import LlamaForCausalLM  # noqa: E402
-from gpu_worker.transfer_audit import TransferAudit  # noqa: E402
-from gpu_worker.worker import Worker  # noqa: E402
+from gpu_worker.model.decoder import LlamaForCausalLM  # noqa: E402
+from gpu_worker.runtime.kv_pool import kv_bytes_per_token  # noqa: E402
+from gpu_worker.runtime.transfer_audit import TransferAudit  # noqa: E402
+from gpu_worker.runtime.worker import Worker  # noqa: E402
 from tests.family_models import FAMILY_CHECKPOINTS, make_family_checkpoint  # noqa: E402
 from trident.wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends  # noqa: E402
 from trident.wire.codec import pack_int32, unpack_int32  # noqa: E402

@@ -6,8 +6,8 @@ import logging
 import os
 import sys
 
-from gpu_worker.malloc_policy import keep_freed_memory
-from gpu_worker.omp_policy import use_passive_omp_wait
+from gpu_worker.runtime.malloc_policy import keep_freed_memory
+from gpu_worker.runtime.omp_policy import use_passive_omp_wait
 from trident.wire.child import start_child
 
 
@@ -17,11 +17,11 @@ def main() -> None:
     ctx = start_child("worker")
     try:
         if ctx.args.worker == "simulated":
-            from gpu_worker.simulated import SimulatedWorker
+            from gpu_worker.sim.simulated import SimulatedWorker
 
             worker = SimulatedWorker(ctx)
         else:
-            from gpu_worker.worker import Worker
+            from gpu_worker.runtime.worker import Worker
 
             worker = Worker(ctx)
     except Exception as e:

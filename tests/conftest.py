@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from gpu_worker.omp_policy import use_passive_omp_wait
+from gpu_worker.runtime.omp_policy import use_passive_omp_wait
 from trident.child_process import CHILD_ENV_DEFAULTS
 
 # Before numpy and torch are imported, for the references and in-process workers that tests
@@ -94,7 +94,7 @@ def worker_threads() -> Iterator[None]:
     columns across threads is part of what they are checked for."""
     import torch
 
-    from gpu_worker.worker import cpu_threads_per_worker
+    from gpu_worker.runtime.worker import cpu_threads_per_worker
     from trident.wire.server_args import ServerArgs
 
     threads = torch.get_num_threads()

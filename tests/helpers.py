@@ -308,7 +308,7 @@ def write_sim_profile(
 ) -> str:
     """A step-time profile for `--worker simulated`: const_s a step plus per_token_s a token,
     and the measured spread `step_time_ratios` (none: exact steps)."""
-    from gpu_worker.step_profile import COEFFICIENT_NAMES, StepProfile
+    from gpu_worker.sim.step_profile import COEFFICIENT_NAMES, StepProfile
 
     coefficients = dict.fromkeys(COEFFICIENT_NAMES, 0.0) | {"const_s": const_s, "per_token_s": per_token_s}
     StepProfile(
@@ -373,10 +373,10 @@ def prompt_logits(path: str, ids: torch.Tensor, dtype: torch.dtype, prepare=None
     (weights loaded and cast to `dtype`; `prepare(model)` then, e.g. to quantize or pack)."""
     import torch
 
-    from gpu_worker.attention import AttentionMetadata, ExtendRow
-    from gpu_worker.kv_pool import KVPool
-    from gpu_worker.model import LlamaForCausalLM
-    from gpu_worker.weights import iter_weights, load_config
+    from gpu_worker.model.attention import AttentionMetadata, ExtendRow
+    from gpu_worker.model.decoder import LlamaForCausalLM
+    from gpu_worker.model.weights import iter_weights, load_config
+    from gpu_worker.runtime.kv_pool import KVPool
 
     cfg = load_config(path)
     model = LlamaForCausalLM(cfg)

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow, QueryKeys, shifted_causal_mask
+from gpu_worker.model.attention import AttentionMetadata, DecodeGroup, ExtendRow, QueryKeys, shifted_causal_mask
 from tests.family_models import FAMILY_CHECKPOINTS, WINDOW, make_family_checkpoint
 from tests.helpers import TEST_CPU_THREADS, smollm2_gguf
 from trident.wire.child import ChildContext
@@ -168,7 +168,7 @@ def differing_positions(got: torch.Tensor, want: torch.Tensor) -> list[int]:
 
 
 def default_worker(model_path: str | None = None, **args) -> Iterator:
-    from gpu_worker.worker import Worker
+    from gpu_worker.runtime.worker import Worker
 
     server_args = ServerArgs(
         model_path=model_path or smollm2_gguf(),

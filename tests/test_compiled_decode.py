@@ -16,7 +16,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from gpu_worker.batch_state import group_by_length
+from gpu_worker.runtime.batch_state import group_by_length
 from tests.helpers import TEST_CPU_THREADS, WorkerDriver
 from trident.wire.child import ChildContext
 from trident.wire.server_args import ServerArgs
@@ -24,7 +24,7 @@ from trident.wire.server_args import ServerArgs
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def compiled_worker(request, tmp_path_factory):
-    from gpu_worker.worker import Worker
+    from gpu_worker.runtime.worker import Worker
     from tests.family_models import make_family_checkpoint
     from tests.helpers import make_random_llama
 
@@ -76,7 +76,7 @@ def test_compiled_decode_samples_what_eager_does_and_compiles_nothing_after_warm
 
 
 def test_compile_is_asked_for_and_runs_at_tp_1_only():
-    from gpu_worker.compiled_decode import wants_compile
+    from gpu_worker.model.compiled_decode import wants_compile
 
     assert wants_compile("on", 1)
     assert not wants_compile("auto", 1) and not wants_compile("off", 1)

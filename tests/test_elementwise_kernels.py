@@ -1,5 +1,5 @@
 """The C++ elementwise ops of a decoder layer (csrc/rms_norm.cpp, csrc/layer_elementwise.cpp)
-compute what model.py's torch ops do, rounding where they round, for every dtype and any
+compute what decoder.py's torch ops do, rounding where they round, for every dtype and any
 number of rows; the model uses them in eager steps and the torch ops when compiled."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.cpu_kernels import ElementwiseKernels, load_elementwise_kernels
-from gpu_worker.kv_pool import write_kv
-from gpu_worker.model import RMSNorm, RotaryEmbedding, apply_rotary
+from gpu_worker.kernels.cpu_kernels import ElementwiseKernels, load_elementwise_kernels
+from gpu_worker.model.decoder import RMSNorm, RotaryEmbedding, apply_rotary
+from gpu_worker.runtime.kv_pool import write_kv
 
 pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
 
@@ -145,7 +145,7 @@ def test_rotary_write_kv_gives_the_rotary_q_and_writes_what_write_kv_writes(kern
         torch.zeros(pool, 2, kv_heads, dim, dtype=dtype),
     )
     got_cache.copy_(want_cache)
-    # The decode step's torch path (model.py): one rotary over q and k, then write_kv.
+    # The decode step's torch path (decoder.py): one rotary over q and k, then write_kv.
     qk = kernels.rotary(qkv[:, : (heads + kv_heads) * dim].view(-1, heads + kv_heads, dim), *tables)
     write_kv(want_cache, loc, qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim))
     q = kernels.rotary_write_kv(qkv, *tables, got_cache, loc, heads, kv_heads)

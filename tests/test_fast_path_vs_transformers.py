@@ -114,8 +114,8 @@ def reference_logits(path: str, ids: list[int]) -> torch.Tensor:
 def teacher_forced_logits(path: str, ids: list[int], monkeypatch, weight_dtype: str = "bf16") -> torch.Tensor:
     """Logits predicting ids[PROMPT_TOKENS:], each from a decode step of the default worker
     (with `weight_dtype`: bf16, the weights dequantized at load; gguf, the file's formats)."""
-    from gpu_worker.flat_decode import FlatDecodeLoop
-    from gpu_worker.worker import Worker
+    from gpu_worker.model.flat_decode import FlatDecodeLoop
+    from gpu_worker.runtime.worker import Worker
 
     flat_runs = []
     real_run = FlatDecodeLoop.run

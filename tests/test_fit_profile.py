@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from gpu_worker.fit_profile import median_of_each_point, median_of_its_point
-from gpu_worker.profile_sweep import SweepTimes
-from gpu_worker.step_profile import (
+from gpu_worker.sim.fit_profile import median_of_each_point, median_of_its_point
+from gpu_worker.sim.profile_sweep import SweepTimes
+from gpu_worker.sim.step_profile import (
     COEFFICIENT_NAMES,
     SHAPE,
     StepProfile,
@@ -130,7 +130,7 @@ def test_a_profile_written_before_the_later_terms_loads_with_them_at_zero(path):
 
 @pytest.mark.parametrize("exact", [False, True])
 def test_a_simulated_step_takes_the_prediction_times_a_draw_from_the_spread(tmp_path, exact):
-    from gpu_worker.simulated import SimulatedWorker
+    from gpu_worker.sim.simulated import SimulatedWorker
     from trident.model_source import default_model_path
     from trident.wire.child import ChildContext
     from trident.wire.server_args import ServerArgs
@@ -156,7 +156,7 @@ def test_a_simulated_step_takes_the_prediction_times_a_draw_from_the_spread(tmp_
 
 
 def test_a_simulated_step_adds_the_front_ends_measured_share(tmp_path):
-    from gpu_worker.simulated import SimulatedWorker
+    from gpu_worker.sim.simulated import SimulatedWorker
     from trident.model_source import default_model_path
     from trident.wire.child import ChildContext
     from trident.wire.server_args import ServerArgs
@@ -220,7 +220,7 @@ def test_sweep_steps_read_kv_that_was_written_as_a_served_workers_do(tmp_path):
 
     import torch
 
-    from gpu_worker.profile_sweep import ShapeTimer, StepShape, sweep_worker
+    from gpu_worker.sim.profile_sweep import ShapeTimer, StepShape, sweep_worker
 
     model = make_random_llama(str(tmp_path / "model"), hidden=64, max_position=512)
     worker = sweep_worker(model, "float32", 256, 8192)
@@ -239,7 +239,7 @@ def test_fit_profile_command_on_a_recording(tmp_path):
     out = str(tmp_path / "profile.json")
     res = subprocess.run(
         [
-            *(sys.executable, "-m", "gpu_worker.fit_profile", recording, "-o", out),
+            *(sys.executable, "-m", "gpu_worker.sim.fit_profile", recording, "-o", out),
             *("--description", "tiny test model", "--loss", "absolute"),
         ],
         cwd=REPO_ROOT,
@@ -271,7 +271,7 @@ def test_fit_profile_command_on_a_recording(tmp_path):
     combined = str(tmp_path / "combined.json")
     res = subprocess.run(
         [
-            *(sys.executable, "-m", "gpu_worker.fit_profile", "--sweep", recording, "-o", combined),
+            *(sys.executable, "-m", "gpu_worker.sim.fit_profile", "--sweep", recording, "-o", combined),
             *("--frontend-from", recording, "--model", str(tmp_path / "model"), "--dtype", "float32"),
             *("--context-length", "256", "--max-prefill-tokens", "64", "--repeats", "2", "--max-total-tokens", "8192"),
         ],
@@ -292,7 +292,7 @@ def test_fit_profile_rejects_a_file_that_is_not_a_recording(tmp_path):
     bad = tmp_path / "bad.rec"
     bad.write_bytes(b"hello")
     res = subprocess.run(
-        [sys.executable, "-m", "gpu_worker.fit_profile", str(bad), "-o", str(tmp_path / "p.json")],
+        [sys.executable, "-m", "gpu_worker.sim.fit_profile", str(bad), "-o", str(tmp_path / "p.json")],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""Plain decode steps through the flat loop (gpu_worker/flat_decode.py) give the module
+"""Plain decode steps through the flat loop (gpu_worker/model/flat_decode.py) give the module
 tree's logits bit for bit, and only the steps it serves take it.
 
 An in-process worker on a random-weight LLaMA with SmolLM2's head dim (64), so that the
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow
-from gpu_worker.flat_decode import FlatDecodeLoop
+from gpu_worker.model.attention import AttentionMetadata, DecodeGroup, ExtendRow
+from gpu_worker.model.flat_decode import FlatDecodeLoop
 from tests.family_models import make_family_checkpoint
 from tests.helpers import TEST_CPU_THREADS, WorkerDriver, make_random_llama
 from trident.wire.child import ChildContext
@@ -39,7 +39,7 @@ def model_dir(request, tmp_path_factory) -> str:
     scope="module", params=[("bfloat16", "auto"), ("bfloat16", "int8"), ("float32", "auto")], ids=lambda p: "-".join(p)
 )
 def worker(request, model_dir):
-    from gpu_worker.worker import Worker
+    from gpu_worker.runtime.worker import Worker
 
     dtype, weight_dtype = request.param
     args = ServerArgs(

@@ -60,7 +60,7 @@ def greedy_reference(model, ids: list[int]) -> list[int]:
 
 
 def test_model_declares_gemmas_stop_tokens(gemma_path):
-    from gpu_worker.weights import load_config
+    from gpu_worker.model.weights import load_config
 
     assert load_config(gemma_path).eos_token_ids == (EOS, END_OF_TURN)
 

@@ -1,4 +1,4 @@
-"""GGUF blocks -> our U4/I8 layouts (gpu_worker/gguf_repack.py) lose nothing: for every
+"""GGUF blocks -> our U4/I8 layouts (gpu_worker/layers/gguf_repack.py) lose nothing: for every
 format in the table, on random blocks and on every such tensor of both packaged files,
 scale * code (+ min) is the float32 that `gguf.quants.dequantize` gives. Q5_0 keeps its 5
 bits (the I5 layout), Q6_K its 6 (I6), and their kernels stay within their activations'
@@ -16,11 +16,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from gpu_worker.cpu_kernels import load_quant_linear
-from gpu_worker.gguf_header import read_gguf_header, tensor_bytes
-from gpu_worker.gguf_layers import narrow, quant_linear
-from gpu_worker.gguf_repack import I8_FORMATS, U4_FORMATS, I8Weights, U4Weights, concat_rows, repack
-from gpu_worker.quant_linear import I5, I6
+from gpu_worker.kernels.cpu_kernels import load_quant_linear
+from gpu_worker.layers.gguf_layers import narrow, quant_linear
+from gpu_worker.layers.gguf_repack import I8_FORMATS, U4_FORMATS, I8Weights, U4Weights, concat_rows, repack
+from gpu_worker.layers.quant_linear import I5, I6
+from gpu_worker.model.gguf_header import read_gguf_header, tensor_bytes
 from tests.helpers import smollm2_gguf
 
 Q = GGMLQuantizationType

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.cpu_kernels import load_greedy_argmax
-from gpu_worker.sampler import SamplingTable
+from gpu_worker.kernels.cpu_kernels import load_greedy_argmax
+from gpu_worker.runtime.sampler import SamplingTable
 
 pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.int8_weights import Int8Linear, quantize_per_channel
-from gpu_worker.model import LlamaForCausalLM
+from gpu_worker.layers.int8_weights import Int8Linear, quantize_per_channel
+from gpu_worker.layers.linear_plan import every_linear
 from tests.helpers import make_random_llama, prompt_logits, running_server, smollm2_tokenizer
 
 TEXT = (
@@ -39,7 +39,7 @@ def test_int8_linear_equals_a_linear_layer_with_the_dequantized_weights(dtype):
 
 @pytest.mark.parametrize("out_features, in_features", [(1536, 576), (576, 1536), (49152, 576)])
 def test_an_int8_rows_output_is_the_same_bits_at_any_batch_size(out_features, in_features):
-    """Batch invariance (gpu_worker/batch_invariance.py) counts on torch's int8 kernel
+    """Batch invariance (gpu_worker/runtime/batch_invariance.py) counts on torch's int8 kernel
     summing each row alone, in one order: SmolLM2's shapes, 1 to 130 rows."""
     gen = torch.Generator().manual_seed(out_features)
     layer = Int8Linear(torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16), None)
@@ -54,7 +54,7 @@ def test_smollm2_with_int8_weights_predicts_nearly_what_float32_does(smollm2_pat
     tok = smollm2_tokenizer()
     ids = torch.tensor(tok(TEXT).input_ids)
     reference = prompt_logits(smollm2_path, ids, torch.float32).float()
-    int8 = prompt_logits(smollm2_path, ids, torch.bfloat16, LlamaForCausalLM.quantize_weights_int8).float()
+    int8 = prompt_logits(smollm2_path, ids, torch.bfloat16, every_linear(Int8Linear)).float()
     # bf16 weights agree on 98.8 % of these 85 positions, int8 on 96.5 % (measured).
     assert (int8.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
     assert F.cosine_similarity(int8, reference, dim=-1).min() >= 0.98

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from gpu_worker.cpu_kernels import ISA_FLAGS, kernel_cache_dir
+from gpu_worker.kernels.cpu_kernels import ISA_FLAGS, kernel_cache_dir
 from tests.helpers import REPO_ROOT
 
 
@@ -17,7 +17,7 @@ def load_kernels_in_a_fresh_process(
     cache_home, required: bool, compiler: str, path: str | None = None
 ) -> subprocess.CompletedProcess:
     code = (
-        "from gpu_worker import cpu_kernels as k\n"
+        "from gpu_worker.kernels import cpu_kernels as k\n"
         f"k.require_kernels({required})\n"
         "print('loaded' if k.load_greedy_argmax() is not None else 'fallback')\n"
     )

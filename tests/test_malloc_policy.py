@@ -1,4 +1,4 @@
-"""The worker's heap keeps freed memory (gpu_worker/malloc_policy.py): a large temporary
+"""The worker's heap keeps freed memory (gpu_worker/runtime/malloc_policy.py): a large temporary
 freed and allocated again reuses pages already faulted in, where glibc's defaults map
 and unmap it every time and pay a page fault per 4 KB again."""
 
@@ -12,7 +12,7 @@ ROUNDS = 8
 
 CHILD = f"""
 import ctypes, resource, sys
-from gpu_worker.malloc_policy import keep_freed_memory
+from gpu_worker.runtime.malloc_policy import keep_freed_memory
 print(keep_freed_memory() if sys.argv[1] == "keep" else True)
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p

@@ -10,7 +10,7 @@ import sys
 from tests.helpers import REPO_ROOT
 
 SET_THEN_IMPORT = (
-    "import os\nfrom gpu_worker.omp_policy import use_passive_omp_wait\nuse_passive_omp_wait()\n"
+    "import os\nfrom gpu_worker.runtime.omp_policy import use_passive_omp_wait\nuse_passive_omp_wait()\n"
     "import torch\nprint(os.environ['OMP_WAIT_POLICY'])"
 )
 
@@ -35,13 +35,13 @@ def test_threads_spin_briefly_before_sleeping_unless_the_user_set_a_policy():
 
 
 def test_after_torch_is_loaded_it_is_too_late_and_says_so():
-    code = "import os, torch\nfrom gpu_worker.omp_policy import use_passive_omp_wait\n"
+    code = "import os, torch\nfrom gpu_worker.runtime.omp_policy import use_passive_omp_wait\n"
     code += "print(use_passive_omp_wait(), os.environ.get('OMP_WAIT_POLICY'))"
     assert run(code).stdout.split() == ["False", "None"]
 
 
 def test_a_worker_computes_on_its_cpus_shared_among_the_nodes_workers_unless_cpu_threads_is_set():
-    from gpu_worker.worker import cpu_threads_per_worker
+    from gpu_worker.runtime.worker import cpu_threads_per_worker
     from trident.wire.server_args import ServerArgs
 
     cpus = os.sched_getaffinity(0)

@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.cpu_kernels import load_vnni_linear, load_widening_bf16_linear
-from gpu_worker.model import LlamaForCausalLM
-from gpu_worker.packed_linear import (
-    Bf16KernelLinear,
-    PackedLinear,
+from gpu_worker.kernels.cpu_kernels import load_vnni_linear, load_widening_bf16_linear
+from gpu_worker.layers.linear_plan import (
+    every_bf16_kernel,
+    every_linear,
     own_kernel_linear,
     replace_linear_layers,
     wants_packed_linear,
 )
+from gpu_worker.layers.packed_linear import Bf16KernelLinear, PackedLinear
 from tests.helpers import make_random_llama, prompt_logits
 
 pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
@@ -137,7 +137,7 @@ def test_a_model_with_packed_weights_predicts_the_same_bf16_logits_as_with_plain
     path = make_random_llama(str(tmp_path / "model"), seed=5)
     ids = torch.arange(3, 40)
     plain = prompt_logits(path, ids, torch.bfloat16)
-    assert torch.equal(prompt_logits(path, ids, torch.bfloat16, LlamaForCausalLM.pack_linear_weights), plain)
+    assert torch.equal(prompt_logits(path, ids, torch.bfloat16, every_linear(PackedLinear)), plain)
 
 
 @needs_vnni_linear
@@ -145,7 +145,9 @@ def test_a_model_whose_decode_batches_take_the_vnni_kernel_predicts_the_logits_o
     path = make_random_llama(str(tmp_path / "model"), seed=5)
     ids = torch.arange(3, 40)
     plain = prompt_logits(path, ids, torch.bfloat16)
-    with_vnni = prompt_logits(path, ids, torch.bfloat16, lambda model: model.pack_linear_weights(VNNI))
+    with_vnni = prompt_logits(
+        path, ids, torch.bfloat16, every_linear(lambda weight, bias: PackedLinear(weight, bias, VNNI))
+    )
     # The prompt (37 rows) runs through the VNNI kernel: a different float32 summation order,
     # so equal up to bf16 rounding through the layers, not bit for bit.
     torch.testing.assert_close(with_vnni.float(), plain.float(), atol=0.1, rtol=0.05)
@@ -207,7 +209,7 @@ def test_a_model_with_widened_bf16_weights_is_as_close_to_float32_as_with_plain_
     ids = torch.arange(3, 40)
     want = prompt_logits(path, ids, torch.float32).double()
     plain = prompt_logits(path, ids, torch.bfloat16).double()
-    widened = prompt_logits(path, ids, torch.bfloat16, lambda model: model.use_bf16_kernel_linear(WIDENING)).double()
+    widened = prompt_logits(path, ids, torch.bfloat16, every_bf16_kernel(WIDENING)).double()
     # Another float32 summation order than torch's bf16 matmul, so not the same bits; the
     # error that bf16 rounding through the layers leaves must be no larger.
     plain_error, widened_error = (plain - want).abs(), (widened - want).abs()

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.attention import paged_attention
-from gpu_worker.batch_state import MAX_DECODE_GROUPS, BatchState, group_by_length
-from gpu_worker.cpu_kernels import load_decode_attention as load_decode_kernel
-from gpu_worker.kv_pool import KVPool
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.sampler import SamplingTable
+from gpu_worker.kernels.cpu_kernels import load_decode_attention as load_decode_kernel
+from gpu_worker.model.attention import paged_attention
+from gpu_worker.model.model_config import ModelConfig
+from gpu_worker.runtime.batch_state import MAX_DECODE_GROUPS, BatchState, group_by_length
+from gpu_worker.runtime.kv_pool import KVPool
+from gpu_worker.runtime.sampler import SamplingTable
 from trident.wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends
 from trident.wire.codec import pack_int32
 from trident.wire.frontend import SamplingParams

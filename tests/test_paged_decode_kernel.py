@@ -1,4 +1,4 @@
-"""The C++ decode attention kernel (gpu_worker/csrc/paged_decode_attention.cpp) computes
+"""The C++ decode attention kernel (gpu_worker/kernels/csrc/paged_decode_attention.cpp) computes
 what a float64 softmax over each row's own keys does, reading them where the pool has them.
 
 It must build here: `--decode-attention auto` would fall back to torch ops silently, so a
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.cpu_kernels import load_decode_attention as load
+from gpu_worker.kernels.cpu_kernels import load_decode_attention as load
 
 pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
 

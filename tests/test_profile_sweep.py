@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 
-from gpu_worker.profile_sweep import StepShape, sweep_grid
-from gpu_worker.step_profile import COEFFICIENT_NAMES, StepProfile
+from gpu_worker.sim.profile_sweep import StepShape, sweep_grid
+from gpu_worker.sim.step_profile import COEFFICIENT_NAMES, StepProfile
 from tests.helpers import REPO_ROOT, make_random_llama
 
 CONTEXT = 1024
@@ -55,9 +55,9 @@ def test_sweep_fitted_profile_predicts_held_out_shapes(tmp_path):
 
     import torch
 
-    from gpu_worker.fit_profile import median_of_each_point
-    from gpu_worker.profile_sweep import SweepTimes, run_sweep, sweep_worker
-    from gpu_worker.step_profile import fit_shapes
+    from gpu_worker.sim.fit_profile import median_of_each_point
+    from gpu_worker.sim.profile_sweep import SweepTimes, run_sweep, sweep_worker
+    from gpu_worker.sim.step_profile import fit_shapes
 
     model = make_random_llama(str(tmp_path / "model"), hidden=128, intermediate=512, max_position=2 * CONTEXT)
     worker = sweep_worker(model, "float32", CONTEXT, 65536)
@@ -86,7 +86,7 @@ def test_fit_profile_sweep_command_writes_a_profile_with_its_cpu_and_spread(tmp_
     out = str(tmp_path / "sweep.json")
     res = subprocess.run(
         [
-            *(sys.executable, "-m", "gpu_worker.fit_profile", "--sweep", "-o", out, "--model", model),
+            *(sys.executable, "-m", "gpu_worker.sim.fit_profile", "--sweep", "-o", out, "--model", model),
             *("--dtype", "float32", "--context-length", "256", "--max-prefill-tokens", "64"),
             *("--repeats", "2", "--max-total-tokens", "16384", "--description", "tiny test model"),
         ],

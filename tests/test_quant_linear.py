@@ -1,4 +1,4 @@
-"""Linear layers on quantized weights (gpu_worker/quant_linear.py, csrc/quant_linear.cpp), in
+"""Linear layers on quantized weights (gpu_worker/layers/quant_linear.py, csrc/quant_linear.cpp), in
 each layout (U4, I8, I5, I6): the repacking loses nothing, each kernel path is within the
 rounding of its int8 activations of a float32 reference on the dequantized weights, both
 paths give the same bits, in the AVX-512 build and in the AVX2 build alike, and a row's
@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from gpu_worker.cpu_kernels import load_quant_linear
-from gpu_worker.quant_linear import QuantLinear
+from gpu_worker.kernels.cpu_kernels import load_quant_linear
+from gpu_worker.layers.quant_linear import QuantLinear
 from tests.helpers import REPO_ROOT
 
 pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
@@ -151,7 +151,7 @@ def test_the_vnni_and_avx2_paths_give_the_same_bits(layout):
 AVX2_BUILD_SCRIPT = """
 import sys, torch
 from tests.test_quant_linear import LAYERS
-from gpu_worker.quant_linear import QuantLinear
+from gpu_worker.layers.quant_linear import QuantLinear
 x = torch.load(sys.argv[1])
 layer = LAYERS["u4_f16"](100, 640, bias=True)
 assert layer.kernel_path == "avx2", layer.kernel_path

@@ -15,7 +15,7 @@ def test_replayed_worker_samples_the_recorded_tokens(tmp_path):
     assert os.path.getsize(recording) > 0
     out = str(tmp_path / "replay.json")
     res = subprocess.run(
-        [sys.executable, "-m", "gpu_worker.replay", recording, "--json", out],
+        [sys.executable, "-m", "gpu_worker.sim.replay", recording, "--json", out],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -31,7 +31,11 @@ def test_a_corrupt_recording_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.rec"
     bad.write_bytes(b"hello")
     res = subprocess.run(
-        [sys.executable, "-m", "gpu_worker.replay", str(bad)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "gpu_worker.sim.replay", str(bad)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert res.returncode == 2 and "not a trident descriptor recording" in res.stderr
     assert "Traceback" not in res.stderr

@@ -361,7 +361,7 @@ def test_stream_include_usage_sends_one_final_usage_chunk(client, france):
 
 
 def test_greedy_tokens_take_the_first_of_tied_maxima_as_argmax_does():
-    from gpu_worker.sampler import greedy_tokens
+    from gpu_worker.runtime.sampler import greedy_tokens
 
     logits = torch.randn(64, 49152).to(torch.bfloat16)
     logits[:, 7] = logits.max(dim=-1).values + 1
@@ -374,8 +374,8 @@ def test_greedy_tokens_take_the_first_of_tied_maxima_as_argmax_does():
 def test_greedy_rows_short_of_min_tokens_mask_their_stop_tokens_in_the_logits_own_dtype():
     """min_tokens (as benchmarks send it) needs only the stop tokens masked: the bf16 argmax
     runs on the model's logits, and picks what the float32 path picks."""
-    from gpu_worker.cpu_kernels import load_greedy_argmax
-    from gpu_worker.sampler import SamplingTable, sample
+    from gpu_worker.kernels.cpu_kernels import load_greedy_argmax
+    from gpu_worker.runtime.sampler import SamplingTable, sample
     from trident.wire.frontend import SamplingParams
 
     vocab, eos = 4096, 5
@@ -409,7 +409,7 @@ def test_greedy_rows_short_of_min_tokens_mask_their_stop_tokens_in_the_logits_ow
 def test_seeded_noise_is_never_zero_so_forbidden_tokens_stay_forbidden():
     """A noise of 0 turns a forbidden token's probability 0 into 0 / 0, a NaN that argmax
     picks: 2,000 keys over SmolLM2's vocabulary gave 5 zeros when the uniform could round to 1."""
-    from gpu_worker.sampler import hash_token_ids, seeded_exponentials
+    from gpu_worker.runtime.sampler import hash_token_ids, seeded_exponentials
 
     tokens = hash_token_ids(49152, torch.device("cpu"))
     keys = torch.arange(2000, dtype=torch.int64) * 2654435761 % (1 << 32)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.batch_state import BatchState, SeqLensSumMismatch
-from gpu_worker.sampler import SamplingTable
+from gpu_worker.runtime.batch_state import BatchState, SeqLensSumMismatch
+from gpu_worker.runtime.sampler import SamplingTable
 from scheduler_proc.request import Req
 from scheduler_proc.schedule_batch import ScheduleBatch, SeqLensDrift, check_seq_lens
 from trident.wire.backend import WorkerInput

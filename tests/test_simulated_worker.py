@@ -14,8 +14,8 @@ import numpy as np
 import psutil
 import pytest
 
-from gpu_worker.sibling_cpu import Contention, SiblingCpu, host_pids
-from gpu_worker.step_profile import StepProfile
+from gpu_worker.sim.sibling_cpu import Contention, SiblingCpu, host_pids
+from gpu_worker.sim.step_profile import StepProfile
 from tests.helpers import Server, free_port_block, running_server, wait_until, write_sim_profile
 from trident.wire.signing import new_secret, write_secret_file
 

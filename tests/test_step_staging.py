@@ -1,4 +1,4 @@
-"""The pinned, non-blocking metadata path (gpu_worker/host_staging.py), run on the CPU.
+"""The pinned, non-blocking metadata path (gpu_worker/runtime/host_staging.py), run on the CPU.
 
 On CPU the staging buffers are the device buffers, so these tests check what does not
 depend on the device: views hold the staged values, the count of copies a GPU would make
@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_worker.batch_state import BatchState
-from gpu_worker.host_staging import DeviceToHost, StepStaging
-from gpu_worker.sampler import SamplingTable, sample
-from gpu_worker.transfer_audit import TransferAudit
+from gpu_worker.runtime.batch_state import BatchState
+from gpu_worker.runtime.host_staging import DeviceToHost, StepStaging
+from gpu_worker.runtime.sampler import SamplingTable, sample
+from gpu_worker.runtime.transfer_audit import TransferAudit
 from trident.wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends
 from trident.wire.codec import pack_int32
 from trident.wire.frontend import SamplingParams

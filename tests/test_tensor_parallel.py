@@ -20,8 +20,8 @@ from contextlib import ExitStack
 
 import pytest
 
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.parallel import ShardPlan
+from gpu_worker.model.model_config import ModelConfig
+from gpu_worker.runtime.parallel import ShardPlan
 from tests.helpers import REPO_ROOT, Server, free_port, running_server
 from tests.workload import child, run_with_fault
 
@@ -162,7 +162,7 @@ def test_every_head_and_vocab_row_is_somewhere_and_each_rank_has_the_kv_its_head
 
 RANK_SCRIPT = textwrap.dedent("""
     import sys, time, torch
-    from gpu_worker.parallel import TPGroup
+    from gpu_worker.runtime.parallel import TPGroup
     rank, port = int(sys.argv[1]), int(sys.argv[2])
     tp = TPGroup.init(rank, 2, torch.device("cpu"), port, timeout_s=3)
     print("agree:", tp.check_step(5, failed=False), flush=True)

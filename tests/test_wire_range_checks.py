@@ -15,8 +15,8 @@ import pytest
 import torch
 import zmq
 
-from gpu_worker.batch_state import BatchState, DescriptorOutOfRange
-from gpu_worker.sampler import SamplingTable
+from gpu_worker.runtime.batch_state import BatchState, DescriptorOutOfRange
+from gpu_worker.runtime.sampler import SamplingTable
 from scheduler_proc.output import result_mismatch
 from tests.helpers import running_server, wait_until, write_sim_profile
 from tests.test_simulated_worker import completions, sim_args

@@ -10,6 +10,7 @@ It owns everything a client sees and nothing the GPU needs:
 - `request_manager`: the open requests by rid, the sockets to and from the scheduler.
 - `detokenizer`: incremental text per request, UTF-8 hold-back and stop strings.
 - `metrics`: the Prometheus registry of this process.
+- `offline`: the whole interface the offline Engine (trident/engine.py) uses of this process.
 
 The scheduler owns queueing, KV and every decision about a running request; this process
 holds only what it needs to turn token ids into HTTP responses.

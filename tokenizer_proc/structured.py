@@ -2,7 +2,7 @@
 `logit_bias`; each checked here so that bad input is a 400 naming the problem.
 
 The constraint leaves this process as text (`GrammarSpec`); the worker compiles it against
-the vocabulary and owns the matcher (gpu_worker/grammar.py). Parsing it here needs no
+the vocabulary and owns the matcher (gpu_worker/runtime/grammar.py). Parsing it here needs no
 vocabulary and catches what the library would refuse (a bad schema, regex or grammar),
 with the library's own reason.
 """

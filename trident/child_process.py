@@ -24,7 +24,7 @@ CHILD_ENV_DEFAULTS = {"NUMPY_MADVISE_HUGEPAGE": "0"}
 pages for every large array; under THP's default `madvise` defrag each such first touch may
 compact memory synchronously, and on a busy host that made the short-lived arrays of a GGUF
 load many times slower (docs/benchmarks.md). Weights that do gain from huge pages get them
-on purpose (gpu_worker/huge_pages.py)."""
+on purpose (gpu_worker/runtime/huge_pages.py)."""
 
 
 def child_cwd(run_dir: str) -> str:

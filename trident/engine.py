@@ -10,11 +10,11 @@
 named as the `ServerArgs` fields (`max_total_tokens=16384`, `disable_radix_cache=True`,
 `compile_decode="on"`, `startup_timeout_s=60`...) and starts the same worker and
 scheduler processes through launch.py's `Launcher`, in a private run directory. The Engine
-itself plays the tokenizer process's part, with that process's own code: the tokenizer
-loading, the `RequestManager` (sockets, handshake, per-request detokenizer and stop
-strings) and `serving.collect`, run on a private asyncio loop in one background thread. So
-the Engine swaps the I/O (Python calls instead of HTTP), not the logic, and returns what
-`POST /generate` returns.
+itself plays the tokenizer process's part, with that process's own code (reached through
+tokenizer_proc/offline.py, its one interface): the tokenizer loading, the `RequestManager`
+(sockets, handshake, per-request detokenizer and stop strings) and `serving.collect`, run
+on a private asyncio loop in one background thread. So the Engine swaps the I/O (Python
+calls instead of HTTP), not the logic, and returns what `POST /generate` returns.
 
 `sampling_params` are those of `POST /generate` (SGLang's names: `max_new_tokens`,
 `temperature`, `top_p`, `top_k`, `min_p`, the penalties, `stop`, `stop_token_ids`,
@@ -39,13 +39,18 @@ from typing import Any
 import pydantic
 import zmq.asyncio
 
-from tokenizer_proc.errors import APIError
-from tokenizer_proc.metrics import Metrics
-from tokenizer_proc.protocol import NativeSamplingParams
-from tokenizer_proc.request_manager import RequestManager
-from tokenizer_proc.sampling import ModelLimits, check_prompt_ids, native_sampling_params
-from tokenizer_proc.serving import collect
-from tokenizer_proc.tokenization import encode_text, load_tokenizer
+from tokenizer_proc.offline import (
+    APIError,
+    Metrics,
+    ModelLimits,
+    NativeSamplingParams,
+    RequestManager,
+    check_prompt_ids,
+    collect,
+    encode_text,
+    load_tokenizer,
+    native_sampling_params,
+)
 from trident.flags import argv_of, build_parser
 from trident.launch import Launcher, StartupError, server_args_from_cli
 from trident.model_source import ModelNotFound, resolve_model

@@ -70,8 +70,8 @@ PACKAGED_MODELS = {
 
 def resolve_model(model: str | None) -> tuple[str, str]:
     """(path to a .gguf file or an HF directory, served model name); the model is checked
-    (model_check.py) so that what we cannot serve is refused here, before any child starts."""
-    from trident.model_check import UnservableModel, check_model
+    (gpu_worker/model/model_check.py) so that what we cannot serve is refused here, before any child starts."""
+    from gpu_worker.model.model_check import UnservableModel, check_model
 
     name = model or DEFAULT_MODEL
     if name in PACKAGED_MODELS:

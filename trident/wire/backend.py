@@ -171,7 +171,7 @@ class WorkerCounters(msgspec.Struct, array_like=True):
     """Copies of device seq_lens to the host made for the sync point (one per overlapped step)."""
     dropped_frames: int = 0
     """Frames this rank could not decode and dropped, plus descriptors it refused for an
-    index out of range (gpu_worker/batch_state.py check_ranges)."""
+    index out of range (gpu_worker/runtime/batch_state.py check_ranges)."""
     busy_s: float = 0.0
     """Seconds spent running steps (apply, forward, sample, reply)."""
     idle_s: float = 0.0

@@ -15,7 +15,7 @@ import numpy as np
 class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """A decoding constraint as the client gave it, not compiled: written by the tokenizer
     (or the offline Engine) after parsing it once to reject bad input; compiled against the
-    vocabulary by the worker, which owns the matcher (gpu_worker/grammar.py)."""
+    vocabulary by the worker, which owns the matcher (gpu_worker/runtime/grammar.py)."""
 
     kind: str
     """json_schema | regex | ebnf."""

@@ -113,7 +113,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             MODEL,
             "CPU linear layers: packed once at load for oneDNN and, in bf16, for our C++ decode kernel "
             "(auto: packed for bf16 and float32 on CPU) or plain, re-packed by F.linear on every call "
-            "(gpu_worker/packed_linear.py)",
+            "(gpu_worker/layers/packed_linear.py)",
             choices=("auto", "packed", "plain"),
         ),
     ] = "auto"
@@ -123,7 +123,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             MODEL,
             "--compile: torch.compile the decoder layer for decode steps (tp 1; every start and restart "
             "then waits for the compile, and beside the C++ kernels the gain is small); --disable-compile: "
-            "every step eager",
+            "every step eager (gpu_worker/model/compiled_decode.py)",
             choices=("auto", "on", "off"),
             switches={"--compile": "on", "--disable-compile": "off"},
         ),
@@ -144,7 +144,8 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             "give up batch invariance (on by default for bf16 on CPU: a request's greedy text does not "
             "depend on what else runs, nor on chunking, the radix cache or a restart) for oneDNN's linears "
             "and SDPA on prompt chunks: for when throughput matters more than reproducible text, on a CPU "
-            "where oneDNN's kernels are the faster ones (docs/benchmarks.md compares the two)",
+            "where oneDNN's kernels are the faster ones (gpu_worker/runtime/batch_invariance.py; docs/benchmarks.md "
+            "compares the two)",
         ),
     ] = False
     context_length: Annotated[int, Flag(MODEL, "max prompt + output tokens per request; 0: the model's own")] = 0
@@ -249,7 +250,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         Flag(
             SIMULATION,
             "simulated: workers load no model, sleep for the profile's step time and emit pseudo-tokens "
-            "(gpu_worker/simulated.py)",
+            "(gpu_worker/sim/simulated.py)",
             choices=("model", "simulated"),
         ),
     ] = "model"
@@ -257,7 +258,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str | None,
         Flag(
             SIMULATION,
-            "step-time profile of simulated workers: a JSON file (`python -m gpu_worker.fit_profile --sweep -o "
+            "step-time profile of simulated workers: a JSON file (`python -m gpu_worker.sim.fit_profile --sweep -o "
             "P.json` times the model worker alone over a grid of step shapes; recordings also work) or the name "
             "of one in trident/profiles/",
             metavar="PROFILE",
@@ -324,7 +325,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str | None,
         Flag(
             MEASUREMENT,
-            "append every descriptor and step result to FILE (replay: python -m gpu_worker.replay FILE)",
+            "append every descriptor and step result to FILE (replay: python -m gpu_worker.sim.replay FILE)",
             metavar="FILE",
         ),
     ] = None

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gpu_worker.gguf_repack import I8Weights, QuantWeights, U4Weights, concat_rows
+from gpu_worker.layers.gguf_repack import I8Weights, QuantWeights, U4Weights, concat_rows
 
 
 def narrow(value: torch.Tensor | QuantWeights, dim: int, start: int, length: int) -> torch.Tensor | QuantWeights:
@@ -87,7 +87,7 @@ class QuantizedParts:
 
 
 def quant_linear(weights: QuantWeights, bias: torch.Tensor | None) -> nn.Module:
-    from gpu_worker.quant_linear import QuantLinear
+    from gpu_worker.layers.quant_linear import QuantLinear
 
     def tensor(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a))

@@ -12,9 +12,9 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
-from gpu_worker.gguf_repack import QuantWeights
-from gpu_worker.gguf_weights import gguf_config, iter_gguf_weights
-from gpu_worker.model_config import ModelConfig
+from gpu_worker.layers.gguf_repack import QuantWeights
+from gpu_worker.model.gguf_weights import gguf_config, iter_gguf_weights
+from gpu_worker.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

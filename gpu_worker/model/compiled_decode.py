@@ -37,8 +37,8 @@ from collections.abc import Callable
 
 import torch
 
-from gpu_worker.attention import AttentionMetadata, DecodeGroup
-from gpu_worker.batch_state import MAX_DECODE_GROUPS
+from gpu_worker.model.attention import AttentionMetadata, DecodeGroup
+from gpu_worker.runtime.batch_state import MAX_DECODE_GROUPS
 
 logger = logging.getLogger(__name__)
 

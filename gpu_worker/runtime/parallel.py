@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gpu_worker.model_config import ModelConfig
+from gpu_worker.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.model_config import ModelConfig
+from gpu_worker.model.model_config import ModelConfig
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_kv_heads: int) -> int:

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.cpu_kernels import load_quant_linear
-from gpu_worker.huge_pages import huge_page_empty
+from gpu_worker.kernels.cpu_kernels import load_quant_linear
+from gpu_worker.runtime.huge_pages import huge_page_empty
 
 PANEL_COLUMNS = 16
 U4, I8, I5, I6 = 0, 1, 2, 3

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gpu_worker.cpu_kernels import Bf16LinearKernel
+from gpu_worker.kernels.cpu_kernels import Bf16LinearKernel
 
 
 @torch.library.custom_op("trident::packed_linear", mutates_args=())
@@ -129,46 +129,3 @@ class Bf16KernelLinear(nn.Module):
         """forward on 2-D rows as a plain function (flat_decode.py)."""
         linear, panels, bias, n = self.kernel.linear, self.weight_panels, self.bias, self.out_features
         return lambda rows: linear(rows, panels, bias, n)
-
-
-def replace_linear_layers(module: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> int:
-    """Replaces every nn.Linear under `module` (weights already loaded and cast) by
-    `make(weight, bias)`; returns how many."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, make(child.weight.data, None if child.bias is None else child.bias.data))
-            count += 1
-        else:
-            count += replace_linear_layers(child, make)
-    return count
-
-
-def own_kernel_linear(setting: str, device: torch.device, dtype: torch.dtype, batch_invariant: bool) -> bool:
-    """`auto` in bf16 on CPU: our kernel at every batch size (`Bf16KernelLinear`) where batch
-    invariance asks for one summation order (batch_invariance.py), or where oneDNN has no
-    fast bf16 matmul (a CPU without bf16 instructions)."""
-    return (
-        setting == "auto"
-        and device.type == "cpu"
-        and dtype == torch.bfloat16
-        and (
-            batch_invariant
-            or not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        )
-    )
-
-
-def wants_packed_linear(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """`packed` always (an error where oneDNN cannot), `plain` never; `auto` on CPU in bf16
-    (when the CPU has bf16 instructions) and float32."""
-    if setting == "plain" or device.type != "cpu":
-        if setting == "packed" and device.type != "cpu":
-            raise ValueError("--linear-weights packed is for --device cpu (oneDNN)")
-        return False
-    supported = torch.backends.mkldnn.is_available() and (
-        dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
-    if setting == "packed" and not supported:
-        raise ValueError(f"--linear-weights packed: oneDNN on this CPU has no fast {dtype} matmul")
-    return supported

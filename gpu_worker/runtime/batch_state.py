@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.attention import AttentionMetadata, DecodeGroup, ExtendRow, QueryKeys, shifted_causal_mask
-from gpu_worker.host_staging import DeviceToHost, StepStaging
-from gpu_worker.sampler import SamplingTable
+from gpu_worker.model.attention import AttentionMetadata, DecodeGroup, ExtendRow, QueryKeys, shifted_causal_mask
+from gpu_worker.runtime.host_staging import DeviceToHost, StepStaging
+from gpu_worker.runtime.sampler import SamplingTable
 from trident.wire.backend import BatchDescriptor
 from trident.wire.codec import unpack_int32
 

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpu_worker.families import UnsupportedModelError
-from gpu_worker.gguf_header import GGUFHeader, read_gguf_header, tensor_bytes
-from gpu_worker.gguf_repack import SUPPORTED, QuantWeights, repack
-from gpu_worker.model_config import ModelConfig
+from gpu_worker.layers.gguf_repack import SUPPORTED, QuantWeights, repack
+from gpu_worker.model.families import UnsupportedModelError
+from gpu_worker.model.gguf_header import GGUFHeader, read_gguf_header, tensor_bytes
+from gpu_worker.model.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from gpu_worker.grammar import GrammarTable
-from gpu_worker.host_staging import StepStaging
+from gpu_worker.runtime.grammar import GrammarTable
+from gpu_worker.runtime.host_staging import StepStaging
 from trident.wire.backend import RowLogprobs
 from trident.wire.frontend import SamplingParams
 

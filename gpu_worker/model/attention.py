@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.cpu_kernels import DecodeKernel
+from gpu_worker.kernels.cpu_kernels import DecodeKernel
 
 
 @dataclass

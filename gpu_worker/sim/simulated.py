@@ -43,12 +43,12 @@ import time
 import numpy as np
 import torch
 
-from gpu_worker.batch_state import BatchState, StepPlan
-from gpu_worker.sampler import SamplingTable
-from gpu_worker.sibling_cpu import SiblingCpu
-from gpu_worker.step_profile import StepProfile
-from gpu_worker.weights import load_config
-from gpu_worker.worker_loop import WorkerLoop
+from gpu_worker.model.weights import load_config
+from gpu_worker.runtime.batch_state import BatchState, StepPlan
+from gpu_worker.runtime.sampler import SamplingTable
+from gpu_worker.runtime.worker_loop import WorkerLoop
+from gpu_worker.sim.sibling_cpu import SiblingCpu
+from gpu_worker.sim.step_profile import StepProfile
 from trident.wire.backend import BatchDescriptor, StepResult, WorkerError
 from trident.wire.child import ChildContext
 

@@ -73,8 +73,8 @@ and per sampling row); a profile that has it uses it instead, and draws the spre
 prediction plus share (which is how it was measured).
 
 Profiles are JSON files (trident/profiles/*.json): measured ones come from
-`python -m gpu_worker.fit_profile --sweep` or from recordings
-(`python -m gpu_worker.fit_profile RECORDING`); hand-written ones say in `source` where
+`python -m gpu_worker.sim.fit_profile --sweep` or from recordings
+(`python -m gpu_worker.sim.fit_profile RECORDING`); hand-written ones say in `source` where
 their numbers come from.
 """
 
@@ -88,10 +88,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpu_worker.sibling_cpu import Contention
+from gpu_worker.sim.sibling_cpu import Contention
 
 if TYPE_CHECKING:
-    from gpu_worker.batch_state import StepPlan
+    from gpu_worker.runtime.batch_state import StepPlan
 
 SHAPE = ("computes", "tokens", "logit_rows", "decode_kv_read", "extend_pairs", "extend_rows", "verify_rows")
 """What a worker counts of each step (WorkerLoop.last_step_features); `computes` is 1 for a
@@ -135,7 +135,7 @@ MODEL = (
     " + per_token_in_knee_s * min(tokens, token_knee) + per_token_past_knee_s * max(0, tokens - token_knee)"
     " + per_logit_row_s * logit_rows"
     " + per_kv_read_s * decode_kv_read + per_extend_pair_s * extend_pairs + per_extend_row_s * extend_rows"
-    " + per_verify_row_s * verify_rows (gpu_worker/step_profile.py)"
+    " + per_verify_row_s * verify_rows (gpu_worker/sim/step_profile.py)"
 )
 FRONTEND_NAMES = ("per_step_s", "per_sampling_row_s")
 

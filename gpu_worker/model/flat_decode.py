@@ -9,7 +9,7 @@ the ops directly. The residual add at the end of a layer goes into the next laye
 norm (`add_rms_norm`), one op fewer per layer. The family's parts (q/k norms, GeGLU,
 sandwich norms, a rope and a window per layer) travel in the tuple.
 
-The ops and their order are the module path's (model.py), so the results are the same
+The ops and their order are the module path's (decoder.py), so the results are the same
 bits; tests/test_flat_decode.py checks the logits of both paths for equality.
 
 When: a plain decode step (every row one query, no prompt chunk) on a model with the C++
@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from gpu_worker.attention import AttentionMetadata, paged_attention
-from gpu_worker.cpu_kernels import DecodeKernel, ElementwiseKernels
+from gpu_worker.kernels.cpu_kernels import DecodeKernel, ElementwiseKernels
+from gpu_worker.model.attention import AttentionMetadata, paged_attention
 
 if TYPE_CHECKING:
-    from gpu_worker.model import DecoderLayer
+    from gpu_worker.model.decoder import DecoderLayer
 
 RowsLinear = Callable[[torch.Tensor], torch.Tensor]
 """x [rows, in] -> x @ weight.T + bias [rows, out]: a linear layer as a plain function."""

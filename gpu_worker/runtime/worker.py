@@ -19,32 +19,30 @@ import numpy as np
 import psutil
 import torch
 
-from gpu_worker.batch_invariance import batch_invariance_off_because
-from gpu_worker.batch_state import BatchState, StepPlan
-from gpu_worker.compiled_decode import wants_compile, warm_up
-from gpu_worker.cpu_kernels import load_decode_attention as load_decode_kernel
-from gpu_worker.cpu_kernels import (
+from gpu_worker.kernels.cpu_kernels import load_decode_attention as load_decode_kernel
+from gpu_worker.kernels.cpu_kernels import (
     load_elementwise_kernels,
     load_greedy_argmax,
     load_quant_linear,
-    load_vnni_linear,
     load_widening_bf16_linear,
     require_kernels,
     wants_decode_kernel,
 )
-from gpu_worker.gguf_layers import weights_left_uninitialised
-from gpu_worker.grammar import GrammarTable
-from gpu_worker.int8_weights import check_supported as check_int8_supported
-from gpu_worker.kv_pool import KVPool, kv_bytes_per_token
-from gpu_worker.malloc_policy import release_freed_memory
-from gpu_worker.model import LlamaForCausalLM
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.ngram_drafter import NgramDrafter
-from gpu_worker.packed_linear import own_kernel_linear, wants_packed_linear
-from gpu_worker.parallel import ShardPlan, TPGroup, dist_port
-from gpu_worker.sampler import SamplingTable, sample
-from gpu_worker.weights import iter_weights, load_config
-from gpu_worker.worker_loop import WorkerLoop
+from gpu_worker.layers.gguf_layers import weights_left_uninitialised
+from gpu_worker.layers.linear_plan import choose_linear
+from gpu_worker.model.compiled_decode import wants_compile, warm_up
+from gpu_worker.model.decoder import LlamaForCausalLM
+from gpu_worker.model.model_config import ModelConfig
+from gpu_worker.model.weights import iter_weights, load_config
+from gpu_worker.runtime.batch_invariance import batch_invariance_off_because
+from gpu_worker.runtime.batch_state import BatchState, StepPlan
+from gpu_worker.runtime.grammar import GrammarTable
+from gpu_worker.runtime.kv_pool import KVPool, kv_bytes_per_token
+from gpu_worker.runtime.malloc_policy import release_freed_memory
+from gpu_worker.runtime.ngram_drafter import NgramDrafter
+from gpu_worker.runtime.parallel import ShardPlan, TPGroup, dist_port
+from gpu_worker.runtime.sampler import SamplingTable, sample
+from gpu_worker.runtime.worker_loop import WorkerLoop
 from trident.wire.backend import BatchDescriptor
 from trident.wire.child import ChildContext
 from trident.wire.cluster import layout_of
@@ -122,6 +120,27 @@ class Worker(WorkerLoop):
     def __init__(self, ctx: ChildContext) -> None:
         super().__init__(ctx)
         args = ctx.args
+        self.place_on_device(ctx)
+        started = time.monotonic()
+        self.build_model(args)
+        invariance_off_because = self.choose_and_apply_linear(args)
+        release_freed_memory()
+        logger.info(
+            "loaded %s in %.1f s (%s, weights %s, %s)",
+            args.model_path,
+            time.monotonic() - started,
+            self.dtype,
+            self.weight_dtype,
+            self.device,
+        )
+        self.allocate_kv_and_kernels(args, invariance_off_because)
+        self.build_batch_state(args)
+        self.open_sockets(ctx)
+
+    def place_on_device(self, ctx: ChildContext) -> None:
+        """Step 1: this rank's device, threads and dtype; the model's config and context
+        length; its shard of the model (`ShardPlan`) and the tensor-parallel group it joins."""
+        args = ctx.args
         self.device = worker_device(args, ctx.rank, ctx.dp_rank)
         require_kernels(args.decode_attention != "torch")
         if self.device.type == "cpu":
@@ -140,36 +159,26 @@ class Worker(WorkerLoop):
         if args.tp_size > 1:
             logger.info("%s", self.plan.describe())
 
-        t0 = time.monotonic()
+    def build_model(self, args: ServerArgs) -> None:
+        """Step 2: the weights' format (`--weight-dtype`) and the model with its weights
+        loaded (`load_model`), its linear layers still plain nn.Linear."""
         self.weight_dtype = resolve_weight_dtype(args, self.device, self.dtype)
-        off_because = batch_invariance_off_because(args, self.device, self.dtype, self.weight_dtype)
-        quantized = self.weight_dtype == "gguf"
-        self.model = self.load_model(args.model_path, quantized)
+        self.model = self.load_model(args.model_path, self.weight_dtype == "gguf")
         self.model.rope.to(dtype=torch.float32)
-        if quantized:
-            self.model.install_quantized_weights()
-        elif self.weight_dtype == "int8":
-            check_int8_supported(self.device, self.dtype)
-            self.model.quantize_weights_int8()
-        elif own_kernel_linear(args.linear_weights, self.device, self.dtype, off_because is None):
-            # The AVX512-BF16 kernel where the CPU has it, else the AVX2 one.
-            if (kernel := load_vnni_linear() or load_widening_bf16_linear()) is not None:
-                self.model.use_bf16_kernel_linear(kernel)
-            else:
-                off_because = off_because or "no bf16 linear kernel of ours for this CPU"
-                logger.warning("bf16 linear layers on oneDNN or torch: this CPU has none of our kernels")
-        elif wants_packed_linear(args.linear_weights, self.device, self.dtype):
-            self.model.pack_linear_weights(load_vnni_linear() if self.dtype == torch.bfloat16 else None)
-        release_freed_memory()
-        logger.info(
-            "loaded %s in %.1f s (%s, weights %s, %s)",
-            args.model_path,
-            time.monotonic() - t0,
-            self.dtype,
-            self.weight_dtype,
-            self.device,
-        )
 
+    def choose_and_apply_linear(self, args: ServerArgs) -> str | None:
+        """Step 3: the linear layer kind of every layer and the LM head (layers/linear_plan.py),
+        logged with its reason and installed. Returns why batch invariance is off so far
+        (None: still on), which the kind chosen depends on and may itself turn off."""
+        off_because = batch_invariance_off_because(args, self.device, self.dtype, self.weight_dtype)
+        linear = choose_linear(args.linear_weights, self.weight_dtype, self.device, self.dtype, off_because is None)
+        linear.install(self.model)
+        logger.info("linear layers: %s", linear.describe())
+        return off_because or linear.breaks_batch_invariance
+
+    def allocate_kv_and_kernels(self, args: ServerArgs, invariance_off_because: str | None) -> None:
+        """Step 4: the KV pool (as many pages on every rank), the C++ decode attention and
+        elementwise kernels, whether batch invariance holds, and the compiled decode layer."""
         # Every rank must hold the same pages: the scheduler allocates from one pool.
         pool_tokens = self.tp.agree_min(kv_pool_tokens(args, self.cfg, self.dtype, self.device, self.plan.num_kv_heads))
         self.num_pages = pool_tokens // args.page_size + 1  # page 0 is the padding page
@@ -182,6 +191,7 @@ class Worker(WorkerLoop):
                 self.model.use_decode_kernel(kernel)
         if self.device.type == "cpu":
             self.model.use_elementwise_kernels(load_elementwise_kernels())
+        off_because = invariance_off_because
         if off_because is None and (self.model.decode_kernel is None or self.model.norm.kernels is None):
             off_because = "the C++ kernels are not built for this CPU"
         self.batch_invariant = off_because is None
@@ -193,6 +203,10 @@ class Worker(WorkerLoop):
         if self.compiled:
             self.model.compile_decode()
             warm_up(lambda ids, pos, meta: self.model(ids, pos, self.kv_pool, meta, pos), self.device)
+
+    def build_batch_state(self, args: ServerArgs) -> None:
+        """Step 5: the n-gram drafter, the sampling table with its grammars, and the batch
+        state (the device-side rows the descriptors edit)."""
         self.num_draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
         self.drafter = NgramDrafter(args.max_running_requests, self.num_draft_tokens) if self.num_draft_tokens else None
         # Slack for drafts: the scheduler may allocate up to 2K+1 tokens past a row's length.
@@ -214,7 +228,6 @@ class Worker(WorkerLoop):
             ragged_decode=self.model.decode_kernel is not None,
             every_query_through_kernel=self.batch_invariant,
         )
-        self.open_sockets(ctx)
 
     def load_model(self, model_path: str, quantized: bool) -> LlamaForCausalLM:
         """This rank's part of the model on the device in the worker's dtype, weights from the

@@ -1,6 +1,6 @@
 """Every model family we serve, as how it differs from the plain LLaMA decoder.
 
-The decoder (model.py) is one: RMSNorm, rotary attention with grouped KV heads, a gated
+The decoder (decoder.py) is one: RMSNorm, rotary attention with grouped KV heads, a gated
 MLP, a final norm and an LM head. A family only switches parts of it on or off; the values
 that vary per checkpoint (rope bases and scaling, windows per layer, the attention scale,
 biases) are read into `ModelConfig` (model_config.py) from config.json or a GGUF header.

@@ -1,10 +1,10 @@
-"""Drive a worker alone through a recorded descriptor stream: `python -m gpu_worker.replay FILE`.
+"""Drive a worker alone through a recorded descriptor stream: `python -m gpu_worker.sim.replay FILE`.
 
 The recording (`launch.py --record-batches FILE`) holds every frame the scheduler sent and
 every result it received. Replay feeds the same descriptors to a freshly loaded worker in
 this process, checks that it samples the same tokens, and times it: with no scheduler,
 no sockets and no waiting, the replayed throughput is the model-only limit for that
-workload, and served ÷ replayed is the engine's efficiency. `gpu_worker.fit_profile` times
+workload, and served ÷ replayed is the engine's efficiency. `gpu_worker.sim.fit_profile` times
 the same replay step by step to fit a simulated worker's profile.
 """
 
@@ -23,8 +23,8 @@ import msgspec
 import numpy as np
 from tqdm import tqdm
 
-from gpu_worker.malloc_policy import keep_freed_memory
-from gpu_worker.omp_policy import use_passive_omp_wait
+from gpu_worker.runtime.malloc_policy import keep_freed_memory
+from gpu_worker.runtime.omp_policy import use_passive_omp_wait
 from trident.wire.backend import BatchDescriptor, ResetBatch, StepResult, WorkerError, WorkerInput
 from trident.wire.child import ChildContext
 from trident.wire.codec import unpack_int32
@@ -64,7 +64,7 @@ def replay_worker(args: ServerArgs, **overrides):
     Plain loop, no debug copies: the worker's own cost for the same descriptors. One
     unsharded rank: a tensor-parallel recording replays on one process (same tokens, greedy).
     """
-    from gpu_worker.worker import Worker
+    from gpu_worker.runtime.worker import Worker
 
     run_dir = tempfile.mkdtemp(prefix="trident-replay-")
     args = msgspec.structs.replace(

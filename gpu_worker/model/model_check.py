@@ -5,6 +5,9 @@ same `ModelConfig` parser, which refuses unsupported families and features) and 
 tensors the checkpoint holds, by name and shape, with those its config implies: read from
 safetensors headers and the GGUF tensor table, no weight is loaded. A file cut short is
 caught here too. Each problem is one `UnservableModel` line; launch.py prints it and exits 2.
+
+It sits with the model because the tensors it expects are the ones the decoder loads; the
+launcher (trident/model_source.py) uses `check_model` and `UnservableModel`, nothing else.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ import json
 import os
 import struct
 
-from gpu_worker.families import UnsupportedModelError
-from gpu_worker.gguf_header import GGUFFormatError, read_gguf_header
-from gpu_worker.gguf_weights import hf_config_dict, hf_name
-from gpu_worker.model_config import ModelConfig
+from gpu_worker.model.families import UnsupportedModelError
+from gpu_worker.model.gguf_header import GGUFFormatError, read_gguf_header
+from gpu_worker.model.gguf_weights import hf_config_dict, hf_name
+from gpu_worker.model.model_config import ModelConfig
 
 Shapes = dict[str, tuple[int, ...]]
 

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from gpu_worker.rope_spec import RopeSpec
+from gpu_worker.model.rope_spec import RopeSpec
 
 
 def inv_freq_and_scale(spec: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:

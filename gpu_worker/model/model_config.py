@@ -10,8 +10,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from gpu_worker.families import ACTIVATIONS, Family, UnsupportedModelError, WindowLayers, family_named, family_of
-from gpu_worker.rope_spec import RopeSpec
+from gpu_worker.model.families import ACTIVATIONS, Family, UnsupportedModelError, WindowLayers, family_named, family_of
+from gpu_worker.model.rope_spec import RopeSpec
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from gpu_worker.ngram_drafter import NgramDrafter
-from gpu_worker.worker_loop import WorkerLoop
+from gpu_worker.runtime.ngram_drafter import NgramDrafter
+from gpu_worker.runtime.worker_loop import WorkerLoop
 from trident.wire.backend import (
     AddedRequest,
     BatchDescriptor,
@@ -239,7 +239,7 @@ def sweep_worker(model_path: str, dtype: str, context_length: int = 0, max_total
     """The model worker a server would start for this model (same threads, kernels and KV
     pool unless `max_total_tokens` sizes it), in this process, with room for 256 decoding
     rows and drafts to verify."""
-    from gpu_worker.replay import replay_worker
+    from gpu_worker.sim.replay import replay_worker
 
     args = ServerArgs(
         model_path=model_path,

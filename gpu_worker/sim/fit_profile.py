@@ -1,12 +1,12 @@
 """Fit a simulated worker's step-time profile from a sweep of step shapes, from
 recordings, or from both:
 
-    python -m gpu_worker.fit_profile --sweep -o PROFILE.json [--model M] [--max-prefill-tokens N]
-    python -m gpu_worker.fit_profile RECORDING [RECORDING ...] -o PROFILE.json
-    python -m gpu_worker.fit_profile --sweep RECORDING ... -o PROFILE.json   (steps of both, one fit)
+    python -m gpu_worker.sim.fit_profile --sweep -o PROFILE.json [--model M] [--max-prefill-tokens N]
+    python -m gpu_worker.sim.fit_profile RECORDING [RECORDING ...] -o PROFILE.json
+    python -m gpu_worker.sim.fit_profile --sweep RECORDING ... -o PROFILE.json   (steps of both, one fit)
 
 `--sweep` times the real model worker alone, in this process, over a grid of step shapes
-(gpu_worker/profile_sweep.py: decode, prefill, mixed and verify steps across their
+(gpu_worker/sim/profile_sweep.py: decode, prefill, mixed and verify steps across their
 ranges); no server and no recording is needed, and the fit sees every kind of step, not
 only those of one workload. A shape is timed once in each of `--repeats` passes over the
 grid, so that its steps sample the host's slow and fast spells as a served run does; it
@@ -14,7 +14,7 @@ keeps its median step for the fit, and the spread of all its steps around that m
 
 A profile whose steps were all timed on a worker alone (`--sweep`, `--timing replay`)
 records the worker's threads and the cores it could run on: a simulated worker then
-stretches each step, live, by the front end's CPU during it (gpu_worker/sibling_cpu.py).
+stretches each step, live, by the front end's CPU during it (gpu_worker/sim/sibling_cpu.py).
 A sweep also measures each step's CPU, and keeps how many cores the worker's threads left
 idle by the step's token count (step_profile.fit_idle_cores): the front end fills those
 first.
@@ -29,7 +29,7 @@ From recordings, each step's shape (step_profile.SHAPE) comes from replaying the
 recording's descriptors through a worker's batch state; its time comes from one of:
 
 - `--timing replay` (default): the recording is replayed on the real model worker in this
-  process (gpu_worker.replay), `--passes` times, and each step is timed from the moment its
+  process (gpu_worker.sim.replay), `--passes` times, and each step is timed from the moment its
   descriptor is applied to its result; a step keeps the fastest of its passes, since on a
   shared machine the slower ones measure the neighbours;
 - `--timing recorded`: the forward time the model worker itself reported for the step
@@ -59,10 +59,10 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from gpu_worker.malloc_policy import keep_freed_memory
-from gpu_worker.omp_policy import use_passive_omp_wait
-from gpu_worker.replay import load_recording, replay_steps, replay_worker
-from gpu_worker.step_profile import (
+from gpu_worker.runtime.malloc_policy import keep_freed_memory
+from gpu_worker.runtime.omp_policy import use_passive_omp_wait
+from gpu_worker.sim.replay import load_recording, replay_steps, replay_worker
+from gpu_worker.sim.step_profile import (
     COEFFICIENT_NAMES,
     FRONTEND_NAMES,
     LOSSES,
@@ -79,7 +79,7 @@ from trident.wire.child import ChildContext
 from trident.wire.recording import read_recording
 
 if TYPE_CHECKING:
-    from gpu_worker.profile_sweep import SweepTimes  # imports torch: only inside main()
+    from gpu_worker.sim.profile_sweep import SweepTimes  # imports torch: only inside main()
 
 
 def time_recording(path: str, passes: int, overrides: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -105,7 +105,7 @@ def recorded_steps(path: str) -> Iterator[tuple[int, np.ndarray, StepResult]]:
     """(step id, shape, recorded result) of every step of a recording that has a result, in
     the order the scheduler sent them; shapes come from replaying the descriptors through a
     simulated worker's batch state (no model, no sleep)."""
-    from gpu_worker.simulated import SimulatedWorker  # imports torch: not before main() sets the OpenMP policy
+    from gpu_worker.sim.simulated import SimulatedWorker  # imports torch: not before main() sets the OpenMP policy
 
     rec = load_recording(path)
     run_dir = tempfile.mkdtemp(prefix="trident-fit-")
@@ -180,7 +180,7 @@ def worker_threads() -> int:
 
 
 def sweep_timings(ns: argparse.Namespace) -> SweepTimes:
-    from gpu_worker.profile_sweep import run_sweep, sweep_grid, sweep_worker
+    from gpu_worker.sim.profile_sweep import run_sweep, sweep_grid, sweep_worker
     from trident.model_source import default_model_path
 
     worker = sweep_worker(ns.model or default_model_path(), ns.dtype or "auto", ns.context_length, ns.max_total_tokens)
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         description=ns.description,
         cpu=ns.cpu or this_cpu(),
         token_knee=knee,
-        source="python -m gpu_worker.fit_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
+        source="python -m gpu_worker.sim.fit_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
         kv_pool_tokens=ns.kv_pool_tokens,
     )
     if ns.timing == "replay" or not ns.recordings:  # every step timed on a worker alone

@@ -19,17 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention import AttentionMetadata, StraddlingHeadsKernel, paged_attention
-from gpu_worker.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
-from gpu_worker.cpu_kernels import Bf16LinearKernel, DecodeKernel, ElementwiseKernels
-from gpu_worker.flat_decode import FlatDecodeLoop
-from gpu_worker.gguf_layers import QuantizedParts, narrow, pad_rows, stacked_linear
-from gpu_worker.int8_weights import Int8Linear
-from gpu_worker.kv_pool import KVPool, write_kv
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.packed_linear import Bf16KernelLinear, PackedLinear, replace_linear_layers
-from gpu_worker.parallel import ShardPlan, TPGroup
-from gpu_worker.rope import RotaryEmbedding
+from gpu_worker.kernels.cpu_kernels import DecodeKernel, ElementwiseKernels
+from gpu_worker.layers.gguf_layers import QuantizedParts, narrow, pad_rows, stacked_linear
+from gpu_worker.layers.linear_plan import MakeLinear, replace_linear_layers
+from gpu_worker.model.attention import AttentionMetadata, StraddlingHeadsKernel, paged_attention
+from gpu_worker.model.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
+from gpu_worker.model.flat_decode import FlatDecodeLoop
+from gpu_worker.model.model_config import ModelConfig
+from gpu_worker.model.rope import RotaryEmbedding
+from gpu_worker.runtime.kv_pool import KVPool, write_kv
+from gpu_worker.runtime.parallel import ShardPlan, TPGroup
 
 __all__ = ["LlamaForCausalLM", "RMSNorm", "RotaryEmbedding", "apply_rotary"]
 
@@ -341,25 +340,10 @@ class LlamaForCausalLM(nn.Module):
                 setattr(modules[parent_path] if parent_path else self, attr, layer)
         self._flat_decode = None
 
-    def quantize_weights_int8(self) -> None:
-        """Every linear layer and the LM head to weight-only int8 (int8_weights.py); call
-        after load_weights and the cast to the activation dtype."""
-        self._replace_linear_layers(Int8Linear)
-
-    def pack_linear_weights(self, vnni: Bf16LinearKernel | None = None) -> None:
-        """Every linear layer and the LM head to oneDNN-packed weights (packed_linear.py),
-        and decode batches through the `vnni` kernel when given; call after load_weights
-        and the cast."""
-        self._replace_linear_layers(lambda weight, bias: PackedLinear(weight, bias, vnni))
-
-    def use_bf16_kernel_linear(self, kernel: Bf16LinearKernel) -> None:
-        """Every linear layer and the LM head to `Bf16KernelLinear` (packed_linear.py), for
-        bf16 on CPUs without bf16 arithmetic; call after load_weights and the cast."""
-        self._replace_linear_layers(lambda weight, bias: Bf16KernelLinear(weight, bias, kernel))
-
-    def _replace_linear_layers(self, make) -> None:
-        """`make(weight, bias)` for every linear layer and for the LM head; a tied head gets
-        its own copy (the embedding lookup keeps reading the plain rows)."""
+    def replace_linear_layers(self, make: MakeLinear) -> None:
+        """`make(weight, bias)` for every linear layer and for the LM head (the linear kind
+        layers/linear_plan.py chose); call after load_weights and the cast to the activation
+        dtype. A tied head gets its own copy (the embedding lookup keeps reading the plain rows)."""
         replace_linear_layers(self.layers, make)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.lm_head = make(head.data, None)

@@ -6,7 +6,7 @@
   batches on weights packed for AVX512-BF16 (packed_linear.py uses it);
 - `torch.ops.trident.amx_linear` (csrc/amx_linear.cpp): a bf16 linear layer for every batch
   size on AMX tiles, where the CPU has AMX-BF16;
-- the elementwise steps of a layer, one op each (model.py, `ElementwiseKernels`):
+- the elementwise steps of a layer, one op each (decoder.py, `ElementwiseKernels`):
   `torch.ops.trident.rms_norm` and `.add_rms_norm` (csrc/rms_norm.cpp: RMSNorm in one
   pass, after the residual add; LLaMA's x*w or Gemma's x*(1+w)), `.silu_and_mul` and
   `.gelu_tanh_and_mul` (SwiGLU, GeGLU), `.rotary` and `.rotary_write_kv`
@@ -91,7 +91,7 @@ class Bf16LinearKernel:
 
 @dataclass(frozen=True)
 class ElementwiseKernels:
-    """The C++ ops for the elementwise steps of a decoder layer; model.py runs them in eager
+    """The C++ ops for the elementwise steps of a decoder layer; decoder.py runs them in eager
     steps (compiled graphs fuse the torch ops themselves)."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]

@@ -16,9 +16,9 @@ import time
 
 import numpy as np
 
-from gpu_worker.batch_state import BatchState, DescriptorOutOfRange, StepGapError, StepPlan
-from gpu_worker.ngram_drafter import can_draft
-from gpu_worker.step_profile import step_features
+from gpu_worker.runtime.batch_state import BatchState, DescriptorOutOfRange, StepGapError, StepPlan
+from gpu_worker.runtime.ngram_drafter import can_draft
+from gpu_worker.sim.step_profile import step_features
 from trident.wire.backend import (
     BatchDescriptor,
     ForwardMode,

@@ -1,0 +1,161 @@
+"""Which linear layer the model's layers and LM head run on, chosen once at load, and why.
+
+The model is built with plain `nn.Linear` layers, and the checkpoint is loaded into them;
+`choose_linear` then reads the flags and the machine and returns a `LinearPlan`: the kind
+that every linear layer and the LM head gets, a sentence saying why (the worker logs it),
+and the step that installs it (`LinearPlan.install`). The kinds, first match wins:
+
+- `gguf`: a GGUF's own quantized formats (`--weight-dtype gguf`), QuantLinear
+  (quant_linear.py) built from the parts the load kept aside (gguf_layers.py);
+- `int8`: weight-only int8 (`--weight-dtype int8`, int8_weights.py);
+- `bf16-kernel`: our own bf16 kernel at every batch size (`Bf16KernelLinear`,
+  packed_linear.py), where batch invariance asks for one summation order or oneDNN has no
+  fast bf16 matmul;
+- `packed`: weights packed once for oneDNN (`PackedLinear`), with our VNNI kernel for
+  decode batches in bf16 where the CPU has it;
+- `plain`: `nn.Linear` as loaded.
+
+Adding a kind is one more branch in `choose_linear` returning `LinearPlan(kind, reason,
+every_linear(make))`, with `make(weight, bias)` building the new layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from gpu_worker.kernels.cpu_kernels import Bf16LinearKernel, load_vnni_linear, load_widening_bf16_linear
+from gpu_worker.layers.int8_weights import Int8Linear
+from gpu_worker.layers.int8_weights import check_supported as check_int8_supported
+from gpu_worker.layers.packed_linear import Bf16KernelLinear, PackedLinear
+
+if TYPE_CHECKING:
+    from gpu_worker.model.decoder import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+MakeLinear = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+"""(weight, bias) of a loaded nn.Linear, cast to the model's dtype -> the layer that replaces it."""
+
+
+def replace_linear_layers(module: nn.Module, make: MakeLinear) -> int:
+    """Replaces every nn.Linear under `module` (weights already loaded and cast) by
+    `make(weight, bias)`; returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, make(child.weight.data, None if child.bias is None else child.bias.data))
+            count += 1
+        else:
+            count += replace_linear_layers(child, make)
+    return count
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """The linear layer kind of every layer and the LM head, why, and how to install it."""
+
+    kind: str
+    """"gguf", "int8", "bf16-kernel", "packed" or "plain"."""
+    reason: str
+    """Why this kind, in a sentence for the load log."""
+    install: Callable[[LlamaForCausalLM], None]
+    """Swaps the layers into a model whose weights are loaded and cast (a no-op for plain)."""
+    breaks_batch_invariance: str | None = None
+    """Why these layers leave batch invariance off (batch_invariance.py); None: they do not."""
+
+    def describe(self) -> str:
+        return f"{self.kind} ({self.reason})"
+
+
+def every_linear(make: MakeLinear) -> Callable[[LlamaForCausalLM], None]:
+    """An install step: `make(weight, bias)` for every linear layer and for the LM head."""
+    return lambda model: model.replace_linear_layers(make)
+
+
+def every_bf16_kernel(kernel: Bf16LinearKernel) -> Callable[[LlamaForCausalLM], None]:
+    """An install step: every linear layer and the LM head on `kernel` (`Bf16KernelLinear`)."""
+    return every_linear(lambda weight, bias: Bf16KernelLinear(weight, bias, kernel))
+
+
+def install_quantized(model: LlamaForCausalLM) -> None:
+    """The install step of a GGUF's own formats: the parts load_weights kept aside, as QuantLinear."""
+    model.install_quantized_weights()
+
+
+def keep_plain(model: LlamaForCausalLM) -> None:
+    """The install step of plain nn.Linear layers: nothing to swap."""
+
+
+def choose_linear(
+    setting: str, weight_dtype: str, device: torch.device, dtype: torch.dtype, batch_invariant: bool
+) -> LinearPlan:
+    """The plan for `--linear-weights setting` with weights in `weight_dtype` (resolved: not
+    "auto"), activations in `dtype` on `device`; `batch_invariant`: whether batch invariance
+    is still on (batch_invariance.py). Raises ValueError for a combination the flags refuse."""
+    if weight_dtype == "gguf":
+        return LinearPlan("gguf", "--weight-dtype gguf: the file's own quantized formats", install_quantized)
+    if weight_dtype == "int8":
+        check_int8_supported(device, dtype)
+        return LinearPlan(
+            "int8", "--weight-dtype int8: weight-only int8 on torch's CPU kernel", every_linear(Int8Linear)
+        )
+    if own_kernel_linear(setting, device, dtype, batch_invariant):
+        why = "one summation order at every batch size" if batch_invariant else "oneDNN has no fast bf16 matmul here"
+        if (vnni := load_vnni_linear()) is not None:
+            return LinearPlan("bf16-kernel", f"our AVX512-BF16 kernel: {why}", every_bf16_kernel(vnni))
+        if (widening := load_widening_bf16_linear()) is not None:
+            return LinearPlan("bf16-kernel", f"our AVX2 widening kernel: {why}", every_bf16_kernel(widening))
+        logger.warning("bf16 linear layers on oneDNN or torch: this CPU has none of our kernels")
+        return LinearPlan(
+            "plain",
+            "none of our bf16 linear kernels runs on this CPU",
+            keep_plain,
+            breaks_batch_invariance="no bf16 linear kernel of ours for this CPU",
+        )
+    if wants_packed_linear(setting, device, dtype):
+        vnni = load_vnni_linear() if dtype == torch.bfloat16 else None
+        reason = f"--linear-weights {setting}: oneDNN without a reorder every call"
+        if vnni is not None:
+            reason += ", decode batches on our AVX512-BF16 kernel"
+        return LinearPlan("packed", reason, every_linear(lambda weight, bias: PackedLinear(weight, bias, vnni)))
+    if setting == "plain":
+        return LinearPlan("plain", "--linear-weights plain", keep_plain)
+    if device.type != "cpu":
+        return LinearPlan("plain", f"torch's own matmul on {device.type}", keep_plain)
+    return LinearPlan("plain", f"oneDNN has no fast {dtype} matmul on this CPU to pack for", keep_plain)
+
+
+def own_kernel_linear(setting: str, device: torch.device, dtype: torch.dtype, batch_invariant: bool) -> bool:
+    """`auto` in bf16 on CPU: our kernel at every batch size (`Bf16KernelLinear`) where batch
+    invariance asks for one summation order (batch_invariance.py), or where oneDNN has no
+    fast bf16 matmul (a CPU without bf16 instructions)."""
+    return (
+        setting == "auto"
+        and device.type == "cpu"
+        and dtype == torch.bfloat16
+        and (
+            batch_invariant
+            or not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        )
+    )
+
+
+def wants_packed_linear(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """`packed` always (an error where oneDNN cannot), `plain` never; `auto` on CPU in bf16
+    (when the CPU has bf16 instructions) and float32."""
+    if setting == "plain" or device.type != "cpu":
+        if setting == "packed" and device.type != "cpu":
+            raise ValueError("--linear-weights packed is for --device cpu (oneDNN)")
+        return False
+    supported = torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+    if setting == "packed" and not supported:
+        raise ValueError(f"--linear-weights packed: oneDNN on this CPU has no fast {dtype} matmul")
+    return supported

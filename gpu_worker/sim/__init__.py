@@ -1,0 +1,1 @@
+"""Simulation and offline tools: the simulated worker, step-time profiles, their fit and sweep, and replay."""

@@ -1,0 +1,57 @@
+"""One function chooses every linear layer's kind at load and says why (gpu_worker/layers/linear_plan.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.kernels.cpu_kernels import load_vnni_linear, load_widening_bf16_linear
+from gpu_worker.layers.linear_plan import LinearPlan, choose_linear
+from gpu_worker.layers.packed_linear import Bf16KernelLinear, PackedLinear
+from tests.helpers import make_random_llama, prompt_logits
+
+CPU = torch.device("cpu")
+LINEAR_KINDS = (torch.nn.Linear, PackedLinear, Bf16KernelLinear)
+
+
+def linear_kinds_installed(plan: LinearPlan, dtype: torch.dtype, tmp_path) -> set[type]:
+    """The classes of a small model's linear layers and LM head once `plan` is installed."""
+    kinds: set[type] = set()
+
+    def install(model) -> None:
+        plan.install(model)
+        kinds.update(type(m) for m in [*model.layers.modules(), model.lm_head] if isinstance(m, LINEAR_KINDS))
+
+    prompt_logits(make_random_llama(str(tmp_path / "model"), seed=5), torch.arange(3, 9), dtype, install)
+    return kinds
+
+
+def test_the_weight_format_decides_before_the_linear_setting():
+    assert choose_linear("packed", "gguf", CPU, torch.bfloat16, batch_invariant=True).kind == "gguf"
+    int8 = choose_linear("packed", "int8", CPU, torch.bfloat16, batch_invariant=True)
+    assert int8.kind == "int8" and "--weight-dtype int8" in int8.reason
+
+
+def test_plain_is_chosen_by_the_flag_or_off_the_cpu_and_says_so():
+    flag = choose_linear("plain", "bf16", CPU, torch.float32, batch_invariant=False)
+    assert flag.kind == "plain" and flag.reason == "--linear-weights plain" and flag.breaks_batch_invariance is None
+    gpu = choose_linear("auto", "bf16", torch.device("cuda"), torch.bfloat16, batch_invariant=False)
+    assert gpu.kind == "plain" and "cuda" in gpu.reason
+    with pytest.raises(ValueError, match="--device cpu"):
+        choose_linear("packed", "bf16", torch.device("cuda"), torch.bfloat16, batch_invariant=False)
+
+
+@pytest.mark.skipif(load_widening_bf16_linear() is None, reason="our bf16 kernels need an x86 CPU with AVX2")
+def test_batch_invariance_in_bf16_takes_our_kernel_for_every_layer_and_the_head(tmp_path):
+    plan = choose_linear("auto", "bf16", CPU, torch.bfloat16, batch_invariant=True)
+    kernel = "AVX512-BF16" if load_vnni_linear() is not None else "AVX2"
+    assert plan.kind == "bf16-kernel" and kernel in plan.reason and "summation order" in plan.reason
+    assert plan.breaks_batch_invariance is None
+    assert linear_kinds_installed(plan, torch.bfloat16, tmp_path) == {Bf16KernelLinear}
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="packing is oneDNN's")
+def test_float32_on_cpu_packs_every_layer_and_the_head_for_onednn(tmp_path):
+    plan = choose_linear("auto", "bf16", CPU, torch.float32, batch_invariant=False)
+    assert plan.kind == "packed" and "oneDNN" in plan.reason
+    assert linear_kinds_installed(plan, torch.float32, tmp_path) == {PackedLinear}
