@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.cpu_kernels import load_amx_linear
+from gpu_worker.kernels.cpu_kernels import load_amx_linear
 
 AMX = load_amx_linear()
 needs_amx = pytest.mark.skipif(

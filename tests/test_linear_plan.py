@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.kernels.cpu_kernels import load_vnni_linear, load_widening_bf16_linear
+from gpu_worker.kernels.cpu_kernels import load_amx_linear, load_vnni_linear, load_widening_bf16_linear
 from gpu_worker.layers.linear_plan import LinearPlan, choose_linear
 from gpu_worker.layers.packed_linear import Bf16KernelLinear, PackedLinear
 from tests.helpers import make_random_llama, prompt_logits
@@ -41,11 +41,20 @@ def test_plain_is_chosen_by_the_flag_or_off_the_cpu_and_says_so():
         choose_linear("packed", "bf16", torch.device("cuda"), torch.bfloat16, batch_invariant=False)
 
 
+def _best_bf16_kernel() -> tuple[str, str]:
+    """(kind, the name the reason gives) of the bf16 kernel this CPU takes first."""
+    if load_amx_linear() is not None:
+        return "amx-bf16", "AMX-BF16"
+    if load_vnni_linear() is not None:
+        return "avx512-bf16", "AVX512-BF16"
+    return "avx2-bf16", "AVX2"
+
+
 @pytest.mark.skipif(load_widening_bf16_linear() is None, reason="our bf16 kernels need an x86 CPU with AVX2")
 def test_batch_invariance_in_bf16_takes_our_kernel_for_every_layer_and_the_head(tmp_path):
     plan = choose_linear("auto", "bf16", CPU, torch.bfloat16, batch_invariant=True)
-    kernel = "AVX512-BF16" if load_vnni_linear() is not None else "AVX2"
-    assert plan.kind == "bf16-kernel" and kernel in plan.reason and "summation order" in plan.reason
+    kind, kernel = _best_bf16_kernel()
+    assert plan.kind == kind and kernel in plan.reason and "summation order" in plan.reason
     assert plan.breaks_batch_invariance is None
     assert linear_kinds_installed(plan, torch.bfloat16, tmp_path) == {Bf16KernelLinear}
 
@@ -55,3 +64,13 @@ def test_float32_on_cpu_packs_every_layer_and_the_head_for_onednn(tmp_path):
     plan = choose_linear("auto", "bf16", CPU, torch.float32, batch_invariant=False)
     assert plan.kind == "packed" and "oneDNN" in plan.reason
     assert linear_kinds_installed(plan, torch.float32, tmp_path) == {PackedLinear}
+
+
+@pytest.mark.skipif(
+    load_amx_linear() is None, reason="this CPU lacks AMX-TILE and AMX-BF16 (or the OS does not grant the tile state)"
+)
+def test_a_cpu_with_amx_takes_the_amx_kernel_with_batch_invariance_off_too(tmp_path):
+    plan = choose_linear("auto", "bf16", CPU, torch.bfloat16, batch_invariant=False)
+    assert plan.kind == "amx-bf16" and plan.breaks_batch_invariance is None
+    assert linear_kinds_installed(plan, torch.bfloat16, tmp_path) == {Bf16KernelLinear}
+    assert choose_linear("packed", "bf16", CPU, torch.bfloat16, batch_invariant=False).kind == "packed"

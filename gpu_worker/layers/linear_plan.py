@@ -8,7 +8,10 @@ and the step that installs it (`LinearPlan.install`). The kinds, first match win
 - `gguf`: a GGUF's own quantized formats (`--weight-dtype gguf`), QuantLinear
   (quant_linear.py) built from the parts the load kept aside (gguf_layers.py);
 - `int8`: weight-only int8 (`--weight-dtype int8`, int8_weights.py);
-- `bf16-kernel`: our own bf16 kernel at every batch size (`Bf16KernelLinear`,
+- `amx-bf16`: our AMX kernel at every batch size (`Bf16KernelLinear` on csrc/amx_linear.cpp),
+  in bf16 on a CPU with AMX-BF16 whether or not batch invariance is on: it keeps one
+  summation order at every batch size and is the fastest bf16 linear such a CPU has;
+- `avx512-bf16` / `avx2-bf16`: our own bf16 kernel at every batch size (`Bf16KernelLinear`,
   packed_linear.py), where batch invariance asks for one summation order or oneDNN has no
   fast bf16 matmul;
 - `packed`: weights packed once for oneDNN (`PackedLinear`), with our VNNI kernel for
@@ -29,7 +32,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from gpu_worker.kernels.cpu_kernels import Bf16LinearKernel, load_vnni_linear, load_widening_bf16_linear
+from gpu_worker.kernels.cpu_kernels import (
+    Bf16LinearKernel,
+    load_amx_linear,
+    load_vnni_linear,
+    load_widening_bf16_linear,
+)
 from gpu_worker.layers.int8_weights import Int8Linear
 from gpu_worker.layers.int8_weights import check_supported as check_int8_supported
 from gpu_worker.layers.packed_linear import Bf16KernelLinear, PackedLinear
@@ -61,7 +69,8 @@ class LinearPlan:
     """The linear layer kind of every layer and the LM head, why, and how to install it."""
 
     kind: str
-    """"gguf", "int8", "bf16-kernel", "packed" or "plain"."""
+    """"gguf", "int8", "amx-bf16", "avx512-bf16", "avx2-bf16", "packed" or "plain"; the
+    worker's ready line names it."""
     reason: str
     """Why this kind, in a sentence for the load log."""
     install: Callable[[LlamaForCausalLM], None]
@@ -105,12 +114,18 @@ def choose_linear(
         return LinearPlan(
             "int8", "--weight-dtype int8: weight-only int8 on torch's CPU kernel", every_linear(Int8Linear)
         )
+    if setting == "auto" and device.type == "cpu" and dtype == torch.bfloat16 and (amx := load_amx_linear()):
+        return LinearPlan(
+            "amx-bf16",
+            "our AMX-BF16 kernel at every batch size: one summation order, weights read once a step",
+            every_bf16_kernel(amx),
+        )
     if own_kernel_linear(setting, device, dtype, batch_invariant):
         why = "one summation order at every batch size" if batch_invariant else "oneDNN has no fast bf16 matmul here"
         if (vnni := load_vnni_linear()) is not None:
-            return LinearPlan("bf16-kernel", f"our AVX512-BF16 kernel: {why}", every_bf16_kernel(vnni))
+            return LinearPlan("avx512-bf16", f"our AVX512-BF16 kernel: {why}", every_bf16_kernel(vnni))
         if (widening := load_widening_bf16_linear()) is not None:
-            return LinearPlan("bf16-kernel", f"our AVX2 widening kernel: {why}", every_bf16_kernel(widening))
+            return LinearPlan("avx2-bf16", f"our AVX2 widening kernel: {why}", every_bf16_kernel(widening))
         logger.warning("bf16 linear layers on oneDNN or torch: this CPU has none of our kernels")
         return LinearPlan(
             "plain",

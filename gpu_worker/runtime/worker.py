@@ -173,6 +173,7 @@ class Worker(WorkerLoop):
         off_because = batch_invariance_off_because(args, self.device, self.dtype, self.weight_dtype)
         linear = choose_linear(args.linear_weights, self.weight_dtype, self.device, self.dtype, off_because is None)
         linear.install(self.model)
+        self.linear_kind = linear.kind
         logger.info("linear layers: %s", linear.describe())
         return off_because or linear.breaks_batch_invariance
 
@@ -241,7 +242,10 @@ class Worker(WorkerLoop):
         attention = "kernel" if self.model.decode_kernel is not None else "torch"
         compiled = "compiled" if self.compiled else "eager"
         invariant = "batch invariant" if self.batch_invariant else "not batch invariant"
-        return f"{self.dtype}, weights {self.weight_dtype}, decode {compiled}, attention {attention}, {invariant}"
+        return (
+            f"{self.dtype}, weights {self.weight_dtype}, linear {self.linear_kind}, decode {compiled}, "
+            f"attention {attention}, {invariant}"
+        )
 
     def agree_on_step(self, step_id: int, failed: bool) -> str | None:
         return self.tp.check_step(step_id, failed=failed)
