@@ -1,5 +1,6 @@
-"""CPU linear layers in bf16: torch's F.linear, oneDNN-packed weights, the k-pair packed
-(VNNI) kernel where the CPU has AVX512-BF16 and the widening kernel where it has AVX2; and,
+"""CPU linear layers in bf16: torch's F.linear, oneDNN-packed weights, the AMX kernel where
+the CPU has AMX-BF16, the k-pair packed (VNNI) kernel where it has AVX512-BF16 and the
+widening kernel where it has AVX2; and,
 for scale, oneDNN-packed float32 weights (what `--dtype float32` runs).
 
     python benchmarks/bench_cpu_linear.py [--rows 1,2,4,8,16,32,64,2048] [--calls 100]
@@ -32,7 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gpu_worker.kernels.cpu_kernels import Bf16LinearKernel, load_vnni_linear, load_widening_bf16_linear  # noqa: E402
+from gpu_worker.kernels.cpu_kernels import (  # noqa: E402
+    Bf16LinearKernel,
+    load_amx_linear,
+    load_vnni_linear,
+    load_widening_bf16_linear,
+)
 from gpu_worker.model.weights import load_config  # noqa: E402
 from trident.model_source import default_model_path  # noqa: E402
 
@@ -65,6 +71,7 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
 
 
 class OurKernels(NamedTuple):
+    amx: Bf16LinearKernel | None
     vnni: Bf16LinearKernel | None
     widening: Bf16LinearKernel | None
 
@@ -133,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     model = ns.model or default_model_path()
     rows_list = [int(r) for r in ns.rows.split(",")]
     shapes = layer_shapes(model)
-    ours = OurKernels(load_vnni_linear(), load_widening_bf16_linear())
+    ours = OurKernels(load_amx_linear(), load_vnni_linear(), load_widening_bf16_linear())
     kernels = {label: kernel is not None for label, kernel in ours._asdict().items()}
     print(json.dumps({"threads": torch.get_num_threads(), "our_kernels": kernels}), flush=True)
     cached(shapes, rows_list, ns.calls, ours)
