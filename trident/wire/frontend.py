@@ -7,6 +7,8 @@ scheduler -> tokenizer: `TokenizerInput` (per-step batched token outputs, period
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -27,22 +29,48 @@ class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     where the schema leaves `additionalProperties` unset; False: the schema as written."""
 
 
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class ClientRange:
+    """The values a client may give a `SamplingParams` knob, beside its type (`Annotated`).
+    The tokenizer's request models refuse anything outside it with a 400
+    (tokenizer_proc/protocol.py builds them from these fields); msgspec ignores it, so the
+    wire carries what the tokenizer resolved without checking it again."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Per-request sampling, validated by the tokenizer, applied by the worker."""
+    """Per-request sampling, validated by the tokenizer, applied by the worker.
+
+    The one list of sampling fields: each is declared here once, with its default and the
+    range a client may give it. The HTTP request models (OpenAI routes, /generate, the
+    offline Engine) take every field by its name here, with this default and range, except
+    those the tokenizer resolves from each endpoint's own fields
+    (`tokenizer_proc.protocol.RESOLVED_FIELDS`); the OpenAI routes rename a few
+    (`tokenizer_proc.protocol.OPENAI_NAMES`). The field order is the wire format: append only.
+    """
 
     max_new_tokens: int
-    temperature: float = 0.0
-    """0 means greedy."""
-    top_p: float = 1.0
-    top_k: int = -1
+    """Resolved by the tokenizer: the request's max_tokens, or the rest of the context."""
+    temperature: Annotated[float, ClientRange(ge=0.0, le=2.0)] = 1.0
+    """0 means greedy. 1 is the default of the OpenAI API (and of vLLM and SGLang): sample
+    from the model's distribution as it is."""
+    top_p: Annotated[float, ClientRange(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, ClientRange(ge=-1, le=INT32_MAX)] = -1
     """-1 means the whole vocabulary."""
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
+    min_p: Annotated[float, ClientRange(ge=0.0, le=1.0)] = 0.0
+    frequency_penalty: Annotated[float, ClientRange(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, ClientRange(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, ClientRange(gt=0.0, le=2.0)] = 1.0
+    seed: Annotated[int | None, ClientRange(ge=-INT64_MAX, le=INT64_MAX)] = None
     """Same seed, same tokens, whatever else shares the batch."""
-    min_new_tokens: int = 0
+    min_new_tokens: Annotated[int, ClientRange(ge=0, le=INT32_MAX)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     """Extra token ids that end the request (the model's EOS ids are always included)."""
