@@ -115,7 +115,7 @@ class InProcessScheduler(Scheduler):
 def make_scheduler(running: int, prompt_len: int, page_size: int) -> InProcessScheduler:
     args = ServerArgs(model_path="none", max_running_requests=running, page_size=page_size, max_prefill_tokens=1 << 20)
     sched = InProcessScheduler(args, num_pages=running * 4096 // page_size + 2)
-    sp = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     for i in range(running):
         ids = pack_int32(np.arange(prompt_len, dtype=np.int32) + 1000 + i * prompt_len)
         sched.handle_generate(GenerateReq(f"req-{i:032x}", ids, sp))

@@ -74,7 +74,7 @@ class SyntheticScheduler:
         return out
 
     def prefill(self) -> StepResult:
-        params = SamplingParams(max_new_tokens=self.max_new, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=self.max_new, temperature=0.0, ignore_eos=True)
         added = [AddedRequest(s, 0, params) for s in range(self.batch)]
         pages = PageAppends.of_rows(self._pages(s, len(p)) for s, p in enumerate(self.prompts))
         extends = [ExtendChunk(s, pack_int32(p), True) for s, p in enumerate(self.prompts)]

@@ -89,7 +89,7 @@ def greedy_tokens(worker, prompts: list[np.ndarray], new_tokens: int) -> list[li
 def all_position_logits(worker, seq: list[int]) -> torch.Tensor:
     """The worker model's logits at every position of `seq` (one extend step), float32 on the host."""
     state = worker.state
-    added = [AddedRequest(0, 0, SamplingParams(max_new_tokens=1, ignore_eos=True))]
+    added = [AddedRequest(0, 0, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))]
     pages = PageAppends.of_rows([(0, 0, list(range(1, len(seq) + 1)))])
     extends = [ExtendChunk(0, pack_int32(seq), True)]
     desc = BatchDescriptor(state.next_step_id, int(ForwardMode.EXTEND), [], added, pages, extends, len(seq))

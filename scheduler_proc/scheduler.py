@@ -195,7 +195,7 @@ class Scheduler:
             return
         self.reqs[req.rid] = req
         self.waiting.push(req)
-        self.counters.prompt_tokens += len(req.prompt_ids)
+        self.counters.totals.prompt_tokens += len(req.prompt_ids)
 
     def handle_abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
@@ -274,7 +274,7 @@ class Scheduler:
         self.remove_rows([req])
         req.decoding = False
         req.num_retractions += 1
-        self.counters.retractions += 1
+        self.counters.totals.retractions += 1
         self.waiting.push_front(req)
 
     def remove_rows(self, reqs: list[Req]) -> None:
@@ -293,7 +293,7 @@ class Scheduler:
 
     def launch(self, step: Step) -> None:
         self.link.send(step)
-        self.counters.overlapped_steps += self.is_overlapped(step)
+        self.counters.totals.overlapped_steps += self.is_overlapped(step)
 
     def recover_from_worker_loss(self, reason: str) -> None:
         """Every running request goes back to the front of the queue as a prefill of its
@@ -313,7 +313,7 @@ class Scheduler:
         # The lost group's rows are dropped whole: a finished one (aborted, or ended by a
         # processed step) was told already, and no remove_rows will forget it now.
         self.reqs = {rid: r for rid, r in self.reqs.items() if not r.finished}
-        self.counters.resumed_requests += len(running)
+        self.counters.totals.resumed_requests += len(running)
         logger.warning("worker group lost (%s): %d requests requeued; reconnecting", reason, len(running))
         self.install_workers(self.io.connect_workers(self.args.startup_timeout_s, newer_than=self.worker.generation))
         logger.warning("worker group back: %d requests resume from their prompt plus output", len(running))
@@ -373,6 +373,6 @@ class Scheduler:
             if req.slot is None:
                 self.waiting.remove(req.rid)
                 self.reqs.pop(req.rid, None)
-        self.counters.generation_tokens += outputs.tokens
+        self.counters.totals.generation_tokens += outputs.tokens
         if outputs.batch is not None:
             self.io.tokenizer.send(outputs.batch)

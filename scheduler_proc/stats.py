@@ -6,6 +6,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from trident.wire.backend import WorkerCounters
 from trident.wire.frontend import SchedulerStats
 
@@ -21,27 +23,22 @@ LOG_INTERVAL_S = 10.0
 
 
 class SchedulerCounters:
+    """Owns the scheduler's counters; publishes them as a `SchedulerStats` frame."""
+
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.retractions = 0
+        self.totals = SchedulerStats()
+        """The statistics this scheduler counts itself (tokens, steps, retractions, resumed
+        requests, speculation...); `snapshot` fills in the rest from the scheduler's state."""
         self.seq_lens_syncs = 0
-        self.spec_verify_rows = 0
-        self.overlapped_steps = 0
         self.ignored_replies = 0
         """Worker replies about no step in flight (stale after a restart, or forged)."""
         self.refused_results = 0
         """Step results that do not fit the step they name, or name a later step than the
         oldest in flight (worker_link.py): refused, never used."""
-        self.resumed_requests = 0
-        """Requests requeued as prefills after their worker group was lost."""
         self.stale_requests = 0
         """GenerateReqs addressed to an earlier scheduler boot (GenerateReq.scheduler_boot_id):
         dropped, the tokenizer resubmits them to this one."""
-        self.spec_accepted_drafts = 0
-        self.steps = 0
-        self.last_step_time_s = 0.0
         self.worker = WorkerCounters()
         """Mirror of the worker's cumulative counters, as of the last StepResult."""
         self._last_publish = 0.0
@@ -54,8 +51,8 @@ class SchedulerCounters:
         return self.ignored_replies + self.refused_results
 
     def on_step(self, step: Step, result: StepResult) -> None:
-        self.steps += 1
-        self.last_step_time_s = time.perf_counter() - step.sent_at
+        self.totals.steps += 1
+        self.totals.last_step_time_s = time.perf_counter() - step.sent_at
         if self.scheduler.args.profile_steps:
             d = step.descriptor
             logger.info(
@@ -65,9 +62,9 @@ class SchedulerCounters:
                 d.forward_mode,
                 len(step.expected_seq_lens),
                 step.build_s * 1e3,
-                self.last_step_time_s * 1e3,
+                self.totals.last_step_time_s * 1e3,
                 result.forward_time_s * 1e3,
-                (self.last_step_time_s - result.forward_time_s) * 1e3,
+                (self.totals.last_step_time_s - result.forward_time_s) * 1e3,
                 (result.counters.idle_s - self.worker.idle_s) * 1e3,
                 self.scheduler.io.last_descriptor_bytes,
             )
@@ -75,37 +72,24 @@ class SchedulerCounters:
 
     def on_drafts(self, tokens_per_row) -> None:
         verified = tokens_per_row[tokens_per_row > 1]
-        self.spec_verify_rows += int(len(tokens_per_row))
-        self.spec_accepted_drafts += int((verified - 1).sum())
+        self.totals.spec_verify_rows += int(len(tokens_per_row))
+        self.totals.spec_accepted_drafts += int((verified - 1).sum())
 
     def snapshot(self) -> SchedulerStats:
-        s = self.scheduler
-        kv = s.kv
-        return SchedulerStats(
+        s, w = self.scheduler, self.worker
+        return msgspec.structs.replace(
+            self.totals,
             running_requests=len(s.batch.reqs),
             queued_requests=len(s.waiting),
-            kv_used_tokens=kv.used_tokens(),
-            kv_total_tokens=kv.total_tokens,
+            kv_used_tokens=s.kv.used_tokens(),
+            kv_total_tokens=s.kv.total_tokens,
             cache_hit_tokens=sum(r.cached_tokens for r in s.batch.reqs),
-            prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
-            steps=self.steps,
-            last_step_time_s=self.last_step_time_s,
-            prefill_tokens_computed=self.worker.prefill_tokens_computed,
-            seq_lens_d2h_copies=self.worker.seq_lens_d2h_copies,
-            dropped_frames=s.io.dropped_frames
-            + self.worker.dropped_frames
-            + self.ignored_replies
-            + self.refused_results
-            + self.stale_requests,
-            retractions=self.retractions,
-            worker_busy_s=self.worker.busy_s,
-            worker_idle_s=self.worker.idle_s,
+            prefill_tokens_computed=w.prefill_tokens_computed,
+            seq_lens_d2h_copies=w.seq_lens_d2h_copies,
+            dropped_frames=s.io.dropped_frames + w.dropped_frames + self.refused_replies + self.stale_requests,
+            worker_busy_s=w.busy_s,
+            worker_idle_s=w.idle_s,
             descriptor_bytes=s.io.last_descriptor_bytes,
-            overlapped_steps=self.overlapped_steps,
-            resumed_requests=self.resumed_requests,
-            spec_verify_rows=self.spec_verify_rows,
-            spec_accepted_drafts=self.spec_accepted_drafts,
             rejected_frames=s.io.rejected_frames,
             dp_rank=s.ctx.dp_rank,
         )
@@ -119,7 +103,7 @@ class SchedulerCounters:
             self._published_busy = self.scheduler.has_work()
             self.scheduler.io.tokenizer.send(self.snapshot())
         if now - self._last_log >= LOG_INTERVAL_S and self.scheduler.batch.reqs:
-            rate = (self.generation_tokens - self._gen_at_last_log) / (now - self._last_log)
+            rate = (self.totals.generation_tokens - self._gen_at_last_log) / (now - self._last_log)
             st = self.snapshot()
             logger.info(
                 "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.1f, "
@@ -130,4 +114,4 @@ class SchedulerCounters:
                 rate,
                 st.queued_requests,
             )
-            self._last_log, self._gen_at_last_log = now, self.generation_tokens
+            self._last_log, self._gen_at_last_log = now, self.totals.generation_tokens

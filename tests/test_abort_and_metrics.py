@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import Server, make_random_llama, wait_until
+from trident.wire.frontend import SCHEDULER_STATS, SchedulerStats
 
 LONG = 30000
 """max_tokens of the requests that get aborted: minutes of decoding on this model."""
@@ -139,12 +140,12 @@ def test_post_abort_with_a_client_rid_ends_a_generate_request(server):
 
 
 def scrape(server: Server) -> dict[str, dict]:
-    """{family name: {"type": ..., "samples": {sample name + labels: value}}}."""
+    """{family name: {"type": ..., "help": ..., "samples": {sample name + labels: value}}}."""
     text = server.http().get("/metrics").text
     out = {}
     for fam in text_string_to_metric_families(text):
         samples = {s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else ""): s.value for s in fam.samples}
-        out[fam.name] = {"type": fam.type, "samples": samples}
+        out[fam.name] = {"type": fam.type, "help": fam.documentation, "samples": samples}
     return out
 
 
@@ -202,6 +203,20 @@ def test_metrics_expose_load_kv_cache_throughput_latency_steps_restarts_and_drop
     # requests too, not only the running ones.
     assert value("trident_prefix_cache_hit_tokens") >= first["usage"]["prompt_tokens"] - 1
     assert 0 < value("trident_prefix_cache_hit_rate") < 1
+
+
+def test_every_scheduler_statistic_is_in_metrics_as_its_wire_struct_defines_it(server):
+    """SchedulerStats is the one definition of each scheduler counter: /metrics exports every
+    field but the dp_rank label, under the name, kind and help text of its Stat."""
+    assert set(SCHEDULER_STATS) == set(SchedulerStats.__struct_fields__) - {"dp_rank"}
+    assert wait_until(lambda: server.http().get("/server_info").json()["scheduler_stats"] is not None, 5)
+    m = scrape(server)
+    for name, stat in SCHEDULER_STATS.items():
+        family = "trident_" + (stat.metric or name)
+        assert family in m, f"/metrics lacks {family} (SchedulerStats.{name})"
+        assert (m[family]["type"], m[family]["help"]) == (stat.kind, stat.help), family
+    total = server.http().get("/server_info").json()["scheduler_stats"]["kv_total_tokens"]
+    assert m["trident_kv_cache_total_tokens"]["samples"]["trident_kv_cache_total_tokens"] == total
 
 
 def test_health_generate_runs_a_token_through_every_process(server):

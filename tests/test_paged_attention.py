@@ -71,7 +71,7 @@ class Batch:
 
     def decoding_rows(self, lengths: dict[int, int]) -> None:
         """Rows whose first `length - 1` tokens are cached and whose prefill of one token finishes now."""
-        params = SamplingParams(max_new_tokens=8)
+        params = SamplingParams(max_new_tokens=8, temperature=0.0)
         added = [AddedRequest(slot, n - 1, params) for slot, n in lengths.items()]
         chunks = self.send(added, [ExtendChunk(s, pack_int32([1]), True) for s in lengths], grow=lengths)
         inputs = self.state.build_forward(chunks)
@@ -134,7 +134,7 @@ def test_ragged_decode_verify_and_prefill_rows_equal_dense_attention(kv_heads, k
     batch.decoding_rows(decode_lengths)
     grow = {s: n + 4 for s, n in decode_lengths.items()}
     grow.update({5: 13, 6: 30})
-    params = SamplingParams(max_new_tokens=8)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
     added = [AddedRequest(5, 0, params), AddedRequest(6, 21, params)]
     extends = [ExtendChunk(5, pack_int32(range(13)), True), ExtendChunk(6, pack_int32(range(9)), False)]
     chunks = batch.send(added, extends, grow=grow)

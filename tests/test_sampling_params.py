@@ -383,9 +383,9 @@ def test_greedy_rows_short_of_min_tokens_mask_their_stop_tokens_in_the_logits_ow
     logits[:, eos] = 50.0  # EOS is every row's largest logit, stop token 9 the next
     logits[:, 9] = 40.0
     rows = [
-        SamplingParams(max_new_tokens=8, min_new_tokens=4),  # EOS masked
-        SamplingParams(max_new_tokens=8),  # nothing masked
-        SamplingParams(max_new_tokens=8, min_new_tokens=4, stop_token_ids=[9]),  # EOS and 9 masked
+        SamplingParams(max_new_tokens=8, temperature=0.0, min_new_tokens=4),  # EOS masked
+        SamplingParams(max_new_tokens=8, temperature=0.0),  # nothing masked
+        SamplingParams(max_new_tokens=8, temperature=0.0, min_new_tokens=4, stop_token_ids=[9]),  # EOS and 9 masked
     ]
 
     def run(row_logits: torch.Tensor) -> tuple[list[int], list[torch.dtype]]:

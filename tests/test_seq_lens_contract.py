@@ -23,7 +23,7 @@ PAGE = 4
 
 
 def make_req(rid: str, prompt_len: int, slot: int) -> Req:
-    req = Req(rid, np.arange(1, prompt_len + 1, dtype=np.int32), SamplingParams(max_new_tokens=8))
+    req = Req(rid, np.arange(1, prompt_len + 1, dtype=np.int32), SamplingParams(max_new_tokens=8, temperature=0.0))
     req.slot = slot
     req.pages = list(range(1 + slot * 16, 1 + slot * 16 + 16))
     return req

@@ -62,7 +62,7 @@ class Rows:
         self.state = BatchState(n, 32, PAGE, SamplingTable(n, VOCAB, [0], torch.device("cpu")), torch.device("cpu"))
         self.step = 1
         self.lens = [3 + 3 * i for i in range(n)]
-        params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
         added = [AddedRequest(s, 0, params) for s in range(n)]
         pages = PageAppends.of_rows((s, 0, list(range(1 + 32 * s, 1 + 32 * s + 32))) for s in range(n))
         extends = [ExtendChunk(s, pack_int32(np.arange(1, ln + 1) % VOCAB), True) for s, ln in enumerate(self.lens)]

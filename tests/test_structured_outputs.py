@@ -309,6 +309,6 @@ def test_constrained_and_biased_rows_never_draft():
     """Drafts are verified against the raw argmax, so rows under a mask or a bias do not draft."""
     from trident.wire.frontend import GrammarSpec, SamplingParams
 
-    assert SamplingParams(max_new_tokens=8).drafts_allowed()
-    assert not SamplingParams(max_new_tokens=8, grammar=GrammarSpec("regex", "a+")).drafts_allowed()
-    assert not SamplingParams(max_new_tokens=8, logit_bias=[(5, 1.0)]).drafts_allowed()
+    assert SamplingParams(max_new_tokens=8, temperature=0.0).drafts_allowed()
+    assert not SamplingParams(max_new_tokens=8, temperature=0.0, grammar=GrammarSpec("regex", "a+")).drafts_allowed()
+    assert not SamplingParams(max_new_tokens=8, temperature=0.0, logit_bias=[(5, 1.0)]).drafts_allowed()

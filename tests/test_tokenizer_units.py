@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 
+import msgspec
 import pytest
 import zmq.asyncio
 from fastapi.testclient import TestClient
@@ -23,13 +24,20 @@ from tokenizer_proc.detokenizer import IncrementalDecoder, RequestDetokenizer, S
 from tokenizer_proc.errors import APIError, validation_error_message
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.openai_format import CompletionLogprobs, chat_logprobs
-from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from tokenizer_proc.protocol import (
+    OPENAI_NAMES,
+    RESOLVED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    NativeSamplingParams,
+)
 from tokenizer_proc.request_handle import TokenOut, take_queued
 from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import ModelLimits, SamplingRequest, build_sampling_params, check_model, check_prompt_ids
 from tokenizer_proc.state import FrontendState
 from tokenizer_proc.tokenization import TokenStrings, load_tokenizer, text_decoder
-from trident.wire.frontend import ServerInfo
+from trident.wire.frontend import ClientRange, SamplingParams, ServerInfo
 from trident.wire.server_args import ServerArgs
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -246,7 +254,9 @@ def test_model_and_prompt_checks():
 
 def test_sampling_params_mapping_and_context_limits():
     sp = build_sampling_params(
-        SamplingRequest(max_tokens=10, min_tokens=2, temperature=0.0, top_k=5, stop_token_ids=[7]), 20, LIMITS
+        SamplingRequest({"min_new_tokens": 2, "temperature": 0.0, "top_k": 5, "stop_token_ids": [7]}, max_tokens=10),
+        20,
+        LIMITS,
     )
     assert (sp.max_new_tokens, sp.min_new_tokens, sp.temperature, sp.top_k, sp.stop_token_ids) == (10, 2, 0.0, 5, [7])
     assert build_sampling_params(SamplingRequest(), 20, LIMITS).max_new_tokens == 44  # rest of the context
@@ -256,9 +266,43 @@ def test_sampling_params_mapping_and_context_limits():
     with pytest.raises(APIError):
         build_sampling_params(SamplingRequest(), 64, LIMITS)
     with pytest.raises(APIError):
-        build_sampling_params(SamplingRequest(max_tokens=5, min_tokens=6), 20, LIMITS)
+        build_sampling_params(SamplingRequest({"min_new_tokens": 6}, max_tokens=5), 20, LIMITS)
     with pytest.raises(APIError):
-        build_sampling_params(SamplingRequest(stop_token_ids=[49152]), 20, LIMITS)
+        build_sampling_params(SamplingRequest({"stop_token_ids": [49152]}), 20, LIMITS)
+
+
+def _outside(annotated_type) -> list[float]:
+    """A value just outside each bound of a field's ClientRange."""
+    values = []
+    for r in (x for x in getattr(annotated_type, "__metadata__", ()) if isinstance(x, ClientRange)):
+        values += [r.le + 1] if r.le is not None else []
+        values += [r.ge - 1] if r.ge is not None else []
+        values += [r.gt] if r.gt is not None else []
+    return values
+
+
+def test_the_wire_sampling_params_is_the_one_list_of_sampling_fields():
+    """Every SamplingParams field is either a knob that each route takes under its name (or
+    the OpenAI routes' rename), with the wire's default and range, or one the tokenizer
+    resolves from the endpoint's own fields; a request that sets nothing sends the wire's
+    defaults (temperature 1, as OpenAI)."""
+    fields = {f.name: f for f in msgspec.structs.fields(SamplingParams)}
+    assert RESOLVED_FIELDS < set(fields) and fields["temperature"].default == 1.0
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    routes = [(CompletionRequest, {"prompt": "hi"}, OPENAI_NAMES), (ChatCompletionRequest, chat, OPENAI_NAMES)]
+    routes.append((NativeSamplingParams, {}, {}))
+    for model, body, renamed in routes:
+        knobs = model.model_validate(body).knobs()
+        assert set(knobs) == set(fields) - RESOLVED_FIELDS
+        for name, value in knobs.items():
+            f = fields[name]
+            assert value == (f.default_factory() if f.default is msgspec.NODEFAULT else f.default), (model, name)
+            assert renamed.get(name, name) in model.model_fields
+            for outside in _outside(f.type):
+                with pytest.raises(ValidationError, match=renamed.get(name, name)):
+                    model.model_validate({**body, renamed.get(name, name): outside})
+        sp = build_sampling_params(SamplingRequest(knobs, max_tokens=3), 20, LIMITS)
+        assert sp == SamplingParams(max_new_tokens=3)
 
 
 def test_generate_request_model():

@@ -4,10 +4,10 @@ Two sources:
 - measured here, by `RequestHandle`: latencies (time to first token, inter-token latency,
   end-to-end), token counters, and the prefix cache hit rate (cumulative, from each
   request's first output: its prompt length and how much of it came from the cache);
-- mirrored from the schedulers' latest `SchedulerStats` at scrape time by `_SchedulerCollector`
-  (running/queued requests, KV usage, step time, retractions: summed over data-parallel
-  replicas), plus dropped frames: this process's own plus the schedulers'; and per replica
-  (label dp_rank) by `_ReplicaCollector`: requests routed there, open, running, tokens.
+- mirrored from the schedulers' latest `SchedulerStats` at scrape time by `_SchedulerCollector`:
+  every statistic it defines (`SCHEDULER_STATS`: name, kind and help text), merged over
+  data-parallel replicas, dropped frames adding this process's own; and per replica (label
+  dp_rank) by `_ReplicaCollector`: requests routed there, open, running, tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tokenizer_proc.replicas import ReplicaSet
-from trident.wire.frontend import SchedulerStats
+from trident.wire.frontend import SCHEDULER_STATS, SchedulerStats
 
 PREFIX = "trident_"
 LATENCY_BUCKETS = (
@@ -58,10 +58,8 @@ class _SchedulerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
-        dropped = self._own_dropped() + (s.dropped_frames if s else 0)
-        yield CounterMetricFamily(
-            PREFIX + "dropped_frames", "Malformed frames dropped (tokenizer + scheduler).", value=dropped
-        )
+        # Exported before any scheduler reports: this process drops frames of its own.
+        yield _stat_family("dropped_frames", self._own_dropped() + (s.dropped_frames if s else 0))
         # Not SchedulerStats.cache_hit_tokens: that covers only the requests running now.
         yield GaugeMetricFamily(
             PREFIX + "prefix_cache_hit_rate",
@@ -71,22 +69,17 @@ class _SchedulerCollector(Collector):
         if s is None:
             return
         usage = s.kv_used_tokens / s.kv_total_tokens if s.kv_total_tokens else 0.0
-        gauges = [
-            ("num_requests_running", "Requests in the running batch.", s.running_requests),
-            ("num_requests_waiting", "Requests queued in the scheduler.", s.queued_requests),
-            ("kv_cache_usage_ratio", "Fraction of KV token slots in use.", usage),
-            ("kv_cache_used_tokens", "KV token slots in use.", s.kv_used_tokens),
-            ("step_time_seconds", "Send-to-result time of the scheduler's latest step.", s.last_step_time_s),
-        ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        counters = [
-            ("retractions", "Requests retracted for lack of KV.", s.retractions),
-            ("scheduler_steps", "Scheduler steps.", s.steps),
-            ("prefill_tokens_computed", "Prompt tokens run through the model.", s.prefill_tokens_computed),
-        ]
-        for name, doc, value in counters:
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_ratio", "Fraction of KV token slots in use.", value=usage)
+        for name in SCHEDULER_STATS:
+            if name != "dropped_frames":
+                yield _stat_family(name, getattr(s, name))
+
+
+def _stat_family(name: str, value: float) -> Metric:
+    """The family of `SchedulerStats.<name>`, as its `Stat` defines it (kind, name, help)."""
+    stat = SCHEDULER_STATS[name]
+    family = CounterMetricFamily if stat.kind == "counter" else GaugeMetricFamily
+    return family(PREFIX + (stat.metric or name), stat.help, value=value)
 
 
 class _ReplicaCollector(Collector):

@@ -95,24 +95,7 @@ def sampling_request(
     top_logprobs: int,
     grammar: GrammarSpec | None,
 ) -> SamplingRequest:
-    return SamplingRequest(
-        max_tokens=max_tokens,
-        min_tokens=body.min_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        seed=body.seed,
-        ignore_eos=body.ignore_eos,
-        stop_token_ids=body.stop_token_ids or (),
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        logit_bias=body.logit_bias,
-        grammar=grammar,
-    )
+    return SamplingRequest(body.knobs(), max_tokens, logprobs, top_logprobs, body.logit_bias, grammar)
 
 
 async def submit_choices(

@@ -7,19 +7,41 @@ vocabulary size, model name) live in `sampling`, which runs after tokenization.
 No field is silently dropped: every model refuses fields it does not declare (a 400
 naming the field, as OpenAI answers), and the OpenAI fields that are legitimately no-ops
 for one served model are declared once, in `_AcceptedNoOps`.
+
+The sampling knobs are not declared here: `_knobs_model` takes them from the wire's
+`SamplingParams` (name, type, default, range), so the API and the wire cannot disagree.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, create_model, field_validator
+
+from trident.wire.frontend import ClientRange, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_N = 16
 MAX_LOGPROBS = 20
-INT64_MAX = 2**63 - 1
-INT32_MAX = 2**31 - 1
+
+RESOLVED_FIELDS = frozenset({"max_new_tokens", "logprobs", "top_logprobs", "logit_bias", "grammar"})
+"""`SamplingParams` fields no request takes under their own name: `sampling` resolves each
+from the endpoint's own fields (max_tokens and the context left; completions' logprobs
+count or chat's logprobs/top_logprobs; logit_bias's JSON map; response_format, regex,
+ebnf, json_schema or a forced tool call). Every other field is a knob, taken as is."""
+
+OPENAI_NAMES = {"min_new_tokens": "min_tokens"}
+"""Knobs the OpenAI routes name as vLLM does; /generate and the Engine take SGLang's names,
+which are the wire's."""
+
+KNOB_NAMES = tuple(f.name for f in msgspec.structs.fields(SamplingParams) if f.name not in RESOLVED_FIELDS)
+"""The `SamplingParams` fields every request takes as the client sends them."""
+
+_API_TYPES: dict[str, Any] = {"stop_token_ids": list[StrictInt] | None}
+"""Knobs whose JSON type differs from the wire's: token ids must be JSON integers, and
+null means none."""
 
 
 def check_stop(v: str | list[str] | None) -> str | list[str] | None:
@@ -83,6 +105,40 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+class _Knobs(_Strict):
+    """Base of the models that take the sampling knobs, each named as in `renamed`."""
+
+    renamed: ClassVar[Mapping[str, str]] = {}
+    """Wire name -> this API's name, where they differ."""
+
+    def knobs(self) -> dict[str, Any]:
+        """The knobs as the client sent them (or their defaults), by `SamplingParams` name."""
+        return {name: getattr(self, self.renamed.get(name, name)) for name in KNOB_NAMES}
+
+
+def _knob_field(field: msgspec.structs.FieldInfo) -> tuple[Any, Any]:
+    """(type, pydantic Field) of one knob: the wire's type, default and `ClientRange`."""
+    wire_type, *extras = get_args(field.type) if get_origin(field.type) is Annotated else (field.type,)
+    limits = next((x for x in extras if isinstance(x, ClientRange)), ClientRange())
+    if field.default_factory is not msgspec.NODEFAULT:
+        info = Field(default_factory=field.default_factory, ge=limits.ge, gt=limits.gt, le=limits.le)
+    else:
+        info = Field(field.default, ge=limits.ge, gt=limits.gt, le=limits.le)
+    return _API_TYPES.get(field.name, wire_type), info
+
+
+def _knobs_model(name: str, renamed: Mapping[str, str]) -> type[_Knobs]:
+    """A request-body part declaring every knob of `SamplingParams`, under this API's names."""
+    knobs = [f for f in msgspec.structs.fields(SamplingParams) if f.name in KNOB_NAMES]
+    model = create_model(name, __base__=_Knobs, **{renamed.get(f.name, f.name): _knob_field(f) for f in knobs})
+    model.renamed = renamed
+    return model
+
+
+_OpenAIKnobs = _knobs_model("_OpenAIKnobs", OPENAI_NAMES)
+_NativeKnobs = _knobs_model("_NativeKnobs", {})
+
+
 class _Constraints(_Strict):
     """Decoding constraints: SGLang's fields (text), also taken on the OpenAI routes."""
 
@@ -108,25 +164,14 @@ class _StopStrings(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints):
-    """Sampling knobs shared by completions and chat (OpenAI plus vLLM/SGLang extras)."""
+class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
+    """What completions and chat share: the knobs (OpenAI's plus vLLM/SGLang's extras),
+    choices, streaming."""
 
     model: str | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(None, ge=-INT64_MAX, le=INT64_MAX)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    # vLLM / SGLang extras
-    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
-    ignore_eos: bool = False
-    stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
 
     def include_usage(self) -> bool:
@@ -231,22 +276,11 @@ class ChatCompletionRequest(_SamplingFields):
         return v
 
 
-class NativeSamplingParams(_StopStrings, _Constraints):
-    """`sampling_params` of the SGLang-style POST /generate."""
+class NativeSamplingParams(_StopStrings, _Constraints, _NativeKnobs):
+    """`sampling_params` of the SGLang-style POST /generate (and of the offline Engine)."""
 
     max_new_tokens: int | None = Field(128, ge=1)
-    min_new_tokens: int = Field(0, ge=0, le=INT32_MAX)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    stop_token_ids: list[StrictInt] | None = None
-    ignore_eos: bool = False
     skip_special_tokens: bool = True
-    seed: int | None = Field(None, ge=-INT64_MAX, le=INT64_MAX)
 
 
 class GenerateRequest(_Strict):

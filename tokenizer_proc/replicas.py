@@ -14,12 +14,9 @@ import msgspec
 import zmq.asyncio
 
 from tokenizer_proc.router import ReplicaRouter
-from trident.wire.frontend import SchedulerStats, ServerInfo
+from trident.wire.frontend import SCHEDULER_STATS, SchedulerStats, ServerInfo
 from trident.wire.server_args import ServerArgs
 from trident.wire.transport import AsyncPushSocket, endpoint, scheduler_in_endpoint
-
-_LATEST_NOT_SUMMED = {"last_step_time_s", "descriptor_bytes", "dp_rank"}
-"""SchedulerStats fields that describe one step, not a total: merged by max."""
 
 
 class ReplicaSet:
@@ -65,10 +62,9 @@ class ReplicaSet:
         if not present:
             return None
         fields = {}
-        for name in SchedulerStats.__struct_fields__:
+        for name, stat in SCHEDULER_STATS.items():
             values = [getattr(s, name) for s in present]
-            fields[name] = max(values) if name in _LATEST_NOT_SUMMED else sum(values)
-        fields["dp_rank"] = 0
+            fields[name] = max(values) if stat.merge == "max" else sum(values)
         return SchedulerStats(**fields)
 
     def close(self) -> None:

@@ -8,7 +8,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -29,20 +30,14 @@ class ModelLimits:
 
 @dataclass
 class SamplingRequest:
-    """The sampling knobs of any endpoint, before the max-token default is resolved."""
+    """A request's sampling before it is resolved against the model: its knobs, and the
+    fields each endpoint gives in its own way (`protocol.RESOLVED_FIELDS`)."""
 
+    knobs: Mapping[str, Any] = field(default_factory=dict)
+    """`SamplingParams` fields by name, as the client sent them (`protocol._Knobs.knobs()`);
+    one left out takes the wire's default."""
     max_tokens: int | None = None
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: Sequence[int] = ()
+    """None means the rest of the context."""
     logprobs: bool = False
     top_logprobs: int = 0
     logit_bias: Mapping[str, float] | None = None
@@ -108,31 +103,24 @@ def build_sampling_params(
 ) -> SamplingParams:
     """Validate against the model and map to the wire struct (max_tokens -> max_new_tokens...)."""
     max_new = resolve_max_tokens(prompt_len, req.max_tokens, limits, max_tokens_param, prompt_param)
-    if req.min_tokens > max_new:
-        raise APIError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_new}).", param="min_tokens")
-    bad = next((t for t in req.stop_token_ids if not 0 <= t < limits.vocab_size), None)
+    params = SamplingParams(
+        max_new_tokens=max_new,
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs if req.logprobs else 0,
+        grammar=req.grammar,
+        **{**req.knobs, "stop_token_ids": list(req.knobs.get("stop_token_ids") or ())},
+    )
+    if params.min_new_tokens > max_new:
+        raise APIError(
+            f"min_tokens ({params.min_new_tokens}) must not exceed max_tokens ({max_new}).", param="min_tokens"
+        )
+    bad = next((t for t in params.stop_token_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise APIError(f"stop_token_ids holds {bad}, outside [0, {limits.vocab_size}).", param="stop_token_ids")
     if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise APIError(f"top logprobs must be in [0, {MAX_LOGPROBS}].", param="logprobs")
-    return SamplingParams(
-        max_new_tokens=max_new,
-        temperature=float(req.temperature),
-        top_p=float(req.top_p),
-        top_k=int(req.top_k),
-        min_p=float(req.min_p),
-        frequency_penalty=float(req.frequency_penalty),
-        presence_penalty=float(req.presence_penalty),
-        repetition_penalty=float(req.repetition_penalty),
-        seed=req.seed,
-        min_new_tokens=int(req.min_tokens),
-        ignore_eos=bool(req.ignore_eos),
-        stop_token_ids=list(req.stop_token_ids),
-        logprobs=bool(req.logprobs),
-        top_logprobs=int(req.top_logprobs) if req.logprobs else 0,
-        logit_bias=logit_bias_pairs(req.logit_bias, limits.vocab_size),
-        grammar=req.grammar,
-    )
+    params.logit_bias = logit_bias_pairs(req.logit_bias, limits.vocab_size)
+    return params
 
 
 def native_sampling_params(
@@ -143,18 +131,8 @@ def native_sampling_params(
     if "max_new_tokens" not in sp.model_fields_set and max_new is not None:
         max_new = max(1, min(max_new, limits.context_length - prompt_len))  # a default never causes a 400
     sreq = SamplingRequest(
+        sp.knobs(),
         max_tokens=max_new,
-        min_tokens=sp.min_new_tokens,
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=sp.repetition_penalty,
-        seed=sp.seed,
-        ignore_eos=sp.ignore_eos,
-        stop_token_ids=sp.stop_token_ids or (),
         logit_bias=sp.logit_bias,
         grammar=sglang_constraint(sp.regex, sp.ebnf, sp.json_schema),
     )

@@ -11,6 +11,7 @@ after penalties and `logit_bias`, and the matcher advances on the token the row 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import numpy as np
@@ -155,6 +156,9 @@ PARAM_COLUMNS = (
     "presence_penalty",
     "repetition_penalty",
 )
+"""The `SamplingParams` fields staged per row, each read by its name: one float32 column each."""
+_read_columns = operator.attrgetter(*PARAM_COLUMNS)
+_TOP_K = PARAM_COLUMNS.index("top_k")
 
 
 class RowParams:
@@ -165,11 +169,10 @@ class RowParams:
         stage, vocab = table.staging.stage, table.vocab_size
         table.staging.begin_step()
         self.slots = stage(slots, torch.int64)
-        values = [
-            [p.temperature, p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p]
-            + [p.frequency_penalty, p.presence_penalty, p.repetition_penalty]
-            for p in params
-        ]
+        values = [list(_read_columns(p)) for p in params]
+        for row in values:
+            if row[_TOP_K] <= 0:  # the whole vocabulary
+                row[_TOP_K] = vocab
         self.values = stage(values, torch.float32, (len(params), len(PARAM_COLUMNS)))
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
         self.bias_at = stage([[i for i, _, _ in bias], [t for _, t, _ in bias]], torch.int64, (2, len(bias)))
@@ -239,7 +242,7 @@ def _apply_penalties(logits, rows: RowParams, params, table: SamplingTable) -> t
     if table.output_counts is None or not any(_uses_penalties(p) for p in params):
         return logits
     counts = table.output_counts[rows.slots].float()
-    freq, pres, rep = (rows.column(c)[:, None] for c in PARAM_COLUMNS[4:])
+    freq, pres, rep = (rows.column(c)[:, None] for c in ("frequency_penalty", "presence_penalty", "repetition_penalty"))
     seen = (counts > 0) | table.prompt_seen[rows.slots]
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)

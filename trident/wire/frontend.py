@@ -7,6 +7,8 @@ scheduler -> tokenizer: `TokenizerInput` (per-step batched token outputs, period
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
@@ -27,22 +29,48 @@ class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     where the schema leaves `additionalProperties` unset; False: the schema as written."""
 
 
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class ClientRange:
+    """The values a client may give a `SamplingParams` knob, beside its type (`Annotated`).
+    The tokenizer's request models refuse anything outside it with a 400
+    (tokenizer_proc/protocol.py builds them from these fields); msgspec ignores it, so the
+    wire carries what the tokenizer resolved without checking it again."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Per-request sampling, validated by the tokenizer, applied by the worker."""
+    """Per-request sampling, validated by the tokenizer, applied by the worker.
+
+    The one list of sampling fields: each is declared here once, with its default and the
+    range a client may give it. The HTTP request models (OpenAI routes, /generate, the
+    offline Engine) take every field by its name here, with this default and range, except
+    those the tokenizer resolves from each endpoint's own fields
+    (`tokenizer_proc.protocol.RESOLVED_FIELDS`); the OpenAI routes rename a few
+    (`tokenizer_proc.protocol.OPENAI_NAMES`). The field order is the wire format: append only.
+    """
 
     max_new_tokens: int
-    temperature: float = 0.0
-    """0 means greedy."""
-    top_p: float = 1.0
-    top_k: int = -1
+    """Resolved by the tokenizer: the request's max_tokens, or the rest of the context."""
+    temperature: Annotated[float, ClientRange(ge=0.0, le=2.0)] = 1.0
+    """0 means greedy. 1 is the default of the OpenAI API (and of vLLM and SGLang): sample
+    from the model's distribution as it is."""
+    top_p: Annotated[float, ClientRange(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, ClientRange(ge=-1, le=INT32_MAX)] = -1
     """-1 means the whole vocabulary."""
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
+    min_p: Annotated[float, ClientRange(ge=0.0, le=1.0)] = 0.0
+    frequency_penalty: Annotated[float, ClientRange(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, ClientRange(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, ClientRange(gt=0.0, le=2.0)] = 1.0
+    seed: Annotated[int | None, ClientRange(ge=-INT64_MAX, le=INT64_MAX)] = None
     """Same seed, same tokens, whatever else shares the batch."""
-    min_new_tokens: int = 0
+    min_new_tokens: Annotated[int, ClientRange(ge=0, le=INT32_MAX)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     """Extra token ids that end the request (the model's EOS ids are always included)."""
@@ -184,41 +212,89 @@ class TokenOutBatch(msgspec.Struct, array_like=True, omit_defaults=True, tag="to
         return zip(self.rids, per_row, extras)
 
 
-class SchedulerStats(msgspec.Struct, array_like=True, tag="stats"):
-    """Periodic snapshot from the scheduler, for /metrics and /server_info."""
+@dataclass(frozen=True)
+class Stat:
+    """What a `SchedulerStats` field means to a reader of /metrics, beside its type
+    (`Annotated`): the tokenizer exports each field that has one as `trident_<metric>`
+    (tokenizer_proc/metrics.py), and merges the data-parallel replicas' by `merge`."""
 
-    running_requests: int
-    queued_requests: int
-    kv_used_tokens: int
-    kv_total_tokens: int
-    cache_hit_tokens: int
-    prompt_tokens: int
-    generation_tokens: int
-    steps: int
-    last_step_time_s: float
-    prefill_tokens_computed: int
-    """Counted by the worker: prompt tokens actually run through the model."""
-    seq_lens_d2h_copies: int
-    """Counted by the worker: device-to-host copies of seq_lens."""
-    dropped_frames: int
-    retractions: int
-    worker_busy_s: float = 0.0
-    worker_idle_s: float = 0.0
-    """Worker time waiting for a descriptor while it had running rows."""
-    descriptor_bytes: int = 0
-    """Size of the last descriptor sent."""
-    overlapped_steps: int = 0
-    """Steps sent on the overlapped path (each must cost the worker one seq_lens copy)."""
-    resumed_requests: int = 0
-    """Requests put back as prefills after a worker group was lost."""
-    spec_verify_rows: int = 0
-    """Decode row-steps run with speculation on (a row without a draft counts, accepting 0)."""
-    spec_accepted_drafts: int = 0
-    """Draft tokens accepted over those row-steps (mean accepted length = 1 + this / rows)."""
-    rejected_frames: int = 0
-    """Frames with a bad HMAC tag on this scheduler's cross-node port."""
+    kind: Literal["counter", "gauge"]
+    help: str
+    metric: str = ""
+    """The Prometheus name after `trident_`, where it is not the field's name."""
+    merge: Literal["sum", "max"] = "sum"
+    """How replicas combine: totals add up; a value about one step takes the largest."""
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, tag="stats"):
+    """Periodic snapshot from the scheduler, for /metrics and /server_info: the one
+    definition of each scheduler counter (its kind and help text in its `Stat`).
+
+    Written by the scheduler (scheduler_proc/stats.py: what it counts itself it keeps in a
+    `SchedulerStats`, the rest it reads when it publishes); mirrored by the tokenizer."""
+
+    running_requests: Annotated[int, Stat("gauge", "Requests in the running batch.", "num_requests_running")] = 0
+    queued_requests: Annotated[int, Stat("gauge", "Requests queued in the scheduler.", "num_requests_waiting")] = 0
+    kv_used_tokens: Annotated[int, Stat("gauge", "KV token slots in use.", "kv_cache_used_tokens")] = 0
+    kv_total_tokens: Annotated[int, Stat("gauge", "KV token slots in all.", "kv_cache_total_tokens")] = 0
+    cache_hit_tokens: Annotated[
+        int,
+        Stat(
+            "gauge",
+            "Prompt tokens of the running requests whose KV came from the prefix cache.",
+            "running_cache_hit_tokens",
+        ),
+    ] = 0
+    prompt_tokens: Annotated[
+        int, Stat("counter", "Prompt tokens of the requests the scheduler admitted.", "scheduler_prompt_tokens")
+    ] = 0
+    generation_tokens: Annotated[
+        int, Stat("counter", "Tokens the scheduler's steps generated.", "scheduler_generation_tokens")
+    ] = 0
+    steps: Annotated[int, Stat("counter", "Scheduler steps.", "scheduler_steps")] = 0
+    last_step_time_s: Annotated[
+        float,
+        Stat("gauge", "Send-to-result time of the scheduler's latest step.", "step_time_seconds", merge="max"),
+    ] = 0.0
+    prefill_tokens_computed: Annotated[int, Stat("counter", "Prompt tokens run through the model.")] = 0
+    """Counted by the worker."""
+    seq_lens_d2h_copies: Annotated[int, Stat("counter", "Device-to-host copies of seq_lens by the worker.")] = 0
+    """Counted by the worker."""
+    dropped_frames: Annotated[int, Stat("counter", "Malformed frames dropped (tokenizer + scheduler).")] = 0
+    """The scheduler's and its workers' (frames they could not decode, descriptors refused,
+    stale or forged replies); the tokenizer adds its own before it exports them."""
+    retractions: Annotated[int, Stat("counter", "Requests retracted for lack of KV.")] = 0
+    worker_busy_s: Annotated[float, Stat("counter", "Worker time spent running steps.", "worker_busy_seconds")] = 0.0
+    worker_idle_s: Annotated[
+        float,
+        Stat("counter", "Worker time waiting for a descriptor while it had running rows.", "worker_idle_seconds"),
+    ] = 0.0
+    descriptor_bytes: Annotated[int, Stat("gauge", "Size of the last descriptor sent.", merge="max")] = 0
+    overlapped_steps: Annotated[int, Stat("counter", "Steps sent on the overlapped path.")] = 0
+    """Each must cost the worker one seq_lens copy."""
+    resumed_requests: Annotated[
+        int,
+        Stat("counter", "Requests put back as prefills after a worker group was lost.", "scheduler_resumed_requests"),
+    ] = 0
+    spec_verify_rows: Annotated[
+        int, Stat("counter", "Decode row-steps run with speculation on (a row without a draft counts).")
+    ] = 0
+    spec_accepted_drafts: Annotated[int, Stat("counter", "Draft tokens accepted over those row-steps.")] = 0
+    """Mean accepted length = 1 + this / spec_verify_rows."""
+    rejected_frames: Annotated[
+        int, Stat("counter", "Frames with a bad HMAC tag on the schedulers' cross-node ports.")
+    ] = 0
     dp_rank: int = 0
-    """The data-parallel replica whose scheduler sent this."""
+    """The data-parallel replica whose scheduler sent this (a label, not a statistic)."""
+
+
+SCHEDULER_STATS: dict[str, Stat] = {
+    f.name: meta
+    for f in msgspec.structs.fields(SchedulerStats)
+    for meta in getattr(f.type, "__metadata__", ())
+    if isinstance(meta, Stat)
+}
+"""Each statistic of `SchedulerStats` by field name, in field order."""
 
 
 class FlushCacheDone(msgspec.Struct, array_like=True, tag="flushed"):
