@@ -219,7 +219,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--trident-root", default=REPO_ROOT)
     r.add_argument("--trident-args", default="--max-running-requests 64")
     r.add_argument("--vllm-python", default="/work/vllm-venv/bin/python", help="the python of vLLM's own venv")
-    r.add_argument("--vllm-args", default="--max-num-seqs 64 --max-model-len 2048 --gpu-memory-utilization 0.1")
+    r.add_argument("--vllm-args", default="--max-num-seqs 64 --max-model-len 2048 --gpu-memory-utilization 0.3")
     r.add_argument("--roofline-threads", type=int, default=2, help="torch threads of the host-limit measurements")
     o = p.add_argument_group("output")
     o.add_argument("--output-json", default=None)
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if limits is not None:
         decode = medians(rounds, rows_labels, decode_tok_s)
         by_rows = {e: {int(lb.removeprefix("rows=")): v for lb, v in d.items()} for e, d in decode.items()}
-        table = roofline_rows(cost, limits, args.input_len + args.output_len // 2, by_rows)
+        table = roofline_rows(cost, limits, args.input_len + args.output_len // 2, by_rows, args.rows)
         markdown = markdown_table(table)
         print(f"\n{markdown}\n(tok/s: decode alone, rows / median TPOT; floors for bf16 weights)")
         report |= {"host_limits": vars(limits), "model_cost": vars(cost), "roofline": roofline_json(table)}

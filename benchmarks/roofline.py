@@ -2,15 +2,17 @@
 
 The host's limits are measured with torch on `threads` threads, before any server starts:
 - memory read: the best of a few sums over a tensor far larger than any cache;
-- bf16 matmul through oneDNN at each row count: rows x hidden @ hidden x intermediate, the
-  model's own MLP shape, best of a few timed batches on the same weights (the matmul's own
-  rate; reading the weights from memory is the other floor's business).
+- bf16 matmul through oneDNN on weights packed once (as a server holds them), at each row
+  count and at `PEAK_ROWS`: rows x hidden @ hidden x intermediate, the model's own MLP shape,
+  best of a few timed batches on the same weights (the matmul's own rate; reading the
+  weights from memory is the other floor's business).
 
 A decode step of `rows` sequences, in bf16, reads every linear weight and the LM head once,
 one embedding row per sequence, and each sequence's keys and values so far. It does
 2 x (linear + LM head parameters) FLOPs per row. So, in tokens per second:
 - memory floor = rows x read bandwidth / bytes read per step;
-- compute floor = matmul rate / (2 x (linear + LM head parameters)).
+- compute floor = the best matmul rate measured (the host's bf16 peak, at PEAK_ROWS rows or
+  wherever it was highest) / (2 x (linear + LM head parameters)), at every row count.
 Each engine's fraction is its decode tok/s over the lower of the two floors.
 """
 
@@ -25,11 +27,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 
 BF16_BYTES = 2
 
 READ_BYTES = 1 << 30
+PEAK_ROWS = 512
+"""Rows at which a bf16 matmul of a 1B model's MLP shape is bound by arithmetic, not memory."""
 
 
 @dataclass
@@ -38,6 +41,10 @@ class HostLimits:
     memory_read_gb_s: float
     matmul_gflop_s: dict[int, float]
     """rows -> bf16 GFLOP/s of rows x hidden @ hidden x intermediate."""
+
+    @property
+    def peak_matmul_gflop_s(self) -> float:
+        return max(self.matmul_gflop_s.values())
 
 
 def best_seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
@@ -62,10 +69,16 @@ def memory_read_gb_s() -> float:
 def matmul_gflop_s(rows: int, hidden: int, intermediate: int) -> float:
     x = torch.randn(rows, hidden, dtype=torch.bfloat16)
     weight = torch.randn(intermediate, hidden, dtype=torch.bfloat16)
-    F.linear(x, weight)
-    once = best_seconds(lambda: F.linear(x, weight), repeats=1)
+    # F.linear would reorder the plain weight into oneDNN's layout on every call.
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+    def matmul() -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    matmul()
+    once = best_seconds(matmul, repeats=1)
     inner = max(1, int(0.1 / max(once, 1e-6)))
-    return 2 * rows * hidden * intermediate / best_seconds(lambda: F.linear(x, weight), 3, inner) / 1e9
+    return 2 * rows * hidden * intermediate / best_seconds(matmul, 3, inner) / 1e9
 
 
 def measure_host_limits(rows: Sequence[int], hidden: int, intermediate: int, threads: int) -> HostLimits:
@@ -73,7 +86,7 @@ def measure_host_limits(rows: Sequence[int], hidden: int, intermediate: int, thr
     torch.set_num_threads(threads)
     try:
         bandwidth = memory_read_gb_s()
-        rates = {r: matmul_gflop_s(r, hidden, intermediate) for r in rows}
+        rates = {r: matmul_gflop_s(r, hidden, intermediate) for r in sorted({*rows, PEAK_ROWS})}
     finally:
         torch.set_num_threads(previous)
     return HostLimits(threads, bandwidth, rates)
@@ -134,13 +147,17 @@ class RooflineRow:
 
 
 def roofline_rows(
-    cost: ModelCost, limits: HostLimits, context: int, decode_tok_s: dict[str, dict[int, float]]
+    cost: ModelCost,
+    limits: HostLimits,
+    context: int,
+    decode_tok_s: dict[str, dict[int, float]],
+    row_counts: Sequence[int],
 ) -> list[RooflineRow]:
-    """One row per measured row count; `decode_tok_s` is engine -> rows -> the median decode tok/s."""
+    """One row per row count; `decode_tok_s` is engine -> rows -> the median decode tok/s."""
     out = []
-    for rows, gflop_s in sorted(limits.matmul_gflop_s.items()):
+    compute = limits.peak_matmul_gflop_s * 1e9 / (2 * cost.linear_params)
+    for rows in sorted(row_counts):
         memory = rows * limits.memory_read_gb_s * 1e9 / cost.bytes_per_step(rows, context)
-        compute = gflop_s * 1e9 / (2 * cost.linear_params)
         trident, vllm = (decode_tok_s.get(e, {}).get(rows) for e in ("trident", "vllm"))
         out.append(RooflineRow(cost.name, rows, trident, vllm, memory, compute))
     return out

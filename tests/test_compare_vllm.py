@@ -46,17 +46,17 @@ def test_a_random_checkpoint_has_its_shape_and_its_cost_counts_every_linear_weig
 
 def test_each_floor_follows_the_bytes_and_flops_of_a_step_and_the_fraction_takes_the_lower():
     cost = ModelCost("m", 1_000_000_000, hidden_size=2048, intermediate_size=8192, kv_bytes_per_token=1000)
-    limits = HostLimits(threads=2, memory_read_gb_s=20.0, matmul_gflop_s={1: 40.0, 64: 400.0})
-    rows = roofline_rows(cost, limits, context=100, decode_tok_s={"trident": {1: 5.0, 64: 100.0}})
+    limits = HostLimits(threads=2, memory_read_gb_s=20.0, matmul_gflop_s={1: 40.0, 64: 400.0, 512: 600.0})
+    rows = roofline_rows(cost, limits, context=100, decode_tok_s={"trident": {1: 5.0, 64: 100.0}}, row_counts=[64, 1])
 
     one, sixty_four = rows
     step_bytes = 2_000_000_000 + 2048 * 2 + 100 * 1000
     assert one.memory_floor_tok_s == pytest.approx(20e9 / step_bytes)
-    assert one.compute_floor_tok_s == pytest.approx(40e9 / 2e9)
+    assert one.compute_floor_tok_s == pytest.approx(600e9 / 2e9)  # the host's peak, whatever the rows
     assert one.fraction(5.0) == pytest.approx(5.0 / min(one.memory_floor_tok_s, one.compute_floor_tok_s))
     step_bytes = 2_000_000_000 + 64 * (2048 * 2 + 100 * 1000)
     assert sixty_four.memory_floor_tok_s == pytest.approx(64 * 20e9 / step_bytes)
-    assert sixty_four.compute_floor_tok_s == pytest.approx(400e9 / 2e9)
+    assert sixty_four.compute_floor_tok_s == pytest.approx(600e9 / 2e9)
     assert sixty_four.vllm_tok_s is None and sixty_four.fraction(None) is None
 
     table = markdown_table(rows).splitlines()

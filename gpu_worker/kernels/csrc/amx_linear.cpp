@@ -11,8 +11,8 @@
 // tile[p][2 c + j] = w[column c][k0 + 2 p + j], the layout TDPBF16PS reads its second source in.
 // k and n are zero-padded to multiples of 32; a padded k multiplies zeros and adds exact zeros.
 //
-// Loop order: rows in blocks of up to kRowsPerPass (the inputs of a pass stay in L2), within a
-// pass the threads claim column blocks, and each column block is read from memory once for all
+// Loop order: rows in blocks of up to kRowsPerPass (the inputs of a pass, copied into 1 KB tiles,
+// stay in L2), within a pass the threads claim column blocks, and each column block is read from memory once for all
 // the pass's rows, 32 rows (four accumulator tiles) at a time. A decode step (<= kRowsPerPass
 // rows) therefore streams each weight once.
 //
@@ -105,6 +105,32 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
 }
 
 #ifdef TRIDENT_AMX
+// `rows` rows of x [rows, k] -> input tiles [ceil(rows / 16)][chunks][16][32]: each tile the
+// 1 KB that TDPBF16PS reads as its first source, contiguous. Read in place, a tile's 16 rows lie
+// k * 2 bytes apart, a stride that maps them onto a few L1 sets (4 KB apart at k = 2,048), and
+// every chunk's loads miss. Rows past `rows` and k past `k` are zeros.
+void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t chunks, uint16_t* tiles) {
+  const int64_t row_tiles = round_up(rows, kTileRows) / kTileRows;
+  at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+        uint16_t* tile = tiles + (t * chunks + chunk) * kTileElements;
+        const int64_t k0 = chunk * kChunk, width = std::min(kChunk, k - k0);
+        for (int64_t r = 0; r < kTileRows; ++r) {
+          const int64_t row = t * kTileRows + r;
+          uint16_t* dst = tile + r * kChunk;
+          if (row < rows) {
+            std::memcpy(dst, x + row * k + k0, width * 2);
+            std::fill(dst + width, dst + kChunk, 0);
+          } else {
+            std::fill(dst, dst + kChunk, 0);
+          }
+        }
+      }
+    }
+  });
+}
+
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 
@@ -125,10 +151,10 @@ struct alignas(64) TileConfig {
 
 // Tiles: 0-3 accumulators (rows a/b x columns 0-15/16-31), 4-5 inputs (rows a, b), 6-7 weights
 // (columns 0-15, 16-31). Sums `chunks` k-chunks of one 32-column block for 16 or 32 rows into
-// `sums` [32][32] float32. x_a / x_b: the rows' first chunk, `x_stride` bytes between rows.
+// `sums` [32][32] float32. x_a / x_b: the first input tile of each 16 rows (packed by
+// pack_input_tiles: a tile a chunk, 1 KB apart).
 template <bool kTwoRowTiles>
-void block_sums(const uint16_t* x_a, const uint16_t* x_b, int64_t x_stride, const uint16_t* block, int64_t chunks,
-                float* sums) {
+void block_sums(const uint16_t* x_a, const uint16_t* x_b, const uint16_t* block, int64_t chunks, float* sums) {
   _tile_zero(0);
   _tile_zero(1);
   if (kTwoRowTiles) {
@@ -137,13 +163,13 @@ void block_sums(const uint16_t* x_a, const uint16_t* x_b, int64_t x_stride, cons
   }
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     const uint16_t* weights = block + chunk * kBlockChunkElements;
-    _tile_loadd(4, x_a + chunk * kChunk, x_stride);
+    _tile_loadd(4, x_a + chunk * kTileElements, 64);
     _tile_loadd(6, weights, 64);
     _tile_loadd(7, weights + kTileElements, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (kTwoRowTiles) {
-      _tile_loadd(5, x_b + chunk * kChunk, x_stride);
+      _tile_loadd(5, x_b + chunk * kTileElements, 64);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -173,12 +199,11 @@ void round_block(const float* sums, int64_t rows, const float* bias, int64_t col
   }
 }
 
-// One pass: `rows` (<= kRowsPerPass) rows of x (x_stride bytes apart, k padded to chunks * 32)
-// against every column block.
-void amx_pass(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_t* packed, int64_t chunks,
-              const float* bias, int64_t n, uint16_t* out) {
+// One pass: `rows` (<= kRowsPerPass) rows, packed by pack_input_tiles, against every column block.
+void amx_pass(const uint16_t* tiles, int64_t rows, const uint16_t* packed, int64_t chunks, const float* bias,
+              int64_t n, uint16_t* out) {
   const int64_t blocks = round_up(n, kBlockColumns) / kBlockColumns;
-  const int64_t block_elements = chunks * kBlockChunkElements;
+  const int64_t block_elements = chunks * kBlockChunkElements, row_tile_elements = chunks * kTileElements;
   trident_kernels::parallel_for_claimed(blocks, kBlocksPerClaim, [&](int64_t begin, int64_t end) {
     const TileConfig config;
     _tile_loadconfig(&config);
@@ -187,12 +212,12 @@ void amx_pass(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_t*
       const uint16_t* weights = packed + block * block_elements;
       const int64_t column0 = block * kBlockColumns, columns = std::min(kBlockColumns, n - column0);
       for (int64_t row0 = 0; row0 < rows; row0 += 2 * kTileRows) {
-        const uint16_t* x_a = x + row0 * (x_stride / 2);
+        const uint16_t* x_a = tiles + (row0 / kTileRows) * row_tile_elements;
         const int64_t tile_rows = std::min(2 * kTileRows, rows - row0);
         if (tile_rows > kTileRows) {
-          block_sums<true>(x_a, x_a + kTileRows * (x_stride / 2), x_stride, weights, chunks, sums);
+          block_sums<true>(x_a, x_a + row_tile_elements, weights, chunks, sums);
         } else {
-          block_sums<false>(x_a, nullptr, x_stride, weights, chunks, sums);
+          block_sums<false>(x_a, nullptr, weights, chunks, sums);
         }
         round_block(sums, tile_rows, bias ? bias + column0 : nullptr, columns, out + row0 * n + column0, n);
       }
@@ -219,24 +244,14 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   if (rows == 0) return out;
 #ifdef TRIDENT_AMX
   const at::Tensor bias_f = trident_kernels::float_bias(bias, n);
-  const int64_t padded_k = chunks * kChunk;
-  // A tile reads 16 rows of 32 values: the rows past a pass's last, and the k past the last
-  // chunk's, must be readable zeros. Those passes read a zero-padded copy of their rows.
   const at::Tensor xc = x.contiguous();
   const auto* x_bits = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  std::vector<uint16_t> padded;
+  std::vector<uint16_t> tiles(round_up(std::min(rows, kRowsPerPass), kTileRows) * chunks * kChunk);
   for (int64_t row0 = 0; row0 < rows; row0 += kRowsPerPass) {
     const int64_t pass_rows = std::min(kRowsPerPass, rows - row0);
-    const uint16_t* pass_x = x_bits + row0 * k;
-    int64_t stride = k * 2;
-    if (padded_k != k || pass_rows % kTileRows != 0) {
-      padded.assign(round_up(pass_rows, kTileRows) * padded_k, 0);
-      for (int64_t r = 0; r < pass_rows; ++r) std::memcpy(&padded[r * padded_k], pass_x + r * k, k * 2);
-      pass_x = padded.data();
-      stride = padded_k * 2;
-    }
-    amx_pass(pass_x, pass_rows, stride, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), chunks,
+    pack_input_tiles(x_bits + row0 * k, pass_rows, k, chunks, tiles.data());
+    amx_pass(tiles.data(), pass_rows, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), chunks,
              bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, n, out_bits + row0 * n);
   }
 #endif
