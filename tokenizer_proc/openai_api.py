@@ -21,7 +21,12 @@ from starlette.types import Receive, Scope, Send
 
 from tokenizer_proc import openai_format as fmt
 from tokenizer_proc.errors import APIError
-from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
+from tokenizer_proc.protocol import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
 from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.sampling import (
     SamplingRequest,
@@ -181,7 +186,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     check_model(body.model, st.limits)
     prompt_text, prompt_ids = completion_prompt(st, body.prompt)
     want_lp = body.logprobs is not None
-    sreq = sampling_request(body, body.max_tokens, want_lp, body.logprobs or 0, request_constraint(body))
+    max_tokens = body.max_tokens
+    if max_tokens is None:  # a prompt that fills the context still gets resolve_max_tokens' 400
+        max_tokens = max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, st.limits.context_length - len(prompt_ids)))
+    sreq = sampling_request(body, max_tokens, want_lp, body.logprobs or 0, request_constraint(body))
     cid = f"cmpl-{uuid.uuid4().hex}"
     handles = await submit_choices(st, prompt_ids, body, sreq, cid, "max_tokens")
     created = int(time.time())
@@ -250,16 +258,28 @@ async def _stream_completion(
     yield SSE_DONE
 
 
-def chat_prompt(st: FrontendState, body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+def render_chat(
+    st: FrontendState,
+    messages: list[ChatMessage],
+    plan: ToolPlan,
+    template_kwargs: dict[str, Any] | None,
+    add_generation_prompt: bool = True,
+) -> tuple[str, list[int]]:
+    """(text, ids) of a conversation through the model's chat template; a 400 when the
+    template refuses it."""
     native_tools = template_renders_tools(st.tokenizer)
-    messages = template_messages(body.messages, plan, native_tools)
+    as_template_takes = template_messages(messages, plan, native_tools)
     tools = [{"type": "function", "function": t} for t in plan.tools] if native_tools and plan.mode != "none" else None
     try:
-        _, ids = apply_chat_template(st.tokenizer, messages, tools)
+        return apply_chat_template(
+            st.tokenizer,
+            as_template_takes,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=template_kwargs,
+        )
     except Exception as e:  # the template rejects this conversation (e.g. role order)
         raise APIError(f"The messages do not fit the model's chat template: {e}", param="messages") from e
-    check_prompt_ids(ids, st.limits, "messages")
-    return ids
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -268,7 +288,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_model(body.model, st.limits)
     plan = plan_of(body)
     grammar = request_constraint(body, forced_call_spec(plan) if plan.forced else None)
-    prompt_ids = chat_prompt(st, body, plan)
+    prompt_text, prompt_ids = render_chat(st, body.messages, plan, body.chat_template_kwargs)
+    check_prompt_ids(prompt_ids, st.limits, "messages")
     use_mct = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
     sreq = sampling_request(body, max_tokens, body.logprobs, body.top_logprobs or 0, grammar)

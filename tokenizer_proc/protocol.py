@@ -20,6 +20,8 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""A completion's budget when the request names none, as OpenAI's and vLLM's (chat has none)."""
 
 
 def check_stop(v: str | list[str] | None) -> str | list[str] | None:
@@ -138,7 +140,7 @@ class CompletionRequest(_SamplingFields):
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     max_tokens: int | None = Field(None, ge=1)
-    """None (the default) means the rest of the context."""
+    """None (the default) means COMPLETION_DEFAULT_MAX_TOKENS, or the rest of the context if less."""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -222,6 +224,8 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (vLLM's field), e.g. {"enable_thinking": false}."""
 
     @field_validator("top_logprobs")
     @classmethod
@@ -257,6 +261,35 @@ class GenerateRequest(_Strict):
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: StrictStr | None = None
+
+
+class TokenizeCompletionRequest(_Strict):
+    """POST /tokenize of a raw prompt, as vLLM takes it."""
+
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: bool = True
+    """Add the tokenizer's own special tokens (e.g. BOS), as a completion prompt gets them."""
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """POST /tokenize of a conversation, rendered by the chat template as vLLM does."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    """The template already writes the special tokens; True adds the tokenizer's on top."""
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 class AbortRequest(_Strict):
