@@ -57,3 +57,33 @@ def test_unknown_model_is_404_and_bad_parameter_is_400(smollm2_server):
         client.completions.create(model="smollm2-135m", prompt="hi", max_tokens=2, temperature=-1)
     assert e.value.body is not None and "temperature" in str(e.value.body)
     assert smollm2_server.client().models.list().data[0].id == "smollm2-135m"
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_streamed_chat_with_tools_accumulates_to_the_non_streamed_message(smollm2_server, tool_choice):
+    """Greedy, so both runs write the same text: the openai client's own stream accumulation
+    (chat.completions.stream) must give the message, calls and finish reason of the
+    non-streamed answer, whether the model called the tool or answered."""
+    from tests.structured_schemas import WEATHER_TOOL
+
+    client = smollm2_server.client()
+    kw = dict(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "What is the weather in Oslo? Use the tool."}],
+        tools=[WEATHER_TOOL],
+        tool_choice=tool_choice,
+        max_tokens=64,
+        temperature=0,
+    )
+    full = client.chat.completions.create(**kw).choices[0]
+    with client.chat.completions.stream(**kw) as stream:
+        streamed = stream.get_final_completion().choices[0]
+
+    def calls(message) -> list[tuple[str, str]]:
+        return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+    assert (streamed.message.content or None) == (full.message.content or None)
+    assert calls(streamed.message) == calls(full.message)
+    assert streamed.finish_reason == full.finish_reason
+    if tool_choice == "required":
+        assert full.finish_reason == "tool_calls" and calls(full.message)[0][0] == "get_weather"

@@ -60,7 +60,8 @@ class _AcceptedNoOps(_Strict):
     service_tier: str | None = None
     """The provider's processing tier; there is one tier."""
     parallel_tool_calls: bool | None = None
-    """May the model call several tools at once; it makes at most one call per choice here."""
+    """May the model call several tools at once; every call it writes is returned (a forced
+    call is always one)."""
     prompt_cache_key: str | None = None
     """A routing hint for the provider's prompt cache; the radix cache needs none."""
     safety_identifier: str | None = None
