@@ -71,6 +71,12 @@ CASES = [
      "Sure. ", [("get_weather", {"city": "Oslo"})]),
     (MISTRAL, ' [{"name": "get_time", "arguments": {}}]', None, [("get_time", {})]),
     (MISTRAL, "[1] is a citation.", "[1] is a citation.", []),
+    (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}', None,
+     [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    (MISTRAL, '[TOOL_CALLS]get_weather{"city": "Oslo"}', None, [("get_weather", {"city": "Oslo"})]),
+    (MISTRAL, "[TOOL_CALLS]no call here", "no call here", []),
+    (LLAMA3_JSON, '<|python_tag|>{"name": "get_time", "parameters": {}}<|python_tag|>{"name": "get_time", '
+     '"parameters": {}}', None, [("get_time", {}), ("get_time", {})]),
 ]  # fmt: skip
 
 

@@ -6,7 +6,8 @@ The formats (`--tool-call-parser`):
 - llama3_json (Llama 3.x): `{"name": ..., "parameters": {...}}` (or `arguments`) at the start
   of the output, perhaps after `<|python_tag|>`; parallel calls separated by `;`.
 - mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`; a bare array at the start
-  is read the same way, as `[TOOL_CALLS]` is a control token that skip_special_tokens removes.
+  is read the same way, as `[TOOL_CALLS]` is a control token that skip_special_tokens removes;
+  the newer `[TOOL_CALLS]name[ARGS]{...}` too.
 
 `ToolCallParser` reads one choice's text piece by piece and hands out content and calls as
 soon as each is certain: a call the moment its closing tag or JSON value ends, content up to
@@ -18,11 +19,15 @@ the request did not offer, is answered as text.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from tokenizer_proc.reasoning import partial_marker_tail
+
+_NAMED_CALL_HEAD = re.compile(r"([A-Za-z0-9_.-]{1,64})(?:\[ARGS\])?\s*(?=\{)")
+_NAMED_CALL_START = re.compile(r"[A-Za-z0-9_.-]{1,64}(?:\[(?:A(?:R(?:G(?:S(?:\])?)?)?)?)?)?\s*")
 
 Call = dict[str, Any]
 """An OpenAI `tool_calls` entry: {"id", "type": "function", "function": {"name", "arguments"}}."""
@@ -41,6 +46,8 @@ class ToolCallFormat:
     """The character that, opening the output, starts calls written without the opener."""
     arguments_key: str
     """The key this family writes the arguments under (`parameters` is read as well)."""
+    named_calls: bool = False
+    """After the opener, a call may be written `name[ARGS]{arguments}` (Mistral's newer form)."""
 
     def calls_text(self, calls: list[tuple[str, str]]) -> str:
         """(name, arguments) pairs, both as JSON text, written as this family writes calls:
@@ -57,7 +64,7 @@ class ToolCallFormat:
 
 HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>", "{", "arguments")
 LLAMA3_JSON = ToolCallFormat("llama3_json", "<|python_tag|>", None, "{", "parameters")
-MISTRAL = ToolCallFormat("mistral", "[TOOL_CALLS]", None, "[", "arguments")
+MISTRAL = ToolCallFormat("mistral", "[TOOL_CALLS]", None, "[", "arguments", named_calls=True)
 FORCED = ToolCallFormat("forced", None, None, "{", "arguments")
 """A call forced by tool_choice: the grammar makes the output exactly one call object."""
 
@@ -207,6 +214,7 @@ class ToolCallParser:
                 self._content(events, before)
             self._buffer = buf[at + len(fmt.opener) :]
             self._mode = "block" if fmt.closer else "values"
+            self._after_call = False  # what follows the opener is a call, even `[`
             return True
         keep = partial_marker_tail(buf, fmt.opener) if fmt.opener else 0
         sure = buf[: len(buf) - keep]
@@ -237,8 +245,14 @@ class ToolCallParser:
         if not buf:
             self._buffer = buf
             return False
-        if buf[0] not in "{[":  # the calls are over: the rest is text
+        opener = self._fmt.opener
+        if opener and self._after_call and (buf.startswith(opener) or opener.startswith(buf)):  # the next opener
             self._buffer, self._mode = buf, "text"
+            return True
+        if buf[0] not in "{[":
+            if self._fmt.named_calls:
+                return self._named_call_step(events, buf)
+            self._buffer, self._mode = buf, "text"  # the calls are over: the rest is text
             return True
         end = json_value_end(buf)
         if end is None:
@@ -253,6 +267,29 @@ class ToolCallParser:
         self._buffer = buf[end:]
         if self._fmt.closer is not None:  # hermes' bare call: one object, then text
             self._mode = "text"
+        return True
+
+    def _named_call_step(self, events: list[tuple[str, Any]], buf: str) -> bool:
+        """Mistral's newer `name[ARGS]{...}` (`[ARGS]` may be stripped as a control token)."""
+        head = _NAMED_CALL_HEAD.match(buf)
+        if head is None:
+            self._buffer = buf
+            if _NAMED_CALL_START.fullmatch(buf):  # the name or its marker is still coming
+                return False
+            self._mode = "text"
+            return True
+        args = buf[head.end() :]
+        end = json_value_end(args)
+        if end is None:
+            self._buffer = buf
+            return False
+        calls = calls_in(f'{{"name": {json.dumps(head.group(1))}, "arguments": {args[:end]}}}', self._names)
+        if calls is None:
+            self._content(events, buf[: head.end() + end])
+            self._buffer, self._mode = args[end:], "text"
+            return True
+        self._emit_calls(events, calls)
+        self._buffer = args[end:]
         return True
 
     def _emit_calls(self, events: list[tuple[str, Any]], calls: list[Call]) -> None:
