@@ -21,7 +21,6 @@ from tokenizer_proc.tool_parsers import (
     LLAMA3_JSON,
     MISTRAL,
     ToolCallFormat,
-    ToolCallParser,
     choose_tool_format,
 )
 from tokenizer_proc.tools import ToolPlan
@@ -53,8 +52,10 @@ CASES = [
      [("get_weather", {"city": "Oslo"})]),
     (HERMES, '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call>',
      '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call>', []),
-    (HERMES, '<tool_call>{"name": "get_time", "arguments": {</tool_call>',
-     '<tool_call>{"name": "get_time", "arguments": {</tool_call>', []),
+    (HERMES, '<tool_call>{"name": "get_time" "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "get_time" "arguments": {}}</tool_call>', []),
+    (HERMES, '<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>', None,
+     [("get_weather", {"city": "Oslo"})]),
     (HERMES, "  The weather is {mild} <tool_ today.", "  The weather is {mild} <tool_ today.", []),
     (HERMES, "", "", []),
     (LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', None,
@@ -113,25 +114,40 @@ def test_streamed_pieces_add_up_to_the_whole_answer_in_the_openai_clients_accumu
 
 
 @pytest.mark.parametrize(
-    ("fmt_", "text", "closed_at"),
+    ("fmt_", "text", "opened_at", "closed_at"),
     [
-        (HERMES, 'Hi <tool_call>{"name": "get_time", "arguments": {}}</tool_call>\nmore', "</tool_call>"),
-        (LLAMA3_JSON, '{"name": "get_time", "parameters": {}}; {"name": "get_weather"', "{}}"),
-        (MISTRAL, '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}] and', "}]"),
+        (HERMES, 'Hi <tool_call>{"name": "get_time", "arguments": {"x": 1}}</tool_call>\nmore', '"arguments": {', "1}"),
+        (LLAMA3_JSON, '{"name": "get_time", "parameters": {"x": 1}}; {"name": "get_weather"', '"parameters": {', "1}"),
+        (MISTRAL, '[TOOL_CALLS] [{"name": "get_time", "arguments": {"x": 1}}] and', "}}]", "}}]"),
+        (MISTRAL, '[TOOL_CALLS]get_time[ARGS]{"x": 1} and', "[ARGS]{", "1}"),
     ],
 )
-def test_a_streamed_call_goes_out_as_soon_as_its_text_is_complete(fmt_, text, closed_at):
-    parser = ToolCallParser(fmt_, {"get_time", "get_weather"})
-    end = text.index(closed_at) + len(closed_at)
-    before = [e for ch in text[: end - 1] for e in parser.feed(ch)]
-    assert not any(kind == "call" for kind, _ in before)
-    assert [kind for kind, _ in parser.feed(text[end - 1])] == ["call"]
+def test_a_streamed_call_goes_out_with_its_name_then_its_arguments_as_they_are_written(
+    fmt_, text, opened_at, closed_at
+):
+    """The call (id, name) goes out once its arguments object opens (arrays: once they end),
+    then its arguments text as it comes; they are whole the moment they close."""
+    output = choice_output(AUTO, fmt_, False, "")
+    opened = text.index(opened_at) + len(opened_at)
+    closed = text.index(closed_at) + len(closed_at)
+    for i, ch in enumerate(text):
+        output.feed(ch)
+        assert len(output.calls) == (1 if i + 1 >= opened else 0), text[: i + 1]
+        if i + 1 >= closed:
+            assert json.loads(output.calls[0]["function"]["arguments"]) == {"x": 1}
+        elif output.calls:
+            with pytest.raises(ValueError):
+                json.loads(output.calls[0]["function"]["arguments"])
 
 
-def test_a_call_cut_off_by_the_length_limit_is_text():
+def test_a_call_cut_off_by_the_length_limit_keeps_what_was_written():
+    """As OpenAI's: a call whose name went out stands, its arguments cut where the limit hit;
+    a call cut before that is text."""
     output = _parse(HERMES, '<tool_call>{"name": "get_weather", "arguments": {"city": "Os', finish="length")
-    assert output.calls == [] and output.finish_reason == "length"
-    assert output.message()["content"] == '<tool_call>{"name": "get_weather", "arguments": {"city": "Os'
+    assert output.finish_reason == "length" and output.message()["content"] is None
+    assert output.calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Os'}
+    early = _parse(HERMES, '<tool_call>{"name": "get_wea', finish="length")
+    assert early.calls == [] and early.message()["content"] == '<tool_call>{"name": "get_wea'
 
 
 def test_a_forced_call_is_read_as_the_bare_object_its_grammar_makes():

@@ -3,8 +3,8 @@
 The detokenized text goes through the reasoning parser (when the model reasons), and the
 answer part through the tool-call parser (when tools are in play); what comes out is a
 stream delta per piece. A non-streamed choice is the same object fed its whole text once,
-so both answers agree. `tool_calls` deltas carry whole calls, each sent as soon as its text
-is complete.
+so both answers agree. A `tool_calls` delta opens a call (its index, id and name) or adds
+to the arguments of the last one.
 """
 
 from __future__ import annotations
@@ -54,9 +54,19 @@ class ChoiceOutput:
             elif kind == "content":
                 self.content += value
                 delta["content"] = delta.get("content", "") + value
-            else:
-                delta.setdefault("tool_calls", []).append({"index": len(self.calls), **value})
-                self.calls.append(value)
+            elif kind == "call":  # the delta's copy and the message's grow apart
+                delta.setdefault("tool_calls", []).append(
+                    {"index": len(self.calls), **value, "function": dict(value["function"])}
+                )
+                self.calls.append({**value, "function": dict(value["function"])})
+            else:  # more arguments text of the last call
+                self.calls[-1]["function"]["arguments"] += value
+                entries = delta.setdefault("tool_calls", [])
+                if entries and entries[-1]["index"] == len(self.calls) - 1:
+                    function = entries[-1]["function"]
+                    entries[-1] = {**entries[-1], "function": {**function, "arguments": function["arguments"] + value}}
+                else:
+                    entries.append({"index": len(self.calls) - 1, "function": {"arguments": value}})
         return delta
 
     def message(self) -> dict[str, Any]:

@@ -10,10 +10,13 @@ The formats (`--tool-call-parser`):
   the newer `[TOOL_CALLS]name[ARGS]{...}` too.
 
 `ToolCallParser` reads one choice's text piece by piece and hands out content and calls as
-soon as each is certain: a call the moment its closing tag or JSON value ends, content up to
-the point where a call might begin. The whole-output parse is the same parser fed once, so
-streamed and non-streamed answers agree. A call whose JSON does not parse, or names a tool
-the request did not offer, is answered as text.
+soon as each is certain, as vLLM streams them: a call written `{"name": ..., "arguments": {`
+goes out (name, empty arguments) once that much is written, then its arguments text as it
+comes; other calls (arrays, arguments before the name) go out whole when their JSON value
+ends; content goes out up to the point where a call might begin. The whole-output parse is
+the same parser fed once, so streamed and non-streamed answers agree. A call that names a
+tool the request did not offer, or whose JSON does not parse before its name and arguments
+went out, is answered as text.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any
 
 from tokenizer_proc.reasoning import partial_marker_tail
 
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+"""The start of a call object up to its arguments object: from here the arguments stream."""
 _NAMED_CALL_HEAD = re.compile(r"([A-Za-z0-9_.-]{1,64})(?:\[ARGS\])?\s*(?=\{)")
 _NAMED_CALL_START = re.compile(r"[A-Za-z0-9_.-]{1,64}(?:\[(?:A(?:R(?:G(?:S(?:\])?)?)?)?)?)?\s*")
 
@@ -166,6 +171,13 @@ class ToolCallParser:
         self._after_call = False
         """The last thing handed out was a call (its following whitespace is held)."""
         self._calls = 0
+        self._arguments = ""
+        """The streaming call's arguments so far (mode `arguments`); `_sent` of them went out."""
+        self._sent = 0
+        self._expect: list[str] = []
+        """What closes the streaming call after its arguments (`}`, hermes' closer)."""
+        self._then = "values"
+        """The mode after the streaming call closes."""
 
     def feed(self, piece: str) -> list[tuple[str, Any]]:
         """("content", text) and ("call", Call) events, in output order."""
@@ -196,6 +208,10 @@ class ToolCallParser:
             return self._text_step(events)
         if self._mode == "block":
             return self._block_step(events, final)
+        if self._mode == "arguments":
+            return self._arguments_step(events)
+        if self._mode == "closing":
+            return self._closing_step(final)
         return self._values_step(events)
 
     def _text_step(self, events: list[tuple[str, Any]]) -> bool:
@@ -225,6 +241,8 @@ class ToolCallParser:
 
     def _block_step(self, events: list[tuple[str, Any]], final: bool) -> bool:
         assert self._fmt.closer is not None and self._fmt.opener is not None
+        if self._stream_call(events, self._buffer.lstrip(), ["}", self._fmt.closer], "text"):
+            return True
         at = self._buffer.find(self._fmt.closer)
         if at < 0 and not final:
             return False
@@ -254,6 +272,9 @@ class ToolCallParser:
                 return self._named_call_step(events, buf)
             self._buffer, self._mode = buf, "text"  # the calls are over: the rest is text
             return True
+        hermes_bare = self._fmt.closer is not None  # one object, then text
+        if self._stream_call(events, buf, ["}"], "text" if hermes_bare else "values"):
+            return True
         end = json_value_end(buf)
         if end is None:
             self._buffer = buf
@@ -265,7 +286,7 @@ class ToolCallParser:
             return True
         self._emit_calls(events, calls)
         self._buffer = buf[end:]
-        if self._fmt.closer is not None:  # hermes' bare call: one object, then text
+        if hermes_bare:
             self._mode = "text"
         return True
 
@@ -278,18 +299,61 @@ class ToolCallParser:
                 return False
             self._mode = "text"
             return True
-        args = buf[head.end() :]
-        end = json_value_end(args)
-        if end is None:
-            self._buffer = buf
-            return False
-        calls = calls_in(f'{{"name": {json.dumps(head.group(1))}, "arguments": {args[:end]}}}', self._names)
-        if calls is None:
-            self._content(events, buf[: head.end() + end])
-            self._buffer, self._mode = args[end:], "text"
+        if head.group(1) not in self._names:
+            self._buffer, self._mode = buf, "text"
             return True
-        self._emit_calls(events, calls)
-        self._buffer = args[end:]
+        self._start_call(events, head.group(1), buf[head.end() :], [], "values")
+        return True
+
+    def _stream_call(self, events: list[tuple[str, Any]], buf: str, expect: list[str], then: str) -> bool:
+        """Starts streaming the call `buf` opens, once its name and the start of its arguments
+        are written; False when it does not (yet) look like one."""
+        head = _CALL_HEAD.match(buf)
+        if head is None or head.group(1) not in self._names:
+            return False
+        self._start_call(events, head.group(1), buf[head.end() :], expect, then)
+        return True
+
+    def _start_call(self, events: list[tuple[str, Any]], name: str, rest: str, expect: list[str], then: str) -> None:
+        call = openai_call(name, {})
+        call["function"]["arguments"] = ""
+        events.append(("call", call))
+        self._calls += 1
+        self._at_start = self._after_call = False
+        self._buffer, self._mode, self._arguments, self._sent = rest, "arguments", "", 0
+        self._expect, self._then = expect, then
+
+    def _arguments_step(self, events: list[tuple[str, Any]]) -> bool:
+        self._arguments += self._buffer
+        self._buffer = ""
+        end = json_value_end(self._arguments)
+        upto = len(self._arguments) if end is None else end
+        if upto > self._sent:
+            events.append(("arguments", self._arguments[self._sent : upto]))
+            self._sent = upto
+        if end is None:
+            return False
+        self._buffer, self._arguments, self._mode = self._arguments[end:], "", "closing"
+        return True
+
+    def _closing_step(self, final: bool) -> bool:
+        """Past the arguments: what closes the call (`}`, `</tool_call>`) is consumed; anything
+        else ends the call where it is and is read in the next mode."""
+        buf = self._buffer.lstrip()
+        while self._expect:
+            token = self._expect[0]
+            if buf.startswith(token):
+                buf = buf[len(token) :].lstrip()
+                self._expect.pop(0)
+            elif token.startswith(buf) and not final:  # may still be coming
+                self._buffer = buf
+                return False
+            else:
+                break
+        if final and any(token.startswith(buf) for token in self._expect[:1]):
+            buf = ""  # the output ended inside the closer
+        self._buffer, self._expect, self._mode = buf, [], self._then
+        self._after_call = True
         return True
 
     def _emit_calls(self, events: list[tuple[str, Any]], calls: list[Call]) -> None:
