@@ -146,6 +146,8 @@ def test_a_call_cut_off_by_the_length_limit_keeps_what_was_written():
     output = _parse(HERMES, '<tool_call>{"name": "get_weather", "arguments": {"city": "Os', finish="length")
     assert output.finish_reason == "length" and output.message()["content"] is None
     assert output.calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Os'}
+    unclosed = _parse(HERMES, '<tool_call>{"name": "get_time", "arguments": {}}</tool_', finish="length")
+    assert unclosed.message()["content"] is None and _calls(unclosed) == [("get_time", {})]
     early = _parse(HERMES, '<tool_call>{"name": "get_wea', finish="length")
     assert early.calls == [] and early.message()["content"] == '<tool_call>{"name": "get_wea'
 

@@ -156,7 +156,8 @@ class ToolCallParser:
     """One choice's text, split into content and calls as it arrives.
 
     Modes: `text` (content; watching for the opener), `values` (JSON values after the opener
-    or a bare start), `block` (inside opener...closer). Whitespace at the very start and
+    or a bare start), `block` (inside opener...closer), `arguments` (a call's arguments,
+    streaming out) and `closing` (what ends that call: `}`, the closer). Whitespace at the very start and
     right after a call is held: it is dropped before a call and kept before content, so an
     answer without calls comes back exactly as written.
     """
@@ -180,7 +181,8 @@ class ToolCallParser:
         """The mode after the streaming call closes."""
 
     def feed(self, piece: str) -> list[tuple[str, Any]]:
-        """("content", text) and ("call", Call) events, in output order."""
+        """("content", text), ("call", Call) and ("arguments", more arguments text of the
+        last call) events, in output order."""
         self._buffer += piece
         events: list[tuple[str, Any]] = []
         while self._step(events, final=False):
@@ -191,6 +193,8 @@ class ToolCallParser:
         """The held rest once the output ends; `complete`: it stopped by itself (not cut off
         by a length limit), so a call missing only its closer still counts."""
         events: list[tuple[str, Any]] = []
+        if self._mode == "closing":  # the output ended inside what closes a call
+            self._closing_step(final=True)
         while self._step(events, final=complete):
             pass
         rest = self._buffer
