@@ -303,7 +303,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
     choices = []
-    for r, output in zip(results, outputs, strict=True):
+    for r in results:
+        output = outputs[r.index]
         output.feed(r.text, r.finish_reason)
         logprobs = (
             fmt.chat_logprobs(st.strings, r.token_ids, r.token_logprobs, r.top_logprobs) if body.logprobs else None
