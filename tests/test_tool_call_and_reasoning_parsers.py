@@ -232,3 +232,12 @@ def test_auto_reasoning_parser_follows_the_template():
     assert uses_reasoning_parser("auto", _tokenizer("{{ '<think>\\n' }}"))
     assert not uses_reasoning_parser("auto", _tokenizer("{{ messages }}"))
     assert uses_reasoning_parser("deepseek_r1", _tokenizer("")) and not uses_reasoning_parser("none", _tokenizer(""))
+
+
+def test_a_constrained_output_is_all_answer_even_where_the_prompt_opened_think():
+    """A grammar (a forced call, a response_format) shapes the output from its first token, so
+    there is no reasoning to split off, even after DeepSeek-R1's `<think>` prompt."""
+    forced = ToolPlan([TIME], "required")
+    output = choice_output(forced, HERMES, True, "<|Assistant|><think>\n", constrained=True)
+    output.feed('{"name": "get_time", "arguments": {}}', "stop")
+    assert _calls(output) == [("get_time", {})] and output.message()["reasoning_content"] is None

@@ -17,9 +17,13 @@ from tokenizer_proc.tools import ToolPlan
 
 
 class ChoiceOutput:
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None) -> None:
+    def __init__(
+        self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, model_reasons: bool = False
+    ) -> None:
         self._reasoning = reasoning
         self._tools = tools
+        self._model_reasons = model_reasons
+        """The message always has `reasoning_content` (null when there was none)."""
         self.reasoning_text = ""
         self.content = ""
         self.calls: list[Call] = []
@@ -74,16 +78,21 @@ class ChoiceOutput:
         message: dict[str, Any] = {"role": "assistant", "content": self.content or (None if self.calls else "")}
         if self.calls:
             message["tool_calls"] = self.calls
-        if self._reasoning is not None:
+        if self._model_reasons:
             message["reasoning_content"] = self.reasoning_text or None
         return message
 
 
 def choice_output(
-    plan: ToolPlan, tool_format: ToolCallFormat | None, model_reasons: bool, prompt_text: str
+    plan: ToolPlan,
+    tool_format: ToolCallFormat | None,
+    model_reasons: bool,
+    prompt_text: str,
+    constrained: bool = False,
 ) -> ChoiceOutput:
     """The parsers one choice's text goes through: a forced call is read as the bare object
-    its grammar makes; `auto` in the served model's format (none: calls stay text)."""
+    its grammar makes; `auto` in the served model's format (none: calls stay text). A
+    `constrained` output (a grammar from the first token: no room for `<think>`) is all answer."""
     names = {t["name"] for t in plan.tools}
     if plan.forced:
         names = names if plan.mode == "required" else {plan.name or ""}
@@ -92,5 +101,5 @@ def choice_output(
         tools = ToolCallParser(tool_format, names)
     else:
         tools = None
-    reasoning = ReasoningParser(thinking_open_in(prompt_text)) if model_reasons else None
-    return ChoiceOutput(reasoning, tools)
+    reasoning = ReasoningParser(thinking_open_in(prompt_text)) if model_reasons and not constrained else None
+    return ChoiceOutput(reasoning, tools, model_reasons)

@@ -293,7 +293,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     handles = await submit_choices(st, prompt_ids, body, sreq, cid, param)
     created = int(time.time())
     model = st.args.served_model_name
-    outputs = [choice_output(plan, st.tool_format, st.model_reasons, prompt_text) for _ in handles]
+    constrained = grammar is not None
+    outputs = [choice_output(plan, st.tool_format, st.model_reasons, prompt_text, constrained) for _ in handles]
 
     if body.stream:
         stream = _stream_chat(st, body, outputs, handles, cid, created, model, len(prompt_ids))
