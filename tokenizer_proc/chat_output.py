@@ -17,6 +17,8 @@ from tokenizer_proc.tools import ToolPlan
 
 
 class ChoiceOutput:
+    """A choice's reasoning, content and calls so far, and the deltas that send them."""
+
     def __init__(
         self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, model_reasons: bool = False
     ) -> None:
