@@ -15,6 +15,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from tokenizer_proc import openai_format as fmt
 from tokenizer_proc.chat_output import ChoiceOutput, choice_output
+from tokenizer_proc.protocol import ChatMessage
 from tokenizer_proc.reasoning import ReasoningParser, thinking_open_in, uses_reasoning_parser
 from tokenizer_proc.tool_parsers import (
     HERMES,
@@ -23,7 +24,7 @@ from tokenizer_proc.tool_parsers import (
     ToolCallFormat,
     choose_tool_format,
 )
-from tokenizer_proc.tools import ToolPlan
+from tokenizer_proc.tools import ToolPlan, template_messages
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
@@ -241,3 +242,11 @@ def test_a_constrained_output_is_all_answer_even_where_the_prompt_opened_think()
     output = choice_output(forced, HERMES, True, "<|Assistant|><think>\n", constrained=True)
     output.feed('{"name": "get_time", "arguments": {}}', "stop")
     assert _calls(output) == [("get_time", {})] and output.message()["reasoning_content"] is None
+
+
+def test_an_answer_sent_back_with_its_reasoning_is_accepted_and_reaches_templates_that_take_it():
+    turn = ChatMessage(role="assistant", content="Sunny.", reasoning_content="Oslo, so...")
+    [native] = template_messages([turn], ToolPlan([], "none"), True, HERMES)
+    assert native == {"role": "assistant", "content": "Sunny.", "reasoning_content": "Oslo, so..."}
+    [plain] = template_messages([turn], ToolPlan([], "none"), False, HERMES)
+    assert plain == {"role": "assistant", "content": "Sunny."}

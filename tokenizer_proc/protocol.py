@@ -181,6 +181,10 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None
+    """An earlier assistant turn's reasoning, as this server answered it (clients send the
+    message back whole): templates that render tools get it (Qwen3's reads it), others the
+    answer text only."""
 
     def text(self) -> str:
         if self.content is None:

@@ -104,6 +104,8 @@ def _message_dict(m: ChatMessage, native_tools: bool, fmt: ToolCallFormat) -> di
             d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
         return d
     if role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"}
