@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import openai
 import pytest
+
+from tests.helpers import running_server
+from tests.structured_schemas import WEATHER_TOOL
 
 
 def test_completion_through_the_official_client(smollm2_server):
@@ -57,3 +62,52 @@ def test_unknown_model_is_404_and_bad_parameter_is_400(smollm2_server):
         client.completions.create(model="smollm2-135m", prompt="hi", max_tokens=2, temperature=-1)
     assert e.value.body is not None and "temperature" in str(e.value.body)
     assert smollm2_server.client().models.list().data[0].id == "smollm2-135m"
+
+
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Oslo? Use the tool."}]
+
+
+def _assert_stream_accumulates_to_the_message(client, **kw) -> Any:
+    """Greedy, so both runs write the same text: the openai client's own stream accumulation
+    (chat.completions.stream) must give the message, calls and finish reason of the
+    non-streamed answer, whether the model called a tool or answered."""
+    full = client.chat.completions.create(**kw).choices[0]
+    with client.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.current_completion_snapshot.choices[0]  # the final parse refuses `length`
+
+    def calls(message) -> list[tuple[str, str]]:
+        return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+    assert (streamed.message.content or None) == (full.message.content or None)
+    assert calls(streamed.message) == calls(full.message)
+    assert streamed.finish_reason == full.finish_reason
+    return full
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_streamed_chat_with_tools_accumulates_to_the_non_streamed_message(smollm2_server, tool_choice):
+    full = _assert_stream_accumulates_to_the_message(
+        smollm2_server.client(),
+        model="smollm2-135m",
+        messages=WEATHER_QUESTION,
+        tools=[WEATHER_TOOL],
+        tool_choice=tool_choice,
+        max_tokens=64,
+        temperature=0,
+    )
+    if tool_choice == "required":
+        assert full.finish_reason == "tool_calls" and full.message.tool_calls[0].function.name == "get_weather"
+
+
+def test_parsers_chosen_by_flag_reach_the_chat_answers():
+    """SmolLM2 writes no `<think>`: with a reasoning parser its answer stays content and
+    `reasoning_content` is null; with llama3_json the system prompt teaches that format and
+    streamed calls or text still add up to the non-streamed answer."""
+    with running_server(["--reasoning-parser", "qwen3", "--tool-call-parser", "llama3_json"]) as server:
+        client = server.client()
+        kw = dict(model="smollm2-135m", messages=WEATHER_QUESTION, max_tokens=24, temperature=0)
+        full = _assert_stream_accumulates_to_the_message(client, **kw)
+        assert full.message.content and full.message.model_extra["reasoning_content"] is None
+        _assert_stream_accumulates_to_the_message(client, **kw, tools=[WEATHER_TOOL], tool_choice="auto")

@@ -4,8 +4,8 @@ Each handler validates (protocol models, then `sampling` against the model), tok
 submits n requests with rids `{id}-{i}` through the `RequestManager`, and answers either
 with one JSON body (`serving.collect`) or with server-sent events. Response shapes are
 built by `openai_format`; decoding constraints come from `structured`, tool calls from
-`tools`. A chat stream with tools in play holds each choice's text until it ends, as only
-the whole output tells a call from an answer.
+`tools`. A chat choice's text goes through `chat_output` (reasoning and tool-call parsers)
+whether streamed or not; a stream holds back only the text that may begin a call or a tag.
 """
 
 from __future__ import annotations
@@ -20,8 +20,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tokenizer_proc import openai_format as fmt
+from tokenizer_proc.chat_output import ChoiceOutput, choice_output
 from tokenizer_proc.errors import APIError
-from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
+from tokenizer_proc.protocol import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
 from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.sampling import (
     SamplingRequest,
@@ -43,14 +49,8 @@ from tokenizer_proc.serving import (
 from tokenizer_proc.state import FrontendState, get_state
 from tokenizer_proc.structured import one_constraint, response_format_spec, sglang_constraint
 from tokenizer_proc.tokenization import apply_chat_template, encode_text
-from tokenizer_proc.tools import (
-    ToolPlan,
-    forced_call_spec,
-    parse_tool_calls,
-    plan_of,
-    template_messages,
-    template_renders_tools,
-)
+from tokenizer_proc.tool_parsers import HERMES
+from tokenizer_proc.tools import ToolPlan, forced_call_spec, plan_of, template_messages, template_renders_tools
 from trident.wire.frontend import GrammarSpec
 
 router = APIRouter()
@@ -164,7 +164,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     check_model(body.model, st.limits)
     prompt_text, prompt_ids = completion_prompt(st, body.prompt)
     want_lp = body.logprobs is not None
-    sreq = sampling_request(body, body.max_tokens, want_lp, body.logprobs or 0, request_constraint(body))
+    max_tokens = body.max_tokens
+    if max_tokens is None:  # a prompt that fills the context still gets resolve_max_tokens' 400
+        max_tokens = max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, st.limits.context_length - len(prompt_ids)))
+    sreq = sampling_request(body, max_tokens, want_lp, body.logprobs or 0, request_constraint(body))
     cid = f"cmpl-{uuid.uuid4().hex}"
     handles = await submit_choices(st, prompt_ids, body, sreq, cid, "max_tokens")
     created = int(time.time())
@@ -233,16 +236,28 @@ async def _stream_completion(
     yield SSE_DONE
 
 
-def chat_prompt(st: FrontendState, body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+def render_chat(
+    st: FrontendState,
+    messages: list[ChatMessage],
+    plan: ToolPlan,
+    template_kwargs: dict[str, Any] | None,
+    add_generation_prompt: bool = True,
+) -> tuple[str, list[int]]:
+    """(text, ids) of a conversation through the model's chat template; a 400 when the
+    template refuses it."""
     native_tools = template_renders_tools(st.tokenizer)
-    messages = template_messages(body.messages, plan, native_tools)
+    as_template_takes = template_messages(messages, plan, native_tools, st.tool_format or HERMES)
     tools = [{"type": "function", "function": t} for t in plan.tools] if native_tools and plan.mode != "none" else None
     try:
-        _, ids = apply_chat_template(st.tokenizer, messages, tools)
+        return apply_chat_template(
+            st.tokenizer,
+            as_template_takes,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=template_kwargs,
+        )
     except Exception as e:  # the template rejects this conversation (e.g. role order)
         raise APIError(f"The messages do not fit the model's chat template: {e}", param="messages") from e
-    check_prompt_ids(ids, st.limits, "messages")
-    return ids
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -251,7 +266,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_model(body.model, st.limits)
     plan = plan_of(body)
     grammar = request_constraint(body, forced_call_spec(plan) if plan.forced else None)
-    prompt_ids = chat_prompt(st, body, plan)
+    prompt_text, prompt_ids = render_chat(st, body.messages, plan, body.chat_template_kwargs)
+    check_prompt_ids(prompt_ids, st.limits, "messages")
     use_mct = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
     sreq = sampling_request(body, max_tokens, body.logprobs, body.top_logprobs or 0, grammar)
@@ -260,27 +276,32 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     handles = await submit_choices(st, prompt_ids, body, sreq, cid, param)
     created = int(time.time())
     model = st.args.served_model_name
+    constrained = grammar is not None
+    outputs = [choice_output(plan, st.tool_format, st.model_reasons, prompt_text, constrained) for _ in handles]
 
     if body.stream:
-        stream = _stream_chat(st, body, plan, handles, cid, created, model, len(prompt_ids))
+        stream = _stream_chat(st, body, outputs, handles, cid, created, model, len(prompt_ids))
         return EventStreamResponse(stream, handles)
     try:
         results = await collect(request, handles)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
-    logprobs = [
-        fmt.chat_logprobs(st.strings, r.token_ids, r.token_logprobs, r.top_logprobs) if body.logprobs else None
-        for r in results
-    ]
-    calls = [parse_tool_calls(r.text, plan) if r.finish_reason == "stop" else None for r in results]
+    choices = []
+    for r in results:
+        output = outputs[r.index]
+        output.feed(r.text, r.finish_reason)
+        logprobs = (
+            fmt.chat_logprobs(st.strings, r.token_ids, r.token_logprobs, r.top_logprobs) if body.logprobs else None
+        )
+        choices.append(fmt.chat_choice(r.index, output.message(), logprobs, output.finish_reason))
     usage = usage_of(results, len(prompt_ids))
-    return JSONResponse(fmt.chat_body(cid, created, model, results, logprobs, usage, calls))
+    return JSONResponse(fmt.chat_body(cid, created, model, choices, usage))
 
 
 async def _stream_chat(
     st: FrontendState,
     body: ChatCompletionRequest,
-    plan: ToolPlan,
+    outputs: Sequence[ChoiceOutput],
     handles: Sequence[RequestHandle],
     cid: str,
     created: int,
@@ -288,7 +309,6 @@ async def _stream_chat(
     prompt_len: int,
 ) -> AsyncIterator[bytes]:
     include_usage = body.include_usage()
-    hold_text = plan.mode != "none"
     results = [ChoiceResult(i) for i in range(len(handles))]
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
@@ -302,27 +322,15 @@ async def _stream_chat(
             yield stream_error_event(f"generation failed: {out.error or 'unknown error'}")
             yield SSE_DONE
             return
-        if hold_text:
-            if out.finish_reason is not None:
-                for part in _held_choice_chunks(results[out.index], plan, chunk):
-                    yield part
-            continue
         lp = None
         if body.logprobs and out.token_ids:
             lp = fmt.chat_logprobs(st.strings, out.token_ids, out.token_logprobs, out.top_logprobs)
-        if out.text or lp is not None:
-            yield chunk(out.index, {"content": out.text}, logprobs=lp)
+        output = outputs[out.index]
+        delta = output.feed(out.text, out.finish_reason)  # text a call may begin is held back
+        if delta or lp is not None:
+            yield chunk(out.index, delta, logprobs=lp)
         if out.finish_reason is not None:
-            yield chunk(out.index, {}, out.finish_reason)
+            yield chunk(out.index, {}, output.finish_reason)
     if include_usage:
         yield sse(fmt.usage_chunk(cid, created, model, "chat.completion.chunk", usage_of(results, prompt_len)))
     yield SSE_DONE
-
-
-def _held_choice_chunks(result: ChoiceResult, plan: ToolPlan, chunk: Any) -> list[bytes]:
-    """A held choice, once finished: its calls as `delta.tool_calls`, or its whole text."""
-    calls = parse_tool_calls(result.text, plan) if result.finish_reason == "stop" else None
-    if calls:
-        return [chunk(result.index, fmt.tool_call_deltas(calls)), chunk(result.index, {}, "tool_calls")]
-    parts = [chunk(result.index, {"content": result.text})] if result.text else []
-    return [*parts, chunk(result.index, {}, result.finish_reason)]

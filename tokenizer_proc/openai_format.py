@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenizer_proc.serving import ChoiceResult
 from tokenizer_proc.tokenization import TokenStrings
 
 
@@ -111,24 +110,8 @@ def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None, fi
 
 
 def chat_body(
-    cid: str,
-    created: int,
-    model: str,
-    results: Sequence[ChoiceResult],
-    logprobs: list[dict | None],
-    usage: dict[str, Any],
-    tool_calls: Sequence[list[dict[str, Any]] | None],
+    cid: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
 ) -> dict[str, Any]:
-    """`tool_calls[i]`: the calls choice i made (its content is then null), or None."""
-    choices = [
-        {
-            "index": r.index,
-            "message": chat_message(r.text, tool_calls[r.index]),
-            "logprobs": logprobs[r.index],
-            "finish_reason": client_finish_reason("tool_calls" if tool_calls[r.index] else r.finish_reason),
-        }
-        for r in results
-    ]
     return {
         "id": cid,
         "object": "chat.completion",
@@ -139,15 +122,10 @@ def chat_body(
     }
 
 
-def chat_message(text: str, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
-    if tool_calls:
-        return {"role": "assistant", "content": None, "tool_calls": tool_calls}
-    return {"role": "assistant", "content": text}
-
-
-def tool_call_deltas(tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
-    """A stream delta carrying whole calls (OpenAI's chunks, each with its `index`)."""
-    return {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
+def chat_choice(
+    index: int, message: dict[str, Any], logprobs: dict[str, Any] | None, finish: str | None
+) -> dict[str, Any]:
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
 
 
 def chat_chunk(

@@ -43,6 +43,9 @@ _API_TYPES: dict[str, Any] = {"stop_token_ids": list[StrictInt] | None}
 """Knobs whose JSON type differs from the wire's: token ids must be JSON integers, and
 null means none."""
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""A completion's budget when the request names none, as OpenAI's and vLLM's (chat has none)."""
+
 
 def check_stop(v: str | list[str] | None) -> str | list[str] | None:
     """OpenAI semantics: up to 4 non-empty stop strings."""
@@ -80,7 +83,8 @@ class _AcceptedNoOps(_Strict):
     service_tier: str | None = None
     """The provider's processing tier; there is one tier."""
     parallel_tool_calls: bool | None = None
-    """May the model call several tools at once; it makes at most one call per choice here."""
+    """May the model call several tools at once; every call it writes is returned (a forced
+    call is always one)."""
     prompt_cache_key: str | None = None
     """A routing hint for the provider's prompt cache; the radix cache needs none."""
     safety_identifier: str | None = None
@@ -183,7 +187,7 @@ class CompletionRequest(_SamplingFields):
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     max_tokens: int | None = Field(None, ge=1)
-    """None (the default) means the rest of the context."""
+    """None (the default) means COMPLETION_DEFAULT_MAX_TOKENS, or the rest of the context if less."""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -223,6 +227,10 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None
+    """An earlier assistant turn's reasoning, as this server answered it (clients send the
+    message back whole): templates that render tools get it (Qwen3's reads it), others the
+    answer text only."""
 
     def text(self) -> str:
         if self.content is None:
@@ -267,6 +275,8 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (vLLM's field), e.g. {"enable_thinking": false}."""
 
     @field_validator("top_logprobs")
     @classmethod
@@ -291,6 +301,35 @@ class GenerateRequest(_Strict):
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: StrictStr | None = None
+
+
+class TokenizeCompletionRequest(_Strict):
+    """POST /tokenize of a raw prompt, as vLLM takes it."""
+
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: bool = True
+    """Add the tokenizer's own special tokens (e.g. BOS), as a completion prompt gets them."""
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """POST /tokenize of a conversation, rendered by the chat template as vLLM does."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    """The template already writes the special tokens; True adds the tokenizer's on top."""
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 class AbortRequest(_Strict):

@@ -13,9 +13,11 @@ from typing import Any
 from fastapi import Request
 
 from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.reasoning import uses_reasoning_parser
 from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import ModelLimits
 from tokenizer_proc.tokenization import TokenStrings
+from tokenizer_proc.tool_parsers import ToolCallFormat, choose_tool_format
 from trident.wire.server_args import ServerArgs
 
 
@@ -26,10 +28,16 @@ class FrontendState:
     manager: RequestManager
     metrics: Metrics
     strings: TokenStrings = field(init=False)
+    tool_format: ToolCallFormat | None = field(init=False)
+    """How this model writes tool calls (`--tool-call-parser`); None: calls stay text."""
+    model_reasons: bool = field(init=False)
+    """Its `<think>` output goes to `reasoning_content` (`--reasoning-parser`)."""
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.strings = TokenStrings(self.tokenizer)
+        self.tool_format = choose_tool_format(self.args.tool_call_parser, self.tokenizer)
+        self.model_reasons = uses_reasoning_parser(self.args.reasoning_parser, self.tokenizer)
 
     @property
     def limits(self) -> ModelLimits:

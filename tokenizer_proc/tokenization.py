@@ -132,14 +132,34 @@ def text_decoder(tokenizer: Any) -> Decode:
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, list[int]]:
-    """The prompt text and ids of a chat, ending with the assistant turn's header; `tools`
-    (OpenAI tool objects) go to templates that render them."""
-    extra = {"tools": tools} if tools else {}
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    """The prompt text and ids of a chat, by default ending with the assistant turn's header;
+    `tools` (OpenAI tool objects) go to templates that render them, `template_kwargs` are
+    the request's own template variables (e.g. `enable_thinking`)."""
+    extra = dict(template_kwargs or {})
+    reserved = sorted(set(extra) & _TEMPLATE_CALL_PARAMETERS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    if tools:
+        extra["tools"] = tools
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
     # The template already holds every special token (BOS included): do not add them twice.
     return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+
+_TEMPLATE_CALL_PARAMETERS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt"}
+    | {"continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors"}
+    | {"return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)
+"""Names of `apply_chat_template`'s own parameters: a request's template variables may not
+override them (`tokenize: true` would hand back ids instead of text)."""
 
 
 def _bytes_to_unicode() -> dict[int, str]:

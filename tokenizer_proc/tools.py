@@ -1,31 +1,29 @@
-"""Tool calls on chat completions: the prompt, the constraint, and the parse of the output.
+"""Tool calls on chat completions: the plan, the prompt and the constraint (the output is
+parsed by `tool_parsers`, in the served model's format).
 
 - The tool definitions reach the model through its own chat template when the template
   renders `tools`; a template that does not (SmolLM2's) gets them in the system message,
-  with the Hermes call format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+  with the call format the output will be parsed in (Hermes' `<tool_call>` by default).
 - `tool_choice` "required" or a named function constrains decoding to one call object
   `{"name": ..., "arguments": {...}}` whose arguments follow that tool's parameter schema
   (the grammar is enforced on the worker like any json_schema constraint).
-- "auto" leaves decoding free and parses what the model wrote: `<tool_call>` blocks, or an
-  answer that is exactly a call object; anything else is the answer text. "none" (or no
-  tools) neither renders nor parses tools.
+- "auto" leaves decoding free and parses what the model wrote in its family's format;
+  anything else is the answer text. "none" (or no tools) neither renders nor parses tools.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.protocol import ChatCompletionRequest, ChatMessage
 from tokenizer_proc.structured import schema_spec
+from tokenizer_proc.tool_parsers import ToolCallFormat
 from trident.wire.frontend import GrammarSpec
 
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
-_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -80,18 +78,17 @@ def template_renders_tools(tokenizer: Any) -> bool:
     return "tools" in (getattr(tokenizer, "chat_template", None) or "")
 
 
-def template_messages(messages: list[ChatMessage], plan: ToolPlan, native_tools: bool) -> list[dict[str, Any]]:
-    """The conversation as the chat template takes it; tools in the system message when the
-    template would not render them."""
-    out = [_message_dict(m, native_tools) for m in messages]
+def template_messages(
+    messages: list[ChatMessage], plan: ToolPlan, native_tools: bool, fmt: ToolCallFormat
+) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it; tools in the system message, and
+    earlier calls written in `fmt`, when the template would not render them."""
+    out = [_message_dict(m, native_tools, fmt) for m in messages]
     if plan.mode == "none" or native_tools:
         return out
     listing = "\n".join(json.dumps({"type": "function", "function": t}) for t in plan.tools)
-    prompt = (
-        "You may call the tools below. To call one, answer with only "
-        '<tool_call>{"name": <function name>, "arguments": <arguments object>}</tool_call>\n'
-        f"<tools>\n{listing}\n</tools>"
-    )
+    example = fmt.calls_text([("<function name>", "<arguments object>")])
+    prompt = f"You may call the tools below. To call one, answer with only {example}\n<tools>\n{listing}\n</tools>"
     if out and out[0]["role"] == "system":
         out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
     else:
@@ -99,7 +96,7 @@ def template_messages(messages: list[ChatMessage], plan: ToolPlan, native_tools:
     return out
 
 
-def _message_dict(m: ChatMessage, native_tools: bool) -> dict[str, Any]:
+def _message_dict(m: ChatMessage, native_tools: bool, fmt: ToolCallFormat) -> dict[str, Any]:
     role = "system" if m.role == "developer" else m.role
     if native_tools:
         d: dict[str, Any] = {"role": role, "content": m.text()}
@@ -107,37 +104,10 @@ def _message_dict(m: ChatMessage, native_tools: bool) -> dict[str, Any]:
             d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
         return d
     if role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"}
-    calls = "".join(
-        f'<tool_call>{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}</tool_call>'
-        for c in m.tool_calls or []
-    )
+    calls = fmt.calls_text([(json.dumps(c.function.name), c.function.arguments) for c in m.tool_calls or []])
     return {"role": role, "content": m.text() + calls}
-
-
-def parse_tool_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]] | None:
-    """The OpenAI `tool_calls` in the model's output, or None when it answered in text."""
-    if plan.mode == "none":
-        return None
-    names = {t["name"] for t in plan.tools}
-    stripped = text.strip()
-    candidates = [stripped] if plan.forced else _CALL_BLOCK.findall(stripped) or [stripped]
-    calls = []
-    for candidate in candidates:
-        try:
-            obj = json.loads(candidate)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and obj.get("name") in names and isinstance(obj.get("arguments", {}), dict):
-            calls.append(_openai_call(obj["name"], obj.get("arguments", {})))
-    return calls or None
-
-
-def _openai_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments)},
-    }

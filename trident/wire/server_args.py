@@ -158,6 +158,25 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     ] = None
     max_queued_requests: Annotated[int, Flag(HTTP, "waiting requests beyond which new ones get 503")] = 1024
     max_request_body_bytes: Annotated[int, Flag(HTTP, "larger request bodies get 413")] = 4 * 1024 * 1024
+    tool_call_parser: Annotated[
+        str,
+        Flag(
+            HTTP,
+            "how chat reads the tool calls a model writes: hermes `<tool_call>`, llama3_json "
+            '`{"name", "parameters"}`, mistral `[TOOL_CALLS]`, none (left as text); auto: from the '
+            "chat template and control tokens, else hermes (tokenizer_proc/tool_parsers.py)",
+            choices=("auto", "hermes", "llama3_json", "mistral", "none"),
+        ),
+    ] = "auto"
+    reasoning_parser: Annotated[
+        str,
+        Flag(
+            HTTP,
+            "put a reasoning model's `<think>...</think>` in `reasoning_content` instead of `content`; "
+            "auto: when the chat template writes `<think>` (tokenizer_proc/reasoning.py)",
+            choices=("auto", "qwen3", "deepseek_r1", "none"),
+        ),
+    ] = "auto"
 
     max_running_requests: Annotated[int, Flag(SCHEDULING, "requests in the batch at once")] = 64
     max_total_tokens: Annotated[int, Flag(SCHEDULING, "KV pool size in tokens; 0: from --mem-fraction")] = 0

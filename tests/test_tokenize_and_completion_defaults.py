@@ -1,0 +1,84 @@
+"""vLLM's /tokenize and /detokenize, the completions default of 16 tokens, and chat's
+`chat_template_kwargs`, against the default server (through the official openai client where
+the client has the call)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import smollm2_tokenizer
+
+MODEL = "smollm2-135m"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _assert_400(resp, param: str | None = None) -> None:
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_tokenize_a_prompt_gives_the_tokenizers_ids_and_detokenize_gives_the_text_back(smollm2_server):
+    http = smollm2_server.http()
+    tok = smollm2_tokenizer()
+    text = "The capital of France is"
+    out = http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert out["tokens"] == tok.encode(text) and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == smollm2_server.client().models.list().data[0].max_model_len
+    plain = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False, "return_token_strs": True})
+    assert plain.json()["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert plain.json()["token_strs"] == tok.convert_ids_to_tokens(plain.json()["tokens"])
+    back = http.post("/detokenize", json={"model": MODEL, "tokens": plain.json()["tokens"]})
+    assert back.json() == {"prompt": text}
+
+
+def test_tokenize_messages_counts_the_prompt_a_chat_completion_gets(smollm2_server):
+    http = smollm2_server.http()
+    out = http.post("/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()
+    chat = smollm2_server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    assert out["count"] == chat.usage.prompt_tokens
+    without = http.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}).json()
+    assert without["tokens"] == out["tokens"][: without["count"]] and without["count"] < out["count"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "hi", "messages": MESSAGES}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"prompt": "hi", "colour": "red"}, "colour"),
+        ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}, "messages"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/detokenize", {}, "tokens"),
+    ],
+)
+def test_bad_tokenize_and_detokenize_bodies_are_openai_style_400s(smollm2_server, path, body, param):
+    _assert_400(smollm2_server.http().post(path, json=body), param)
+
+
+def test_a_completion_without_max_tokens_stops_at_16_tokens(smollm2_server):
+    res = smollm2_server.client().completions.create(
+        model=MODEL, prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert res.usage.completion_tokens == 16 and res.choices[0].finish_reason == "length"
+
+
+def test_chat_template_kwargs_reach_the_template(smollm2_server):
+    """SmolLM2's template reads no extra variable, so the prompt is the same; the field is
+    accepted (vLLM's `enable_thinking: false`), and one that would override the template call's
+    own arguments is refused."""
+    client = smollm2_server.client()
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    kwargs = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert kwargs.usage.prompt_tokens == plain.usage.prompt_tokens
+    refused = smollm2_server.http().post(
+        "/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": {"add_generation_prompt": False}},
+    )
+    _assert_400(refused, "messages")
