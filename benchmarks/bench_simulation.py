@@ -51,6 +51,7 @@ from serving_workload import build_workload, load_tokenizer  # noqa: E402
 
 sys.path.insert(0, REPO_ROOT)
 from gpu_worker.sim.step_profile import StepProfile  # noqa: E402
+from trident.model_source import default_model_path  # noqa: E402
 
 RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results")
 COMPARED = {
@@ -107,7 +108,7 @@ def record_fit_workload(ns: argparse.Namespace, model_args: list[str]) -> str:
 def fit_profile(ns: argparse.Namespace, model_args: list[str]) -> str:
     cmd = [sys.executable, "-m", "gpu_worker.sim.fit_profile", "-o", ns.profile_out, "--loss", ns.loss]
     if ns.fit == "sweep":
-        cmd += ["--sweep", "--dtype", ns.dtype, "--repeats", str(ns.sweep_repeats)]
+        cmd += ["--sweep", "--model", default_model_path(), "--dtype", ns.dtype, "--repeats", str(ns.sweep_repeats)]
         if ns.fitted_frontend:
             cmd += ["--frontend-from", record_fit_workload(ns, model_args)]
         described = "sweep of step shapes" + (", front end fitted on the random workload" if ns.fitted_frontend else "")

@@ -4,9 +4,7 @@
   trident above it and no process package.
 - The process packages (`tokenizer_proc`, `scheduler_proc`, `gpu_worker`) stand on it: each
   imports `trident.wire`, never another process package and never trident's roof (launch,
-  supervisor, engine...). The one exception is the user's model cache in
-  `trident/model_source.py` (`CACHE_DIR`, `default_model_path`), which the tokenizer keeps
-  converted tokenizers in and the offline profile tools take their default model from.
+  supervisor, engine...).
 - trident's roof reaches a process package through one narrow interface each:
   `tokenizer_proc/offline.py` (the offline Engine) and `gpu_worker/model/model_check.py`
   (the launcher's model check); it never imports scheduler_proc.
@@ -23,8 +21,6 @@ from collections.abc import Iterator
 from tests.helpers import REPO_ROOT
 
 PROCESS_PACKAGES = ("tokenizer_proc", "scheduler_proc", "gpu_worker")
-MODEL_CACHE = "trident.model_source"
-MODEL_CACHE_NAMES = {"CACHE_DIR", "default_model_path"}
 INTERFACES = {"tokenizer_proc": "tokenizer_proc.offline", "gpu_worker": "gpu_worker.model.model_check"}
 """The one module of each process package that trident's roof may import."""
 
@@ -70,8 +66,6 @@ def test_no_process_package_imports_another_or_tridents_roof():
     for package in PROCESS_PACKAGES:
         for f, m, names in imports_under(package):
             if not ours(m) or within(m, package) or within(m, "trident.wire"):
-                continue
-            if m == MODEL_CACHE and names <= MODEL_CACHE_NAMES:
                 continue
             bad.append((f, m, sorted(names)))
     assert bad == []

@@ -61,18 +61,20 @@ def load_tokenizer(model_path: str) -> Any:
     return tokenizer
 
 
+TOKENIZER_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "trident", "tokenizers")
+"""The tokenizer process's own cache, beside the launcher's model cache in ~/.cache/trident."""
+
+
 def _gguf_tokenizer(path: str) -> Any:
     """transformers rebuilds a tokenizer from GGUF metadata slowly (longest for Gemma's 262k
     vocabulary), so the result is saved once in the user cache, keyed by the file and the
     transformers version, and later starts load it from there."""
     import transformers
 
-    from trident.model_source import CACHE_DIR
-
     path = os.path.abspath(path)
     st = os.stat(path)
     key = f"{path}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
-    cached = os.path.join(CACHE_DIR, "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:20])
+    cached = os.path.join(TOKENIZER_CACHE_DIR, hashlib.sha256(key.encode()).hexdigest()[:20])
     if not os.path.isfile(os.path.join(cached, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(_convert_gguf_tokenizer(path, cached))
     return AutoTokenizer.from_pretrained(cached)

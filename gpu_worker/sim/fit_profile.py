@@ -181,9 +181,8 @@ def worker_threads() -> int:
 
 def sweep_timings(ns: argparse.Namespace) -> SweepTimes:
     from gpu_worker.sim.profile_sweep import run_sweep, sweep_grid, sweep_worker
-    from trident.model_source import default_model_path
 
-    worker = sweep_worker(ns.model or default_model_path(), ns.dtype or "auto", ns.context_length, ns.max_total_tokens)
+    worker = sweep_worker(ns.model, ns.dtype or "auto", ns.context_length, ns.max_total_tokens)
     grid = sweep_grid(worker.context_length, ns.max_prefill_tokens, worker.num_pages - 1, 1)
     return run_sweep(worker, grid, 1, passes=ns.repeats)
 
@@ -239,11 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         help="relative: fit the typical step (quiet machine); absolute: keep the total (heavy-tailed times)",
     )
     p.add_argument("--kv-pool-tokens", type=int, default=1_000_000, help="KV pool a simulated worker advertises")
-    p.add_argument("--model", default=None, help="the model to sweep, or to replay recordings on")
+    p.add_argument("--model", default=None, help="the model (a .gguf file or a directory) to sweep or replay on")
     p.add_argument("--dtype", default=None, help="the dtype to sweep (default: auto), or to replay recordings in")
     ns = p.parse_args(argv)
     if not ns.sweep and not ns.recordings:
         p.error("give recordings, --sweep, or both")
+    if ns.sweep and not ns.model:
+        p.error("--sweep times a model: name it with --model (a .gguf file or a model directory)")
     use_passive_omp_wait()  # step times must be the served worker's: same OpenMP policy
     keep_freed_memory()
     logging.basicConfig(level="WARNING")

@@ -277,9 +277,9 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str | None,
         Flag(
             SIMULATION,
-            "step-time profile of simulated workers: a JSON file (`python -m gpu_worker.sim.fit_profile --sweep -o "
-            "P.json` times the model worker alone over a grid of step shapes; recordings also work) or the name "
-            "of one in trident/profiles/",
+            "step-time profile of simulated workers: a JSON file (`python -m gpu_worker.sim.fit_profile --sweep "
+            "--model M -o P.json` times the model worker alone over a grid of step shapes; recordings also work) or "
+            "the name of one in trident/profiles/",
             metavar="PROFILE",
         ),
     ] = None
