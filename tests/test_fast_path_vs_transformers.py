@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_worker.kernels.cpu_kernels import load_amx_linear
 from tests.helpers import TEST_CPU_THREADS, WorkerDriver, smollm2_gguf, transformers_float32
 from trident.wire.backend import AddedRequest, ExtendChunk, ForwardMode, PageAppends
 from trident.wire.child import ChildContext
@@ -80,6 +81,13 @@ BOUNDS = {
     # measured 0.9441 over 626 positions, 8.430; 0.9489, 6.782 with --disable-batch-invariance: the
     # 8-token prompt through the decode kernel instead of SDPA, which int8 activations amplify
     ("gemma3", "gguf"): (0.94, 8.7, None),
+}
+AMX_BOUNDS = {
+    # bf16 weights on the AMX kernel (csrc/amx_linear.cpp), on a CPU with AMX-BF16: float32 sums
+    # rounded once like the others, in another order; measured 0.9665 / 1.972 / 0.390 (SmolLM2)
+    # and 0.9665 / 3.409 / 0.746 (Gemma 3) over 626 positions
+    ("smollm2", "bf16"): (0.96, 2.2, 0.5),
+    ("gemma3", "bf16"): (0.96, 3.7, 0.8),
 }
 
 
@@ -177,7 +185,8 @@ def test_default_fast_path_agrees_with_transformers_float32_under_teacher_forcin
         f"{model}, {weights} weights: {len(ref)} positions, top-1 agreement {agreement:.4f}, largest logit "
         f"error {error:.3f}, largest reference margin where the top-1 differs {margin:.3f}"
     )
-    least_agreement, largest_error, largest_margin = BOUNDS[model, weights]
+    bounds = AMX_BOUNDS if load_amx_linear() is not None else BOUNDS
+    least_agreement, largest_error, largest_margin = bounds.get((model, weights), BOUNDS[model, weights])
     assert agreement >= least_agreement
     assert error <= largest_error
     if largest_margin is not None:
