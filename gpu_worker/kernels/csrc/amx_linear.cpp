@@ -11,10 +11,10 @@
 // tile[p][2 c + j] = w[column c][k0 + 2 p + j], the layout TDPBF16PS reads its second source in.
 // k and n are zero-padded to multiples of 32; a padded k multiplies zeros and adds exact zeros.
 //
-// Loop order: rows in blocks of up to kRowsPerPass (the inputs of a pass, copied into 1 KB tiles,
-// stay in L2), within a pass the threads claim column blocks, and each column block is read from memory once for all
-// the pass's rows, 32 rows (four accumulator tiles) at a time. A decode step (<= kRowsPerPass
-// rows) therefore streams each weight once.
+// Loop order: rows in blocks of up to kRowsPerPass (the inputs of a pass, copied into 1 KB
+// tiles, stay in L2); within a pass the threads claim column blocks, and each column block is
+// read from memory once for all the pass's rows, 32 rows (four accumulator tiles) at a time. A
+// decode step (<= kRowsPerPass rows) therefore streams each weight once.
 //
 // Batch invariance: an output's sum runs over k-chunks 0, 1, 2, ... on one accumulator tile,
 // whatever the number of rows, the row's position in its tile, or the thread that computes it;
