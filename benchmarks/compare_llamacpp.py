@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import run_against, workload_spec  # noqa: E402
 from compare_hf import resolve_model_path  # noqa: E402
-from compare_vllm import bench_namespace  # noqa: E402
+from compare_vllm import fixed_lengths  # noqa: E402
 from launched_server import REPO_ROOT, LaunchedServer, child_process  # noqa: E402
 from serving_report import write_json  # noqa: E402
 from serving_workload import build_workload, load_tokenizer  # noqa: E402
@@ -62,17 +62,7 @@ def workloads(args: argparse.Namespace) -> dict[str, argparse.Namespace]:
         "one stream": (args.stream_prompts, 1),
         f"{args.concurrency} x {args.output_len}": (args.concurrency,) * 2,
     }
-    out = {}
-    for name, (prompts, concurrency) in shapes.items():
-        shape = argparse.Namespace(
-            num_prompts=prompts,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            concurrency=concurrency,
-            seed=args.seed,
-        )
-        out[name] = bench_namespace(shape, name)
-    return out
+    return {name: fixed_lengths(args, name, prompts, concurrency) for name, (prompts, concurrency) in shapes.items()}
 
 
 def run_trident(weight_dtype: str, args: argparse.Namespace, model_path: str, log_dir: str) -> dict[str, Any]:
