@@ -34,6 +34,7 @@ when the CPU has it).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import shutil
@@ -190,10 +191,23 @@ def require_kernels(required: bool) -> None:
 
 
 def kernel_cache_dir(isa: str) -> str:
-    """The build directory in the user's cache (never site-packages), one per torch version
-    and ISA: a checkout and an installed wheel share it, and ninja rebuilds what changed."""
+    """The build directory in the user's cache (never site-packages), one per torch version,
+    ISA and version of the sources: a checkout and an installed wheel of the same sources share
+    it, and two checkouts of different sources (branches, worktrees) never rebuild over each
+    other's binary while the other is loading it."""
     cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache_home, "trident", "cpu_kernels", f"torch{torch.__version__}-{isa.lower()}")
+    entry = f"torch{torch.__version__}-{isa.lower()}-{_sources_digest()}"
+    return os.path.join(cache_home, "trident", "cpu_kernels", entry)
+
+
+def _sources_digest() -> str:
+    """A short hash of every file in csrc/, names and contents."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(CSRC)):
+        digest.update(name.encode())
+        with open(os.path.join(CSRC, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def _copy_sources(build_dir: str) -> list[str]:
