@@ -21,7 +21,6 @@ from gpu_worker.runtime.batch_state import PooledChunk, StepPlan
 from gpu_worker.runtime.pooling import Pooler, PoolingOutOfStep
 from tests.helpers import Server, running_server, wait_until, write_sim_profile
 from tests.test_simulated_worker import sim_args
-from tests.test_simulated_worker_restart import worker_pids
 from trident.wire.backend import Embeddings
 from trident.wire.codec import FrameEncoder, pack_int32
 from trident.wire.frontend import EmbedReq
@@ -217,19 +216,26 @@ def test_embeddings_beside_a_generation_leave_its_greedy_text_unchanged(mean_ser
 # ---- a worker lost mid-request ---------------------------------------------------------
 
 
-def test_an_embedding_in_flight_when_its_worker_is_killed_is_resumed(tmp_path):
+def pid_of(server: Server, title: str) -> int:
+    [pid] = [p.pid for p in server.process_tree() if " ".join(p.cmdline()).strip() == title]
+    return pid
+
+
+@pytest.mark.parametrize("killed_title", ["trident::worker[tp0]", "trident::scheduler"])
+def test_an_embedding_in_flight_when_a_process_is_killed_is_resumed(tmp_path, killed_title):
     # 4 s a step (simulated worker): the kill lands while the step that pools the input is on
-    # the worker, when (with overlap) no row of the batch holds the request any more; the
-    # scheduler must requeue it from the lost step, and the client get the same vector.
+    # the worker, when (with overlap) no row of the batch holds the request any more. A lost
+    # worker: the scheduler requeues it from the lost step. A lost scheduler: the tokenizer
+    # resubmits it to the successor. Either way the client gets the same vector.
     profile = write_sim_profile(str(tmp_path / "profile.json"), const_s=4.0)
     with running_server(sim_args(profile, "--pooling", "mean")) as server:
         client = server.client(timeout=60)
         expected = client.embeddings.create(model=MODEL, input="The sea").data[0].embedding
-        [killed] = worker_pids(server)
+        killed = pid_of(server, killed_title)
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(lambda: client.embeddings.create(model=MODEL, input="The sea").data[0].embedding)
             assert wait_until(lambda: server.http().get("/server_info").json()["tokenizer_stats"]["open_requests"], 10)
             time.sleep(1.0)  # the scheduler admits it at once; its step runs 4 s
             os.kill(killed, signal.SIGKILL)
             assert pending.result(timeout=90) == expected
-        assert server.scheduler_stats()["resumed_requests"] == 1
+        assert pid_of(server, killed_title) != killed
