@@ -332,5 +332,18 @@ class DetokenizeRequest(_Strict):
     tokens: list[StrictInt]
 
 
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings, as OpenAI takes it: one input (text or token ids) or a list."""
+
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    """Refused (tokenizer_proc/embeddings_api.py): a vector cut short is an embedding only
+    for a model trained for it (Matryoshka representation learning)."""
+    user: str | None = None
+    """Accepted and ignored: OpenAI's end-user id."""
+
+
 class AbortRequest(_Strict):
     rid: StrictStr

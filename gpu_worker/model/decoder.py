@@ -296,6 +296,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Runs the flat token batch; returns the logits (in the model's dtype: the sampler
         converts them when it needs float32) of the rows in logits_indices."""
+        return self.logits(self.last_layer_states(input_ids, positions, kv_pool, meta)[logits_indices])
+
+    @torch.inference_mode()
+    def last_layer_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Runs the flat token batch through every layer; returns the last layer's output of
+        every token, before the final norm (`self.norm` of a row is its final hidden state)."""
         x = self.tp.embed(input_ids, self._embedding_rows, self.plan.vocab)
         if self.cfg.quirks.embed_scale:
             x = x * torch.tensor(self.cfg.hidden_size**0.5).to(x.dtype)  # float32, then the dtype: Gemma's rounding
@@ -308,7 +316,17 @@ class LlamaForCausalLM(nn.Module):
             run = self.decode_layer if self.decode_layer is not None and runs_compiled(meta) else run_layer
             for layer, kv_cache, rope in zip(self.layers, kv_pool.kv, self.rope_of_layer, strict=True):
                 x = run(layer, x, tables[rope], kv_cache, meta)
-        x = self.norm(x[logits_indices])
+        return x
+
+    @torch.inference_mode()
+    def final_hidden_states(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of `last_layer_states` through the final norm: what embeddings pool."""
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of rows of `last_layer_states`."""
+        x = self.norm(x)
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         logits = self.tp.gather_vocab(logits, self.cfg.vocab_size)
         if cap := self.cfg.final_logit_softcap:

@@ -41,6 +41,7 @@ from gpu_worker.runtime.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.runtime.malloc_policy import release_freed_memory
 from gpu_worker.runtime.ngram_drafter import NgramDrafter
 from gpu_worker.runtime.parallel import ShardPlan, TPGroup, dist_port
+from gpu_worker.runtime.pooling import Pooler
 from gpu_worker.runtime.sampler import SamplingTable, sample
 from gpu_worker.runtime.worker_loop import WorkerLoop
 from trident.wire.backend import BatchDescriptor
@@ -206,8 +207,8 @@ class Worker(WorkerLoop):
             warm_up(lambda ids, pos, meta: self.model(ids, pos, self.kv_pool, meta, pos), self.device)
 
     def build_batch_state(self, args: ServerArgs) -> None:
-        """Step 5: the n-gram drafter, the sampling table with its grammars, and the batch
-        state (the device-side rows the descriptors edit)."""
+        """Step 5: the n-gram drafter, the sampling table with its grammars, the pooler of
+        embedding rows, and the batch state (the device-side rows the descriptors edit)."""
         self.num_draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
         self.drafter = NgramDrafter(args.max_running_requests, self.num_draft_tokens) if self.num_draft_tokens else None
         # Slack for drafts: the scheduler may allocate up to 2K+1 tokens past a row's length.
@@ -220,6 +221,7 @@ class Worker(WorkerLoop):
         self.sampling.grammars = GrammarTable(
             args.max_running_requests, self.cfg.vocab_size, args.model_path, list(self.cfg.eos_token_ids)
         )
+        self.pooler = Pooler(args.pooling, self.cfg.hidden_size, args.max_running_requests, self.device)
         self.state = BatchState(
             args.max_running_requests,
             max_pages_per_row,
@@ -271,7 +273,13 @@ class Worker(WorkerLoop):
         if plan is None:
             return [], []
         inputs = self.state.forward_inputs(plan)
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_pool, inputs.meta, inputs.logits_indices)
+        if plan.pooled_rows:
+            states = self.model.last_layer_states(inputs.input_ids, inputs.positions, self.kv_pool, inputs.meta)
+            logits = self.model.logits(states[inputs.logits_indices])
+            pooled = torch.from_numpy(self.pooler.positions(plan)).to(self.device)
+            self.pooler.pool(plan, self.model.final_hidden_states(states[pooled]))
+        else:
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv_pool, inputs.meta, inputs.logits_indices)
         ends = np.cumsum(inputs.num_logits)
         plain = [i for i, s in enumerate(inputs.sampling_slots) if s not in inputs.drafts]
         accepted: list[np.ndarray] = [None] * len(inputs.sampling_slots)  # type: ignore[list-item]

@@ -149,6 +149,15 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         ),
     ] = False
     context_length: Annotated[int, Flag(MODEL, "max prompt + output tokens per request; 0: the model's own")] = 0
+    pooling: Annotated[
+        str,
+        Flag(
+            MODEL,
+            "how /v1/embeddings pools an input's final hidden states (after the final norm) into its "
+            "L2-normalized vector: the last token's (Qwen3-Embedding, e5-mistral) or the mean over its tokens",
+            choices=("last", "mean"),
+        ),
+    ] = "last"
     seed: Annotated[int, Flag(MODEL, "seed of requests that give none")] = 0
 
     host: Annotated[str, Flag(HTTP, "address the HTTP server binds")] = "127.0.0.1"
