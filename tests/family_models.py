@@ -78,6 +78,22 @@ def family_config(name: str, vocab: int):
         )
     if name == "phi3":
         return Phi3Config(**_common(vocab, sliding_window=WINDOW, tie_word_embeddings=False))
+    return moe_family_config(name, vocab)
+
+
+def moe_family_config(name: str, vocab: int):
+    """The mixture-of-experts checkpoints: 8 experts, top 2. Qwen3-MoE renormalises its top-k
+    weights and keeps its second layer dense (mlp_only_layers); Qwen2-MoE does not
+    renormalise and has a shared expert; Mixtral always renormalises."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    experts = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    if name == "qwen3_moe":
+        return Qwen3MoeConfig(**_common(vocab, head_dim=32), **experts, norm_topk_prob=True, mlp_only_layers=[1])
+    if name == "qwen2_moe":
+        return Qwen2MoeConfig(**_common(vocab), **experts, shared_expert_intermediate_size=48, norm_topk_prob=False)
+    if name == "mixtral":
+        return MixtralConfig(**_common(vocab, intermediate_size=32), num_local_experts=8, num_experts_per_tok=2)
     raise ValueError(name)
 
 
@@ -86,6 +102,7 @@ WEIGHT_SCALE = {"gemma3": 0.05}
 a unit output, and at 0.2 its greedy text is one token repeated (0.05 varies it)."""
 
 FAMILY_CHECKPOINTS = ("llama3_rope", "linear_rope", "yarn_rope", "qwen2", "qwen3", "mistral", "gemma3", "phi3")
+MOE_CHECKPOINTS = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def make_family_checkpoint(path: str, name: str, seed: int = 0, scale: float | None = None) -> str:
