@@ -90,8 +90,13 @@ def moe_family_config(name: str, vocab: int):
     experts = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
     if name == "qwen3_moe":
         return Qwen3MoeConfig(**_common(vocab, head_dim=32), **experts, norm_topk_prob=True, mlp_only_layers=[1])
-    if name == "qwen3_moe_gguf":  # the expert size transformers' GGUF reader assumes (test_moe_gguf.py)
+    # The expert sizes transformers' GGUF reader assumes: it reads neither
+    # expert_feed_forward_length nor expert_shared_feed_forward_length (test_moe_gguf.py).
+    if name == "qwen3_moe_gguf":
         return Qwen3MoeConfig(**_common(vocab, head_dim=32), **experts | {"moe_intermediate_size": 768})
+    if name == "qwen2_moe_gguf":
+        sizes = {"moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632}
+        return Qwen2MoeConfig(**_common(vocab), **experts | sizes)
     if name == "qwen2_moe":
         return Qwen2MoeConfig(**_common(vocab), **experts, shared_expert_intermediate_size=48, norm_topk_prob=False)
     if name == "mixtral":
