@@ -2,7 +2,8 @@
 
 Random-weight Qwen3-MoE and Qwen2-MoE checkpoints (transformers' own classes,
 tests/family_models.py) are written as `qwen3moe` and `qwen2moe` GGUFs with the gguf
-package: the experts stacked as llama.cpp stores them (`ffn_gate_exps`, `ffn_up_exps`
+package (and a Mixtral one as llama.cpp writes Mixtral, a `llama` with experts, in
+float32): the experts stacked as llama.cpp stores them (`ffn_gate_exps`, `ffn_up_exps`
 [experts, moe_intermediate, hidden], `ffn_down_exps`), Qwen2-MoE's shared expert
 (`ffn_*_shexp`) and its gate (`ffn_gate_inp_shexp`, [hidden]), gate and up in Q4_0 and down
 in Q8_0, the attention projections in Q8_0, the routers and norms in float32 as llama.cpp's
@@ -24,6 +25,7 @@ import torch
 
 from gpu_worker.layers.quant_linear import QuantLinear
 from gpu_worker.model.model_check import check_model
+from gpu_worker.model.moe_checkpoint import canonical_name
 from tests.family_models import make_family_checkpoint
 from tests.helpers import prompt_logits
 
@@ -42,17 +44,31 @@ LARGEST_MARGIN = 0.6
 """The largest reference top-2 gap where the top-1 differs (measured 0.48, 0.23)."""
 
 
-def _gguf_tensors(state: dict[str, torch.Tensor], cfg) -> dict[str, tuple[torch.Tensor, str]]:
-    """GGUF name -> (float32 tensor, ggml type name) of a Qwen3-MoE or Qwen2-MoE checkpoint."""
+def _llama_cpp_permuted(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k rows as llama.cpp's converter writes them for the `llama` arch (interleaved rotary)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensors(state: dict[str, torch.Tensor], cfg, arch: str) -> dict[str, tuple[torch.Tensor, str]]:
+    """GGUF name -> (float32 tensor, ggml type name) of a Qwen3-MoE, Qwen2-MoE or Mixtral
+    checkpoint; Mixtral's (arch `llama`) all float32, its q/k permuted as llama.cpp does."""
+    quantize = arch in QUANTIZED_ARCHS
+    state = {canonical_name(name): tensor for name, tensor in state.items()}
+    if arch == "llama":
+        for name in list(state):
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+                state[name] = _llama_cpp_permuted(state[name], heads)
     out = {
-        "token_embd.weight": (state["model.embed_tokens.weight"], "Q8_0"),
+        "token_embd.weight": (state["model.embed_tokens.weight"], "Q8_0" if quantize else "F32"),
         "output_norm.weight": (state["model.norm.weight"], "F32"),
     }
-    kinds = {"gate": "Q4_0", "up": "Q4_0", "down": "Q8_0"}
+    num_experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    kinds = {"gate": "Q4_0", "up": "Q4_0", "down": "Q8_0"} if quantize else dict.fromkeys(("gate", "up", "down"), "F32")
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for part, kind in kinds.items():
-            experts = [state[f"{p}mlp.experts.{e}.{part}_proj.weight"] for e in range(cfg.num_experts)]
+            experts = [state[f"{p}mlp.experts.{e}.{part}_proj.weight"] for e in range(num_experts)]
             out[f"blk.{i}.ffn_{part}_exps.weight"] = (torch.stack(experts), kind)
             if f"{p}mlp.shared_expert.{part}_proj.weight" in state:
                 out[f"blk.{i}.ffn_{part}_shexp.weight"] = (state[f"{p}mlp.shared_expert.{part}_proj.weight"], kind)
@@ -64,7 +80,8 @@ def _gguf_tensors(state: dict[str, torch.Tensor], cfg) -> dict[str, tuple[torch.
             f"blk.{i}.ffn_norm.weight": (state[p + "post_attention_layernorm.weight"], "F32"),
         }
         for gguf_part, hf_part in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
-            out[f"blk.{i}.attn_{gguf_part}.weight"] = (state[f"{p}self_attn.{hf_part}_proj.weight"], "Q8_0")
+            kind = "Q8_0" if quantize else "F32"
+            out[f"blk.{i}.attn_{gguf_part}.weight"] = (state[f"{p}self_attn.{hf_part}_proj.weight"], kind)
             if f"{p}self_attn.{hf_part}_proj.bias" in state:
                 out[f"blk.{i}.attn_{gguf_part}.bias"] = (state[f"{p}self_attn.{hf_part}_proj.bias"], "F32")
             if f"{p}self_attn.{hf_part}_norm.weight" in state:
@@ -92,12 +109,13 @@ def write_moe_gguf(checkpoint: str, path: str, arch: str) -> str:
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_expert_count(cfg.num_experts)
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    writer.add_expert_count(experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", 0):
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    for name, (tensor, kind) in _gguf_tensors(state, cfg).items():
+    for name, (tensor, kind) in _gguf_tensors(state, cfg, arch).items():
         qtype = gguf.GGMLQuantizationType[kind]
         writer.add_tensor(name, gguf.quants.quantize(tensor.numpy(), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
@@ -107,8 +125,12 @@ def write_moe_gguf(checkpoint: str, path: str, arch: str) -> str:
     return path
 
 
-GGUF_CHECKPOINTS = {"qwen3moe": "qwen3_moe_gguf", "qwen2moe": "qwen2_moe_gguf"}
-"""GGUF arch -> the test checkpoint written as it (tests/family_models.py)."""
+GGUF_CHECKPOINTS = {"qwen3moe": "qwen3_moe_gguf", "qwen2moe": "qwen2_moe_gguf", "llama": "mixtral"}
+"""GGUF arch -> the test checkpoint written as it (tests/family_models.py): llama.cpp writes
+Mixtral as a `llama` with experts."""
+QUANTIZED_ARCHS = ("qwen3moe", "qwen2moe")
+"""Written in Q4_0 and Q8_0 and read by transformers' GGUF loader; Mixtral (which that
+loader does not read) in float32, against transformers on the checkpoint it came from."""
 
 
 @pytest.fixture(scope="module", params=list(GGUF_CHECKPOINTS))
@@ -120,8 +142,11 @@ def moe_gguf(request, tmp_path_factory) -> tuple[str, torch.Tensor, torch.Tensor
     checkpoint = make_family_checkpoint(str(tmp_path_factory.mktemp("ckpt")), GGUF_CHECKPOINTS[arch])
     path = write_moe_gguf(checkpoint, str(tmp_path_factory.mktemp("gguf") / f"{arch}.gguf"), arch)
     ids = torch.randint(100, 40000, (48,), generator=torch.Generator().manual_seed(3))
-    directory, name = os.path.split(path)
-    reference = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    if arch in QUANTIZED_ARCHS:
+        directory, name = os.path.split(path)
+        reference = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    else:
+        reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         return path, ids, reference(ids[None]).logits[0]
 
@@ -139,6 +164,8 @@ def test_a_moe_gguf_dequantized_at_load_equals_transformers(moe_gguf):
 
 def test_a_moe_gguf_in_its_own_formats_is_within_int8_activations_of_transformers(moe_gguf):
     path, ids, ref = moe_gguf
+    if not path.endswith(tuple(f"{arch}.gguf" for arch in QUANTIZED_ARCHS)):
+        pytest.skip("a float32 file: nothing to serve quantized")
     layers = []
     ours = prompt_logits(path, ids, torch.float32, quantized=True, prepare=lambda model: layers.append(model.layers))
     expert = layers[0][0].mlp.experts[0]

@@ -152,7 +152,9 @@ def hf_config_dict(header: GGUFHeader, path: str) -> dict:
         "model_type": GGUF_MODEL_TYPES[arch],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(header.get(f"{arch}.feed_forward_length")),
+        "intermediate_size": int(
+            header.get(f"{arch}.feed_forward_length") or header.get(f"{arch}.expert_feed_forward_length")
+        ),
         "num_hidden_layers": int(header.get(f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(header.get(f"{arch}.attention.head_count_kv", heads)),
@@ -172,11 +174,13 @@ def hf_config_dict(header: GGUFHeader, path: str) -> dict:
         cfg.update(
             num_experts=int(header.get(f"{arch}.expert_count")),
             num_experts_per_tok=int(header.get(f"{arch}.expert_used_count")),
-            moe_intermediate_size=int(header.get(f"{arch}.expert_feed_forward_length")),
+            moe_intermediate_size=int(header.get(f"{arch}.expert_feed_forward_length") or cfg["intermediate_size"]),
             shared_expert_intermediate_size=int(header.get(f"{arch}.expert_shared_feed_forward_length", 0)),
-            # llama.cpp renormalises the top-k weights of qwen3moe, not of qwen2moe.
+            # llama.cpp renormalises the top-k weights of qwen3moe (and Mixtral), not of qwen2moe.
             norm_topk_prob=arch == "qwen3moe",
         )
+        if arch == "llama":  # llama.cpp writes Mixtral as a llama with experts
+            cfg["model_type"] = "mixtral"
     if arch == "gemma3":
         cfg.update(
             hidden_activation="gelu_pytorch_tanh",
