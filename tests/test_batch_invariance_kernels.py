@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from gpu_worker.model.attention import AttentionMetadata, DecodeGroup, ExtendRow, QueryKeys, shifted_causal_mask
-from tests.family_models import FAMILY_CHECKPOINTS, MOE_CHECKPOINTS, WINDOW, make_family_checkpoint
+from tests.family_models import FAMILY_CHECKPOINTS, MOE_CHECKPOINTS, WINDOW, make_family_checkpoint, write_moe_gguf
 from tests.helpers import TEST_CPU_THREADS, smollm2_gguf
 from trident.wire.child import ChildContext
 from trident.wire.server_args import ServerArgs
@@ -229,6 +229,18 @@ def test_every_family_is_batch_invariant(family, tmp_path):
     prompt = random_prompt(torch.Generator().manual_seed(6), 3 * WINDOW)
     for worker in default_worker(path):
         assert worker.batch_invariant
+        assert chunking_differences(Sequences(worker), prompt) == []
+        assert decode_batch_differences(Sequences(worker), prompt, torch.Generator().manual_seed(7)) == []
+
+
+def test_a_moe_gguf_in_its_own_formats_is_batch_invariant(tmp_path):
+    """Qwen3-MoE as a qwen3moe GGUF on the default worker: the experts as QuantLinear
+    layers, the float32 router on our bf16 kernel."""
+    checkpoint = make_family_checkpoint(str(tmp_path / "ckpt"), "qwen3_moe_gguf")
+    path = write_moe_gguf(checkpoint, str(tmp_path / "qwen3moe.gguf"), "qwen3moe")
+    prompt = random_prompt(torch.Generator().manual_seed(6), 3 * WINDOW)
+    for worker in default_worker(path):
+        assert worker.batch_invariant and worker.weight_dtype == "gguf"
         assert chunking_differences(Sequences(worker), prompt) == []
         assert decode_batch_differences(Sequences(worker), prompt, torch.Generator().manual_seed(7)) == []
 

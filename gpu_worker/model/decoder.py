@@ -351,6 +351,14 @@ class LlamaForCausalLM(nn.Module):
                 module.use_fused(make)
         self._flat_decode = None
 
+    def replace_router_layers(self, make: MakeLinear) -> None:
+        """`make(weight, bias)` for each dense linear layer left in a sparse layer's MLP (its
+        router and shared-expert gate) after install_quantized_weights."""
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                replace_linear_layers(module, make)
+        self._flat_decode = None
+
     def replace_linear_layers(self, make: MakeLinear) -> None:
         """`make(weight, bias)` for every linear layer and for the LM head (the linear kind
         layers/linear_plan.py chose); call after load_weights and the cast to the activation
