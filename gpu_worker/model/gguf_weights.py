@@ -8,6 +8,9 @@ loader does (transformers loads these files and is our reference):
   `llama`) is permuted: qwen2, qwen3, gemma3 and phi3 use the half-split (NeoX) rotary.
 - Gemma norms are stored as 1 + w (llama.cpp's norm_shift); Hugging Face stores w.
 - Phi-3's `attn_qkv` and `ffn_up` are already the fused qkv_proj and gate_up_proj.
+- Mixture-of-experts files stack each projection's experts in one 3-D tensor
+  (`ffn_gate_exps` [experts, rows, cols]): yielded one expert at a time. llama.cpp writes
+  Mixtral as a `llama` with experts; we serve it as mixtral.
 
 What the header does not say, llama.cpp fixes per arch and so do we: Gemma 3 makes every
 sixth layer global and the rest local with rope base 10k, and scales attention by
