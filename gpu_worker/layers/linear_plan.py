@@ -6,7 +6,8 @@ that every linear layer and the LM head gets, a sentence saying why (the worker 
 and the step that installs it (`LinearPlan.install`). The kinds, first match wins:
 
 - `gguf`: a GGUF's own quantized formats (`--weight-dtype gguf`), QuantLinear
-  (quant_linear.py) built from the parts the load kept aside (gguf_layers.py);
+  (quant_linear.py) built from the parts the load kept aside (gguf_layers.py); a
+  mixture-of-experts router, float32 in the file, on our bf16 kernel where there is one;
 - `int8`: weight-only int8 (`--weight-dtype int8`, int8_weights.py);
 - `amx-bf16`: our AMX kernel at every batch size (`Bf16KernelLinear` on csrc/amx_linear.cpp),
   in bf16 on a CPU with AMX-BF16 whether or not batch invariance is on: it keeps one
@@ -92,9 +93,17 @@ def every_bf16_kernel(kernel: Bf16LinearKernel) -> Callable[[LlamaForCausalLM], 
     return every_linear(lambda weight, bias: Bf16KernelLinear(weight, bias, kernel))
 
 
-def install_quantized(model: LlamaForCausalLM) -> None:
-    """The install step of a GGUF's own formats: the parts load_weights kept aside, as QuantLinear."""
-    model.install_quantized_weights()
+def install_quantized(router_kernel: Bf16LinearKernel | None) -> Callable[[LlamaForCausalLM], None]:
+    """The install step of a GGUF's own formats: the parts load_weights kept aside, as
+    QuantLinear; the routers of mixture-of-experts layers on `router_kernel` (None: as
+    loaded), so that which experts a token takes does not depend on its batch either."""
+
+    def install(model: LlamaForCausalLM) -> None:
+        model.install_quantized_weights()
+        if router_kernel is not None:
+            model.replace_router_layers(lambda weight, bias: Bf16KernelLinear(weight, bias, router_kernel))
+
+    return install
 
 
 def keep_plain(model: LlamaForCausalLM) -> None:
@@ -108,7 +117,11 @@ def choose_linear(
     "auto"), activations in `dtype` on `device`; `batch_invariant`: whether batch invariance
     is still on (batch_invariance.py). Raises ValueError for a combination the flags refuse."""
     if weight_dtype == "gguf":
-        return LinearPlan("gguf", "--weight-dtype gguf: the file's own quantized formats", install_quantized)
+        router_kernel = None
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            router_kernel = load_amx_linear() or load_vnni_linear() or load_widening_bf16_linear()
+        reason = "--weight-dtype gguf: the file's own quantized formats"
+        return LinearPlan("gguf", reason, install_quantized(router_kernel))
     if weight_dtype == "int8":
         check_int8_supported(device, dtype)
         return LinearPlan(

@@ -70,6 +70,11 @@ class ShardPlan:
     """Rows of this rank's embedding/LM-head shard, padded so every rank's is the same size."""
     kv_of_head: tuple[int, ...]
     """Local KV-head index read by each local query head."""
+    expert_intermediate: tuple[int, int] = (0, 0)
+    """This rank's slice of every routed expert's intermediate dimension (vLLM's MoE tensor
+    parallelism): gate/up by rows, down by columns, one all-reduce after the experts."""
+    shared_intermediate: tuple[int, int] = (0, 0)
+    """This rank's slice of the shared expert's intermediate dimension (Qwen2-MoE)."""
 
     @classmethod
     def build(cls, cfg: ModelConfig, rank: int, size: int) -> ShardPlan:
@@ -97,6 +102,8 @@ class ShardPlan:
             vocab=(min(rank * rows, cfg.vocab_size), min((rank + 1) * rows, cfg.vocab_size)),
             vocab_rows=rows,
             kv_of_head=tuple(h // group - kv0 for h in range(h0, h1)),
+            expert_intermediate=_balanced(cfg.moe.intermediate_size, size, rank) if cfg.moe else (0, 0),
+            shared_intermediate=_balanced(cfg.moe.shared_intermediate_size, size, rank) if cfg.moe else (0, 0),
         )
 
     @property
