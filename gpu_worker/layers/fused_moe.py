@@ -67,7 +67,8 @@ class FusedMoE(nn.Module):
         down [E, H, I] bf16."""
         experts, rows, hidden = gate_up.shape
         if rows % 2 or down.shape != (experts, hidden, rows // 2):
-            raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)}: want [E, 2 I, H], [E, H, I]")
+            shapes = f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)}"
+            raise ValueError(f"{shapes}: want [E, 2 I, H] and [E, H, I]")
         if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
             raise ValueError(f"FusedMoE takes bf16 weights, not {gate_up.dtype} and {down.dtype}")
         ops = torch.ops.trident
