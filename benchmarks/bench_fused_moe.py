@@ -2,7 +2,7 @@
 torch loop over experts (index_select, then bf16 matmuls, as transformers' MoE blocks run), and
 both against the memory floor.
 
-    python benchmarks/bench_fused_moe.py [--tokens 1,8,32,64] [--repeats 5]
+    python benchmarks/bench_fused_moe.py [--tokens 1,8,32,64] [--repeats 3]
 
 The default shape is a Qwen3-30B-A3B-like layer scaled down: hidden 2048, 128 experts, top-8,
 expert MLP 768 (one layer's experts: ~1.2 GB in bf16, held twice: as the loop's tensors and
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=768, help="each expert's MLP width")
     p.add_argument("--tokens", default="1,8,32,64")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per variant and token count")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per variant and token count")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ns = p.parse_args(argv)
     if ns.threads:

@@ -64,13 +64,15 @@ class FusedMoE(nn.Module):
     @classmethod
     def from_weights(cls, gate_up: torch.Tensor, down: torch.Tensor, path: str = "auto") -> FusedMoE:
         """gate_up [E, 2 I, H] bf16 (per expert the gate rows, then the up rows, like vLLM's w13);
-        down [E, H, I] bf16."""
+        down [E, H, I] bf16. Builds (or loads) the kernels on first use."""
         experts, rows, hidden = gate_up.shape
         if rows % 2 or down.shape != (experts, hidden, rows // 2):
             shapes = f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)}"
             raise ValueError(f"{shapes}: want [E, 2 I, H] and [E, H, I]")
         if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
             raise ValueError(f"FusedMoE takes bf16 weights, not {gate_up.dtype} and {down.dtype}")
+        if not fused_moe_available():
+            raise RuntimeError("the fused MoE op needs the C++ CPU kernels, which did not build here")
         ops = torch.ops.trident
         return cls(ops.fused_moe_pack(interleave_gate_up(gate_up)), ops.fused_moe_pack(down), path)
 
