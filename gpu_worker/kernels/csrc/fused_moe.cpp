@@ -74,6 +74,10 @@ using trident_kernels::widen;
 constexpr int64_t kTokensPerPass = 256;
 // Intermediate columns a gate_up block yields (16 gate and 16 up columns).
 constexpr int64_t kActivationColumns = kBlockColumns / 2;
+// Input elements a task of the packing region copies at least: a decode step's few tiles are
+// copied on the calling thread, since on cores shared with other processes waking a teammate
+// can cost more than the copy (kernel_common.h's rows_per_task says the same of the elementwise ops).
+constexpr int64_t kPackElementsPerTask = 1 << 20;
 // Rows that block sums take at once (two input tiles: the AMX path's four accumulator tiles).
 constexpr int64_t kRowsPerCall = 2 * kTileRows;
 
@@ -316,7 +320,8 @@ void moe_pass(const Kernel& kernel, const Shapes& s, const uint16_t* x, const in
   const at::Tensor scratch_tensor = at::empty({tokens * s.k * s.hidden}, at::kFloat);
   float* scratch = scratch_tensor.data_ptr<float>();
 
-  at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tiles_per_task = std::max<int64_t>(1, kPackElementsPerTask / x_tile_elements);
+  at::parallel_for(0, row_tiles, tiles_per_task, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t group = g.tile_group[t], row0 = (t - g.first_tile[group]) * kTileRows;
       const int64_t count = g.first_pair[group + 1] - g.first_pair[group];
