@@ -275,7 +275,8 @@ class Launcher:
             events = dict(poller.poll(self._poll_ms()))
             if stop_requested():
                 break  # children dying now are being stopped, not failing
-            if self.signal_wakeup in events:
+            # zmq's poller keys a plain socket's events by its file descriptor.
+            if self.signal_wakeup is not None and self.signal_wakeup.fileno() in events:
                 self.signal_wakeup.recv(4096)  # a signal that asks for no stop
             if self.control.sock in events:
                 for msg in self.control.recv_nowait():
@@ -288,7 +289,7 @@ class Launcher:
             for child in [c for c in self.children if c.sentinel in events]:
                 if child in self.children:
                     self._on_death(child)
-            for event in self.ray.drain() if self.ray is not None and self.ray.wakeup in events else []:
+            for event in self.ray.drain() if self.ray is not None and self.ray.wakeup.fileno() in events else []:
                 self._on_ray_event(event)
             self._start_due()
             if self.gave_up and (self.args.on_give_up == "exit" or not self._has("tokenizer")):
