@@ -1,11 +1,12 @@
 """Worker groups placed, started and watched by Ray (`--distributed-executor ray`).
 
 The launcher stays on the head with the tokenizer and the schedulers; each replica's TP
-group is one Ray placement group with a bundle per rank (a CPU, and a GPU with
---device cuda), on whichever nodes Ray finds room (`--ray-placement pack|spread`). In each
-bundle a `RankHost` actor starts the same `python -m gpu_worker` child as launch.py does on
-one node, on the actor's node, and waits on it. The ranks talk to each other over
-torch.distributed and to the head over signed tcp (wire/cluster.py): Ray carries no step.
+group is one Ray placement group with a bundle per rank (its --cpu-threads CPUs, at least
+one, and a GPU with --device cuda), on whichever nodes Ray finds room
+(`--ray-placement pack|spread`). In each bundle a `RankHost` actor starts the same
+`python -m gpu_worker` child as launch.py does on one node, on the actor's node, and waits
+on it. The ranks talk to each other over torch.distributed and to the head over signed tcp
+(wire/cluster.py): Ray carries no step.
 
     supervisor                  RayWorkerGroup thread               Ray
     start_group(d) ----------->  placement group ready? ----------> places the bundles
@@ -112,7 +113,10 @@ class RayWorkerGroup:
         self.dp_rank = dp_rank
         self.generation = generation
         args = executor.args
-        self.bundle = {"CPU": 1.0, **({"GPU": 1.0} if args.device == "cuda" else {})}
+        # A rank reserves the CPUs it computes on (--cpu-threads; one when unset, where the
+        # worker shares the CPUs it sees among dp_size x tp_size workers, as on one node).
+        cpus = float(max(1, args.cpu_threads))
+        self.bundle = {"CPU": cpus, **({"GPU": 1.0} if args.device == "cuda" else {})}
         self.pg: PlacementGroup = placement_group(
             [dict(self.bundle) for _ in range(args.tp_size)], strategy=RAY_STRATEGY[args.ray_placement]
         )
