@@ -36,16 +36,24 @@ def ray_flags(cluster) -> list[str]:
     return ["--distributed-executor", "ray", "--ray-address", cluster.address]
 
 
-def worker_process(title: str) -> psutil.Process:
-    """A worker of this test process's cluster by its title (`trident::worker[tp1]`): under
-    one of the raylets this process started, not under the launcher."""
+def worker_processes() -> dict[str, psutil.Process]:
+    """The workers of this test process's clusters by title (`trident::worker[tp1]`): under
+    the raylets this process started, not under the launcher."""
+    found = {}
     for p in psutil.Process(os.getpid()).children(recursive=True):
         try:
-            if " ".join(p.cmdline()).strip() == title:
-                return p
+            title = " ".join(p.cmdline()).strip()
         except psutil.NoSuchProcess:
             continue
-    raise AssertionError(f"no {title} process under this test's Ray cluster")
+        if title.startswith("trident::worker"):
+            found[title] = p
+    return found
+
+
+def worker_process(title: str) -> psutil.Process:
+    found = worker_processes().get(title)
+    assert found is not None, f"no {title} process under this test's Ray cluster"
+    return found
 
 
 def worker_nodes(server: Server) -> list[list[str]]:

@@ -1,5 +1,6 @@
 """--dp-size 2 on a local two-node Ray cluster (tests/ray_cluster.py): one replica on each
-node, the router unchanged, and transformers' float32 greedy text from both."""
+node, the router unchanged, and transformers' float32 greedy text from both; a SIGTERM
+stops the launcher cleanly and takes the workers on Ray's nodes with it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.family_models import transformers_greedy
-from tests.helpers import running_server
-from tests.ray_cluster import local_ray_cluster, node_ids, ray_flags, worker_nodes
+from tests.helpers import running_server, wait_until
+from tests.ray_cluster import local_ray_cluster, node_ids, ray_flags, worker_nodes, worker_processes
 from tests.workload import BASE
 
 pytest.importorskip("ray")
@@ -31,3 +32,5 @@ def test_dp2_places_one_replica_on_each_ray_node_and_serves_through_both(fault_m
             assert [r["routed_requests"] for r in replicas] == [2, 2]
             placed = worker_nodes(server)
             assert len(node_ids(placed[0] + placed[1])) == 2  # each replica on a node of its own
+        assert server.proc.returncode == 0  # SIGTERM drained and stopped it (not Ray's own handler)
+        assert wait_until(lambda: not worker_processes(), 30)  # the workers went with their actors

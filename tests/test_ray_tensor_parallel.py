@@ -79,7 +79,9 @@ def test_a_sigkilled_worker_restarts_its_group_through_ray_with_the_same_text(tp
 def test_removing_a_node_answers_503_within_30_s_and_a_node_added_back_serves_the_same_text(
     tp2_server, cluster, reference
 ):
-    health = lambda: tp2_server.http().get("/health")  # noqa: E731
+    def health() -> httpx.Response:
+        return tp2_server.http().get("/health")
+
     assert wait_until(lambda: health().status_code == 200, 60)
     with ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(generate_all, tp2_server, 60)

@@ -30,6 +30,7 @@ import logging
 import os
 import queue
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -57,7 +58,11 @@ def connect(address: str | None) -> str:
     """Joins the Ray cluster at `address` (None: starts a local one); returns the head's IP,
     the address the workers on other nodes reach the schedulers and the launcher at."""
     if not ray.is_initialized():
+        # ray.init installs its own SIGTERM handler; launch.py's drains and stops every child.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         ray.init(address=address, log_to_driver=True, configure_logging=False)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return ray.util.get_node_ip_address()
 
 
@@ -236,7 +241,9 @@ class RayExecutor:
             group.stop()
 
     def close(self) -> None:
+        """Stops every group and leaves the cluster (a Ray started for this server stops with it)."""
         for d in list(self.groups):
             self.stop_group(d)
         self.wakeup.close()
         self._wakeup_writer.close()
+        ray.shutdown()
