@@ -74,6 +74,7 @@ def test_a_sigkilled_worker_restarts_its_group_through_ray_with_the_same_text(tp
     log = "".join(tp2_server.output)
     assert "restarting after: worker[tp" in log and "no step progress" not in log  # Ray saw it, not the watchdog
     assert "generation 2, placed by Ray" in log
+    assert len(worker_nodes(tp2_server)[0]) == 2  # /server_info names the new group's nodes
 
 
 def test_removing_a_node_answers_503_within_30_s_and_a_node_added_back_serves_the_same_text(

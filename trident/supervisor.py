@@ -368,8 +368,8 @@ class Launcher:
             self.rank_nodes[d] = event.rank_nodes
             where = "; ".join(f"tp{r} on {node}" for r, node in enumerate(event.rank_nodes))
             logger.info("replica %d, generation %d, placed by Ray: %s", d, event.generation, where)
-            if self.unplaced.pop(d, None) is not None:
-                self._tell_tokenizer(f"replica {d} placed again by Ray: {where}")
+            self.unplaced.pop(d, None)
+            self._tell_tokenizer(f"replica {d} placed by Ray: {where}")
         elif isinstance(event, GroupUnplaced):
             if d not in self.unplaced:
                 logger.error("%s; waiting for Ray to place it", event.missing)
