@@ -4,7 +4,8 @@ Each worker rank is its own process in one torch.distributed group (gloo on CPU,
 CUDA), rendezvoused through a TCPStore that rank 0 serves on 127.0.0.1 at a port the
 supervisor picks afresh for every generation of the worker group (TRIDENT_DIST_INIT_PORT;
 the first generation uses `ServerArgs.dist_init_port`), so a restarted group never meets
-the previous one's sockets.
+the previous one's sockets. When Ray places the ranks, the store is on the node that holds
+rank 0, named by DIST_HOST_ENV.
 
 How the LLaMA decoder is cut (Megatron-style):
 
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_worker.model.model_config import ModelConfig
+from trident.wire.control import DIST_HOST_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +252,7 @@ class TPGroup:
         return int(t[0])
 
 
-def dist_port() -> int:
-    """The rendezvous port of this generation of the worker group (set by the supervisor)."""
-    return int(os.environ.get(DIST_PORT_ENV) or 0)
+def dist_address(default_host: str) -> tuple[str, int]:
+    """The rendezvous host and port of this generation of the worker group (set by the
+    supervisor; the host only when Ray placed rank 0 on a node of its choosing)."""
+    return os.environ.get(DIST_HOST_ENV) or default_host, int(os.environ.get(DIST_PORT_ENV) or 0)

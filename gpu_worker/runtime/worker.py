@@ -40,7 +40,7 @@ from gpu_worker.runtime.grammar import GrammarTable
 from gpu_worker.runtime.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.runtime.malloc_policy import release_freed_memory
 from gpu_worker.runtime.ngram_drafter import NgramDrafter
-from gpu_worker.runtime.parallel import ShardPlan, TPGroup, dist_port
+from gpu_worker.runtime.parallel import ShardPlan, TPGroup, dist_address
 from gpu_worker.runtime.pooling import Pooler
 from gpu_worker.runtime.sampler import SamplingTable, sample
 from gpu_worker.runtime.worker_loop import WorkerLoop
@@ -101,7 +101,10 @@ def worker_device(args: ServerArgs, rank: int, dp_rank: int) -> torch.device:
     """Each worker on a node has a GPU of its own, counted from --base-gpu-id."""
     if args.device == "cuda":
         layout = layout_of(args)
+        # Ray gives each rank's actor a GPU of its own (CUDA_VISIBLE_DEVICES), which the worker inherits.
         local_index = dp_rank * layout.ranks_per_node + rank - layout.local_ranks().start
+        if layout.ranks_anywhere:
+            local_index = 0
         device = torch.device(f"cuda:{args.base_gpu_id + local_index}")
         torch.cuda.set_device(device)
         return device
@@ -156,7 +159,8 @@ class Worker(WorkerLoop):
         # A collective that waits longer than this raises, and the rank exits (a peer died or
         # desynchronised); normally the supervisor or the scheduler's watchdog restarts the group first.
         timeout_s = max(MIN_COLLECTIVE_TIMEOUT_S, args.watchdog_timeout_s)
-        self.tp = TPGroup.init(ctx.rank, args.tp_size, self.device, dist_port(), timeout_s, args.dist_init_host)
+        host, port = dist_address(args.dist_init_host)
+        self.tp = TPGroup.init(ctx.rank, args.tp_size, self.device, port, timeout_s, host)
         if args.tp_size > 1:
             logger.info("%s", self.plan.describe())
 

@@ -61,6 +61,15 @@ def open_worker_inbox(ctx: ChildContext) -> PullSocket:
     )
 
 
+def open_reply_link(ctx: ChildContext) -> PushSocket:
+    """Rank 0's results to the scheduler: ipc beside it, or signed tcp to the head when Ray
+    placed the rank (it may be on any node)."""
+    layout = layout_of(ctx.args)
+    if layout.ranks_anywhere:
+        return PushSocket(ctx.zmq_ctx, layout.reply_address(ctx.dp_rank), False, signer_of(ctx.args))
+    return PushSocket(ctx.zmq_ctx, endpoint(ctx.args.run_dir, scheduler_reply_endpoint(ctx.dp_rank)), bind=False)
+
+
 class WorkerLoop:
     """The descriptor loop. A subclass sets, before calling `open_sockets`: `state`, `pooler`,
     `num_pages`, `context_length`, `vocab_size`, `eos_token_ids`, `num_draft_tokens`."""
@@ -89,11 +98,7 @@ class WorkerLoop:
     def open_sockets(self, ctx: ChildContext) -> None:
         self.state.num_pages = self.num_pages
         self.inbox = open_worker_inbox(ctx)
-        self.reply = (
-            PushSocket(ctx.zmq_ctx, endpoint(self.args.run_dir, scheduler_reply_endpoint(ctx.dp_rank)), bind=False)
-            if ctx.rank == 0
-            else None
-        )
+        self.reply = open_reply_link(ctx) if ctx.rank == 0 else None
 
     # ------------------------------------------------------------------ hooks
 

@@ -345,6 +345,9 @@ class ServerHealth(msgspec.Struct, array_like=True, tag="health"):
     last_cause: str = ""
     resumed_requests: int = 0
     """Requests the last restart put back as prefills."""
+    rank_nodes: list[list[str]] = []
+    """With --distributed-executor ray: rank_nodes[d][r] names the Ray node that holds rank r
+    of replica d (empty while the group is not placed)."""
 
 
 TokenizerInput = ServerInfo | TokenOutBatch | SchedulerStats | FlushCacheDone | ServerHealth

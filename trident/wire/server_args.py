@@ -272,6 +272,33 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     ] = None
     cluster_secret: Annotated[str, Derived("--cluster-secret-file, or made by node 0")] = ""
     """Hex HMAC key that signs every cross-node frame; empty on a single node."""
+    distributed_executor: Annotated[
+        str,
+        Flag(
+            PARALLELISM,
+            "who places and watches the worker ranks: local (this node's launcher, or --nnodes node agents) or "
+            "ray (Ray actors in a placement group per replica, on any node of the Ray cluster; docs/ray.md)",
+            choices=("local", "ray"),
+        ),
+    ] = "local"
+    ray_address: Annotated[
+        str | None,
+        Flag(
+            PARALLELISM,
+            "the Ray cluster of --distributed-executor ray; unset: a local Ray is started",
+            metavar="ADDRESS",
+            env="RAY_ADDRESS",
+        ),
+    ] = None
+    ray_placement: Annotated[
+        str,
+        Flag(
+            PARALLELISM,
+            "with --distributed-executor ray: pack a replica's ranks onto as few nodes as fit, or spread "
+            "them over different nodes where it can",
+            choices=("pack", "spread"),
+        ),
+    ] = "pack"
 
     worker: Annotated[
         str,
