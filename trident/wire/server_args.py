@@ -167,10 +167,11 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str,
         Flag(
             HTTP,
-            "how chat reads the tool calls a model writes: hermes `<tool_call>`, llama3_json "
-            '`{"name", "parameters"}`, mistral `[TOOL_CALLS]`, none (left as text); auto: from the '
-            "chat template and control tokens, else hermes (tokenizer_proc/tool_parsers.py)",
-            choices=("auto", "hermes", "llama3_json", "mistral", "none"),
+            "how chat reads the tool calls a model writes, and the format a forced tool_choice "
+            'constrains them to: hermes `<tool_call>`, llama3_json `{"name", "parameters"}`, mistral '
+            "`[TOOL_CALLS]`, pythonic `[f(x=1)]`, none (left as text); auto: from the chat template "
+            "and control tokens, else hermes (tokenizer_proc/tool_formats.py)",
+            choices=("auto", "hermes", "llama3_json", "mistral", "pythonic", "none"),
         ),
     ] = "auto"
     reasoning_parser: Annotated[
