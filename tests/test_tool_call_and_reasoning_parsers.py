@@ -265,10 +265,10 @@ FORCED_CALLS = {
 
 @pytest.mark.parametrize("family", FORCED_CALLS, ids=lambda f: f.name)
 def test_a_forced_tool_choice_is_constrained_to_the_familys_own_format_and_read_back_by_its_parser(family):
-    """`required` allows parallel calls in the family's wrapper; a named function (or
-    parallel_tool_calls false) exactly one; what the grammar allows, the parser reads."""
+    """`required` with parallel_tool_calls allows several calls in the family's wrapper;
+    without it, or for a named function, exactly one; what the grammar allows, the parser reads."""
     text = FORCED_CALLS[family]
-    required = forced_call_spec(ToolPlan([WEATHER, TIME], "required"), family, None)
+    required = forced_call_spec(ToolPlan([WEATHER, TIME], "required"), family, True)
     assert _grammar_accepts(required, text)
     assert not _grammar_accepts(required, "It is sunny.")
     output = choice_output(ToolPlan([WEATHER, TIME], "required"), family, False, "")
@@ -282,8 +282,9 @@ def test_a_forced_tool_choice_is_constrained_to_the_familys_own_format_and_read_
     if family is MISTRAL:
         one_call = one_call.replace("[TOOL_CALLS] ", "[TOOL_CALLS]")
     assert _grammar_accepts(named, one_call) and not _grammar_accepts(named, text)
-    single = forced_call_spec(ToolPlan([WEATHER, TIME], "required"), family, False)
-    assert _grammar_accepts(single, one_call) and not _grammar_accepts(single, text)
+    for parallel in (False, None):
+        single = forced_call_spec(ToolPlan([WEATHER, TIME], "required"), family, parallel)
+        assert _grammar_accepts(single, one_call) and not _grammar_accepts(single, text)
 
 
 def test_a_pythonic_forced_call_takes_only_values_of_each_parameters_type():

@@ -7,8 +7,8 @@ the model writes what it was trained to write:
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`;
 - pythonic: `[name(key=value, ...), ...]`, each value a literal of its parameter's type.
 
-A named function, or `parallel_tool_calls: false`, allows exactly one call; `required`
-allows one or more. The JSON objects follow each tool's parameter schema; the pythonic list
+A named function allows exactly one call; `required` one, or one or more with
+`parallel_tool_calls: true`. The JSON objects follow each tool's parameter schema; the pythonic list
 checks the keyword names and the type of each value, not which keywords are required.
 The grammar leaves here as EBNF text (the worker compiles it like any `ebnf` constraint).
 """

@@ -59,12 +59,13 @@ def plan_of(body: ChatCompletionRequest) -> ToolPlan:
 
 def forced_call_spec(plan: ToolPlan, fmt: ToolCallFormat | None, parallel: bool | None) -> GrammarSpec:
     """The constraint of a forced tool choice: calls in the model's format `fmt`
-    (tool_grammar.py; one call for a named function or `parallel_tool_calls: false`), or
-    one bare call object where no parser reads the family's format."""
+    (tool_grammar.py), or one bare call object where no parser reads the family's format.
+    `required` allows parallel calls only when the request sets `parallel_tool_calls: true`:
+    a small model, once free to add a call, tends to repeat its call until the length limit."""
     allowed = [t for t in plan.tools if plan.mode == "required" or t["name"] == plan.name]
     if fmt is None:
         return schema_spec(call_object_schema(allowed, "arguments"), "tools")
-    return checked_family_calls_spec(allowed, fmt, single=plan.mode == "named" or parallel is False)
+    return checked_family_calls_spec(allowed, fmt, single=plan.mode == "named" or parallel is not True)
 
 
 def template_renders_tools(tokenizer: Any) -> bool:
