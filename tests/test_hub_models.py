@@ -79,6 +79,16 @@ def test_a_model_neither_cached_nor_reachable_stops_with_one_line_naming_the_cac
     assert got[2] == f"ModelNotFound: {REPO} has no file other.gguf; its .gguf files: {GGUF}"
 
 
+def test_the_launcher_stops_with_that_one_line(hf_home):
+    res = subprocess.run(
+        [sys.executable, "launch.py", "--model", "nobody/absent-model"], cwd=REPO_ROOT, env=_env(hf_home, False),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("error: nobody/absent-model@main: the Hub is not reachable")
+    assert os.path.join(hf_home, "hub") in res.stderr
+
+
 def test_hub_names_parse_as_llama_cpp_and_vllm_write_them():
     assert parse_hub_name("Qwen/Qwen2.5-0.5B-Instruct") == HubName("Qwen/Qwen2.5-0.5B-Instruct", "main", None)
     assert parse_hub_name("org/name@v1.0:Q4_K_M") == HubName("org/name", "v1.0", "Q4_K_M")
