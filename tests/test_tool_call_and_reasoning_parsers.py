@@ -19,7 +19,7 @@ from tokenizer_proc import openai_format as fmt
 from tokenizer_proc.chat_output import ChoiceOutput, choice_output
 from tokenizer_proc.protocol import ChatMessage
 from tokenizer_proc.pythonic_calls import PYTHONIC
-from tokenizer_proc.reasoning import ReasoningParser, thinking_open_in, uses_reasoning_parser
+from tokenizer_proc.reasoning import ReasoningParser, thinking_open_in, thinking_skipped_in, uses_reasoning_parser
 from tokenizer_proc.structured import after_reasoning, schema_spec
 from tokenizer_proc.tool_formats import choose_tool_format
 from tokenizer_proc.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, ToolCallFormat
@@ -310,6 +310,9 @@ def test_structured_outputs_apply_only_after_the_reasoning_ends():
     optional = after_reasoning(schema, thinking_open=False)
     assert _grammar_accepts(optional, '<think>Easy.</think>\n{"a": 1}') and _grammar_accepts(optional, '{"a": 1}')
     assert not _grammar_accepts(optional, 'Sure: {"a": 1}')
+    # Qwen3 with enable_thinking false closes an empty block: no thinking, the constraint from the start
+    assert thinking_skipped_in("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not thinking_skipped_in("<|im_start|>assistant\n") and not thinking_skipped_in("<think>\n")
     output = choice_output(ToolPlan([TIME], "required"), HERMES, True, "<|Assistant|><think>\n")
     output.feed('Call it.</think>\n\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "stop")
     assert output.message()["reasoning_content"] == "Call it." and _calls(output) == [("get_time", {})]

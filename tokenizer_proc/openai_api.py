@@ -28,7 +28,7 @@ from tokenizer_proc.protocol import (
     ChatMessage,
     CompletionRequest,
 )
-from tokenizer_proc.reasoning import thinking_open_in
+from tokenizer_proc.reasoning import thinking_open_in, thinking_skipped_in
 from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.sampling import (
     SamplingRequest,
@@ -269,7 +269,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     forced = forced_call_spec(plan, st.tool_format, body.parallel_tool_calls) if plan.forced else None
     grammar = request_constraint(body, forced)
     prompt_text, prompt_ids = render_chat(st, body.messages, plan, body.chat_template_kwargs)
-    if grammar is not None and st.model_reasons:
+    if grammar is not None and st.model_reasons and not thinking_skipped_in(prompt_text):
         grammar = after_reasoning(grammar, thinking_open_in(prompt_text))
     check_prompt_ids(prompt_ids, st.limits, "messages")
     use_mct = body.max_completion_tokens is not None
