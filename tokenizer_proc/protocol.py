@@ -82,9 +82,6 @@ class _AcceptedNoOps(_Strict):
     """Tags for stored completions (see `store`)."""
     service_tier: str | None = None
     """The provider's processing tier; there is one tier."""
-    parallel_tool_calls: bool | None = None
-    """May the model call several tools at once; every call it writes is returned (a forced
-    call is always one)."""
     prompt_cache_key: str | None = None
     """A routing hint for the provider's prompt cache; the radix cache needs none."""
     safety_identifier: str | None = None
@@ -275,6 +272,9 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    """May the model call several tools at once: `auto` returns every call it writes either
+    way; `required` allows several only when true (tools.forced_call_spec says why)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (vLLM's field), e.g. {"enable_thinking": false}."""
 

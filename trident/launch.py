@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s trident::launch %(levelname)s %(message)s")
     try:
-        model_path, served_name = resolve_model(ns.model_path)
+        model_path, served_name = resolve_model(ns.model_path, ns.gguf_file)
     except ModelNotFound as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

