@@ -225,19 +225,15 @@ def choose_experts(weight_dtype: str, device: torch.device, dtype: torch.dtype) 
     linear layers, which `choose_linear`'s plan then swaps. Under tensor parallelism each
     rank's experts are its slice of the intermediate dimension, which the op pads itself."""
     if device.type != "cpu":
-        return ExpertsPlan(
-            "torch", f"each expert's linear layers: the fused op is for CPU, not {device.type}", keep_plain
-        )
-    if weight_dtype == "gguf":
-        reason = "each expert's linear layers in the GGUF's quantized formats: the fused op is bf16 only"
-        return ExpertsPlan("torch", reason, keep_plain)
-    if weight_dtype != "bf16" or dtype != torch.bfloat16:
+        why = f"the fused op is for CPU, not {device.type}"
+    elif weight_dtype == "gguf":
+        why = "they keep the GGUF's quantized formats, and the fused op is bf16 only"
+    elif weight_dtype != "bf16" or dtype != torch.bfloat16:
         what = "int8 weights" if weight_dtype == "int8" else f"{dtype} activations"
-        return ExpertsPlan("torch", f"each expert's linear layers: {what}, and the fused op is bf16 only", keep_plain)
-    if not fused_moe_available():
-        return ExpertsPlan(
-            "torch", "each expert's linear layers: the fused op's kernels did not build here", keep_plain
-        )
-    path = load_fused_moe().replace("_", "-")
-    reason = "the fused op: each expert's weights read once a step, one summation order at every batch size"
-    return ExpertsPlan(f"fused-{path}", reason, fused_experts)
+        why = f"{what}, and the fused op is bf16 only"
+    elif not fused_moe_available():
+        why = "the fused op's kernels did not build here"
+    else:
+        reason = "the fused op: each expert's weights read once a step, one summation order at every batch size"
+        return ExpertsPlan(f"fused-{load_fused_moe().replace('_', '-')}", reason, fused_experts)
+    return ExpertsPlan("torch", f"each expert's linear layers: {why}", keep_plain)

@@ -170,8 +170,8 @@ class Worker(WorkerLoop):
     def choose_and_apply_linear(self, args: ServerArgs) -> str | None:
         """Step 3: a mixture-of-experts model's experts path, then the linear layer kind of
         every layer and the LM head (layers/linear_plan.py), each logged with its reason and
-        installed. Returns why batch invariance is off so far
-        (None: still on), which the kind chosen depends on and may itself turn off."""
+        installed. Returns why batch invariance is off so far (None: still on), which the
+        linear kind chosen depends on and may itself turn off."""
         self.experts_kind: str | None = None
         """The routed experts' path (ExpertsPlan.kind); None: the model has no experts."""
         if self.cfg.moe is not None:
