@@ -71,11 +71,13 @@ def test_the_torch_experts_are_the_weighted_sum_of_each_tokens_experts_in_slot_o
         torch.testing.assert_close(got[t], want, rtol=1e-6, atol=1e-6)
 
 
-class ReferenceFusedMoE:
+class ReferenceFusedMoE(torch.nn.Module):
     """A fused kernel's contract in plain torch, as FusedMoE.from_weights(gate_up, down)
-    takes it: gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]."""
+    takes it: gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]. An nn.Module,
+    as FusedMoE is: the hook must not list it among the experts."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
         self.gate_up, self.down = gate_up, down
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -93,7 +95,7 @@ def test_the_fused_kernel_hook_hands_over_the_stacked_weights_and_drops_the_per_
     ids, weights = _routing(12, 5)
     want = experts(x, ids, weights)
     experts.use_fused(ReferenceFusedMoE)
-    assert len(experts) == 0 and isinstance(experts.fused, ReferenceFusedMoE)
+    assert len(experts) == 0 and list(experts.children()) == [] and isinstance(experts.fused, ReferenceFusedMoE)
     assert experts.fused.gate_up.shape == (EXPERTS, 2 * INTER, HIDDEN)
     assert experts.fused.down.shape == (EXPERTS, HIDDEN, INTER)
     torch.testing.assert_close(experts(x, ids, weights), want, rtol=1e-5, atol=1e-5)

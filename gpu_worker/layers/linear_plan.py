@@ -21,6 +21,14 @@ and the step that installs it (`LinearPlan.install`). The kinds, first match win
 
 Adding a kind is one more branch in `choose_linear` returning `LinearPlan(kind, reason,
 every_linear(make))`, with `make(weight, bias)` building the new layer.
+
+A mixture-of-experts model's routed experts get their path first (`choose_experts` ->
+`ExpertsPlan`, installed before the linear plan's):
+- `fused-amx` / `fused-avx512-bf16` / `fused-portable`: the fused C++ op (fused_moe.py) on
+  CPU with bf16 weights, in the op's best path for the CPU; batch invariant, with or
+  without batch invariance asked for;
+- `torch`: each expert's own linear layers (moe_experts.py), which the linear plan then
+  swaps like any other: a GGUF's quantized formats, int8, float32, or a GPU.
 """
 
 from __future__ import annotations
@@ -36,9 +44,11 @@ from torch import nn
 from gpu_worker.kernels.cpu_kernels import (
     Bf16LinearKernel,
     load_amx_linear,
+    load_fused_moe,
     load_vnni_linear,
     load_widening_bf16_linear,
 )
+from gpu_worker.layers.fused_moe import FusedMoE, fused_moe_available
 from gpu_worker.layers.int8_weights import Int8Linear
 from gpu_worker.layers.int8_weights import check_supported as check_int8_supported
 from gpu_worker.layers.packed_linear import Bf16KernelLinear, PackedLinear
@@ -187,3 +197,43 @@ def wants_packed_linear(setting: str, device: torch.device, dtype: torch.dtype) 
     if setting == "packed" and not supported:
         raise ValueError(f"--linear-weights packed: oneDNN on this CPU has no fast {dtype} matmul")
     return supported
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """The path of a mixture-of-experts model's routed experts, why, and how to install it."""
+
+    kind: str
+    """"fused-amx", "fused-avx512-bf16", "fused-portable" or "torch"; the ready line names it."""
+    reason: str
+    """Why this path, in a sentence for the load log."""
+    install: Callable[[LlamaForCausalLM], None]
+    """Hands the experts to their path; call after the load and the cast, before the linear plan's."""
+
+    def describe(self) -> str:
+        return f"{self.kind} ({self.reason})"
+
+
+def fused_experts(model: LlamaForCausalLM) -> None:
+    """The install step of the fused op: every sparse layer's stacked bf16 weights packed for it."""
+    model.use_fused_experts(FusedMoE.from_weights)
+
+
+def choose_experts(weight_dtype: str, device: torch.device, dtype: torch.dtype) -> ExpertsPlan:
+    """The routed experts' path for weights in `weight_dtype` (resolved), activations in
+    `dtype` on `device`: the fused op where its bf16 weights are, else each expert's own
+    linear layers, which `choose_linear`'s plan then swaps. Under tensor parallelism each
+    rank's experts are its slice of the intermediate dimension, which the op pads itself."""
+    if device.type != "cpu":
+        why = f"the fused op is for CPU, not {device.type}"
+    elif weight_dtype == "gguf":
+        why = "they keep the GGUF's quantized formats, and the fused op is bf16 only"
+    elif weight_dtype != "bf16" or dtype != torch.bfloat16:
+        what = "int8 weights" if weight_dtype == "int8" else f"{dtype} activations"
+        why = f"{what}, and the fused op is bf16 only"
+    elif not fused_moe_available():
+        why = "the fused op's kernels did not build here"
+    else:
+        reason = "the fused op: each expert's weights read once a step, one summation order at every batch size"
+        return ExpertsPlan(f"fused-{load_fused_moe().replace('_', '-')}", reason, fused_experts)
+    return ExpertsPlan("torch", f"each expert's linear layers: {why}", keep_plain)

@@ -78,8 +78,10 @@ class MoeExperts(nn.ModuleList):
         experts = list(self)
         gate_up = torch.stack([e.gate_up_proj.weight.data for e in experts])
         down = torch.stack([e.down_proj.weight.data for e in experts])
-        self.fused = make(gate_up, down)
         del self[:]
+        # Kept out of the list's children (a kernel that is an nn.Module would otherwise
+        # register as one): the children are the experts by index.
+        object.__setattr__(self, "fused", make(gate_up, down))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids int [T, k], topk_weights float32 [T, k] -> [T, H] in x's dtype."""

@@ -29,7 +29,7 @@ from gpu_worker.kernels.cpu_kernels import (
     wants_decode_kernel,
 )
 from gpu_worker.layers.gguf_layers import weights_left_uninitialised
-from gpu_worker.layers.linear_plan import choose_linear
+from gpu_worker.layers.linear_plan import choose_experts, choose_linear
 from gpu_worker.model.compiled_decode import wants_compile, warm_up
 from gpu_worker.model.decoder import LlamaForCausalLM
 from gpu_worker.model.model_config import ModelConfig
@@ -172,9 +172,17 @@ class Worker(WorkerLoop):
         self.model.rope.to(dtype=torch.float32)
 
     def choose_and_apply_linear(self, args: ServerArgs) -> str | None:
-        """Step 3: the linear layer kind of every layer and the LM head (layers/linear_plan.py),
-        logged with its reason and installed. Returns why batch invariance is off so far
-        (None: still on), which the kind chosen depends on and may itself turn off."""
+        """Step 3: a mixture-of-experts model's experts path, then the linear layer kind of
+        every layer and the LM head (layers/linear_plan.py), each logged with its reason and
+        installed. Returns why batch invariance is off so far (None: still on), which the
+        linear kind chosen depends on and may itself turn off."""
+        self.experts_kind: str | None = None
+        """The routed experts' path (ExpertsPlan.kind); None: the model has no experts."""
+        if self.cfg.moe is not None:
+            experts = choose_experts(self.weight_dtype, self.device, self.dtype)
+            experts.install(self.model)
+            self.experts_kind = experts.kind
+            logger.info("experts: %s", experts.describe())
         off_because = batch_invariance_off_because(args, self.device, self.dtype, self.weight_dtype)
         linear = choose_linear(args.linear_weights, self.weight_dtype, self.device, self.dtype, off_because is None)
         linear.install(self.model)
@@ -248,8 +256,9 @@ class Worker(WorkerLoop):
         attention = "kernel" if self.model.decode_kernel is not None else "torch"
         compiled = "compiled" if self.compiled else "eager"
         invariant = "batch invariant" if self.batch_invariant else "not batch invariant"
+        experts = "" if self.experts_kind is None else f", experts {self.experts_kind}"
         return (
-            f"{self.dtype}, weights {self.weight_dtype}, linear {self.linear_kind}, decode {compiled}, "
+            f"{self.dtype}, weights {self.weight_dtype}, linear {self.linear_kind}{experts}, decode {compiled}, "
             f"attention {attention}, {invariant}"
         )
 
