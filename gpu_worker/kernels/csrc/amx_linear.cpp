@@ -11,13 +11,17 @@
 // tile[p][2 c + j] = w[column c][k0 + 2 p + j], the layout TDPBF16PS reads its second source in.
 // k and n are zero-padded to multiples of 32; a padded k multiplies zeros and adds exact zeros.
 //
-// Loop order: rows in blocks of up to kRowsPerPass (the inputs of a pass, copied into 1 KB
-// tiles, stay in L2); within a pass the threads claim column blocks, and each column block is
-// read from memory once for all the pass's rows, 32 rows (four accumulator tiles) at a time. A
-// decode step (<= kRowsPerPass rows) therefore streams each weight once.
+// Loop order: rows in blocks of up to kRowsPerPass; within a pass, k in spans whose inputs
+// (copied into 1 KB tiles) fit kSpanInputBytes and so stay in L2; within a span the threads
+// claim column blocks, and each column block's span is read from memory once for all the pass's
+// rows, 32 rows (four accumulator tiles) at a time. A decode step (<= kRowsPerPass rows, one
+// span) therefore streams each weight once. A long prompt chunk on a wide input (the MLP's down
+// projection) takes several spans: read whole, its 256 rows of inputs would not fit in L2 and
+// every column block would read them again from memory.
 //
 // Batch invariance: an output's sum runs over k-chunks 0, 1, 2, ... on one accumulator tile,
-// whatever the number of rows, the row's position in its tile, or the thread that computes it;
+// whatever the number of rows, the row's position in its tile, or the thread that computes it
+// (between spans the float32 sums wait in memory, and come back with the same bits);
 // TDPBF16PS computes each element of the tile from its own row and column only. Padded rows are
 // zeros that no output reads. So a row's bits depend on its own inputs alone. Rounded to bfloat16
 // once, after the bias (nearest even).
@@ -52,9 +56,11 @@ constexpr int64_t kChunk = 32;         // k of one TDPBF16PS (16 pairs)
 constexpr int64_t kBlockColumns = 32;  // output columns a packed block holds (two weight tiles)
 constexpr int64_t kTileElements = kTileRows * kChunk;  // bfloat16 elements of an input or weight tile
 constexpr int64_t kBlockChunkElements = 2 * kTileElements;
-// Rows of one pass over the weights: its inputs (at k = 2,048, 1 MB) stay in L2 while every
-// column block is read once. Larger batches (long prompt chunks) read the weights once a pass.
+// Rows of one pass over the weights. Larger batches (long prompt chunks) read the weights once a pass.
 constexpr int64_t kRowsPerPass = 256;
+// The input tiles of one k-span of a pass (all of k = 2,048 at 256 rows), kept in L2 while every
+// column block is read once.
+constexpr int64_t kSpanInputBytes = int64_t{1} << 20;
 // Column blocks a thread claims at a time (parallel_for_claimed).
 constexpr int64_t kBlocksPerClaim = 1;
 
@@ -105,17 +111,19 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
 }
 
 #ifdef TRIDENT_AMX
-// `rows` rows of x [rows, k] -> input tiles [ceil(rows / 16)][chunks][16][32]: each tile the
-// 1 KB that TDPBF16PS reads as its first source, contiguous. Read in place, a tile's 16 rows lie
+// `rows` rows of x [rows, k], k-chunks first_chunk .. first_chunk + chunks - 1 -> input tiles
+// [ceil(rows / 16)][chunks][16][32]: each tile the 1 KB that TDPBF16PS reads as its first source,
+// contiguous. Read in place, a tile's 16 rows lie
 // k * 2 bytes apart, a stride that maps them onto a few L1 sets (4 KB apart at k = 2,048), and
 // every chunk's loads miss. Rows past `rows` and k past `k` are zeros.
-void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t chunks, uint16_t* tiles) {
+void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t first_chunk, int64_t chunks,
+                      uint16_t* tiles) {
   const int64_t row_tiles = round_up(rows, kTileRows) / kTileRows;
   at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t chunk = 0; chunk < chunks; ++chunk) {
         uint16_t* tile = tiles + (t * chunks + chunk) * kTileElements;
-        const int64_t k0 = chunk * kChunk, width = std::min(kChunk, k - k0);
+        const int64_t k0 = (first_chunk + chunk) * kChunk, width = std::min(kChunk, k - k0);
         for (int64_t r = 0; r < kTileRows; ++r) {
           const int64_t row = t * kTileRows + r;
           uint16_t* dst = tile + r * kChunk;
@@ -149,17 +157,35 @@ struct alignas(64) TileConfig {
   }
 };
 
+// Where a block's float32 sums [32 rows][32 columns] are, `ld` floats a row.
+struct SumsAt {
+  float* sums;
+  int64_t ld;
+};
+
 // Tiles: 0-3 accumulators (rows a/b x columns 0-15/16-31), 4-5 inputs (rows a, b), 6-7 weights
-// (columns 0-15, 16-31). Sums `chunks` k-chunks of one 32-column block for 16 or 32 rows into
-// `sums` [32][32] float32. x_a / x_b: the first input tile of each 16 rows (packed by
-// pack_input_tiles: a tile a chunk, 1 KB apart).
+// (columns 0-15, 16-31). Adds `chunks` k-chunks of one 32-column block for 16 or 32 rows to the
+// sums `from` (zeros when its pointer is null) and stores them to `to`. x_a / x_b: the first
+// input tile of each 16 rows (packed by pack_input_tiles: a tile a chunk, 1 KB apart).
 template <bool kTwoRowTiles>
-void block_sums(const uint16_t* x_a, const uint16_t* x_b, const uint16_t* block, int64_t chunks, float* sums) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (kTwoRowTiles) {
-    _tile_zero(2);
-    _tile_zero(3);
+void block_sums(const uint16_t* x_a, const uint16_t* x_b, const uint16_t* block, int64_t chunks, SumsAt from,
+                SumsAt to) {
+  const int64_t from_ld = from.ld * sizeof(float), to_ld = to.ld * sizeof(float);
+  const int64_t row_b = kTileRows * from.ld;
+  if (from.sums) {
+    _tile_loadd(0, from.sums, from_ld);
+    _tile_loadd(1, from.sums + kTileColumns, from_ld);
+    if (kTwoRowTiles) {
+      _tile_loadd(2, from.sums + row_b, from_ld);
+      _tile_loadd(3, from.sums + row_b + kTileColumns, from_ld);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (kTwoRowTiles) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
   }
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     const uint16_t* weights = block + chunk * kBlockChunkElements;
@@ -174,12 +200,11 @@ void block_sums(const uint16_t* x_a, const uint16_t* x_b, const uint16_t* block,
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  constexpr int64_t ld = kBlockColumns * sizeof(float);
-  _tile_stored(0, sums, ld);
-  _tile_stored(1, sums + kTileColumns, ld);
+  _tile_stored(0, to.sums, to_ld);
+  _tile_stored(1, to.sums + kTileColumns, to_ld);
   if (kTwoRowTiles) {
-    _tile_stored(2, sums + kTileRows * kBlockColumns, ld);
-    _tile_stored(3, sums + kTileRows * kBlockColumns + kTileColumns, ld);
+    _tile_stored(2, to.sums + kTileRows * to.ld, to_ld);
+    _tile_stored(3, to.sums + kTileRows * to.ld + kTileColumns, to_ld);
   }
 }
 
@@ -199,27 +224,34 @@ void round_block(const float* sums, int64_t rows, const float* bias, int64_t col
   }
 }
 
-// One pass: `rows` (<= kRowsPerPass) rows, packed by pack_input_tiles, against every column block.
-void amx_pass(const uint16_t* tiles, int64_t rows, const uint16_t* packed, int64_t chunks, const float* bias,
-              int64_t n, uint16_t* out) {
-  const int64_t blocks = round_up(n, kBlockColumns) / kBlockColumns;
-  const int64_t block_elements = chunks * kBlockChunkElements, row_tile_elements = chunks * kTileElements;
+// One k-span of a pass: `rows` (<= kRowsPerPass) rows, their k-chunks first_chunk ..
+// first_chunk + span_chunks - 1 packed by pack_input_tiles, against every column block. `partial`
+// [rows rounded up to 32][blocks * 32] float32 holds the sums between spans (unused with one
+// span); the last span rounds them into `out`.
+void amx_span(const uint16_t* tiles, int64_t rows, const uint16_t* packed, int64_t chunks, int64_t first_chunk,
+              int64_t span_chunks, float* partial, const float* bias, int64_t n, uint16_t* out) {
+  const int64_t blocks = round_up(n, kBlockColumns) / kBlockColumns, partial_ld = blocks * kBlockColumns;
+  const int64_t block_elements = chunks * kBlockChunkElements, row_tile_elements = span_chunks * kTileElements;
+  const bool first = first_chunk == 0, last = first_chunk + span_chunks == chunks;
   trident_kernels::parallel_for_claimed(blocks, kBlocksPerClaim, [&](int64_t begin, int64_t end) {
     const TileConfig config;
     _tile_loadconfig(&config);
     alignas(64) float sums[2 * kTileRows * kBlockColumns];
     for (int64_t block = begin; block < end; ++block) {
-      const uint16_t* weights = packed + block * block_elements;
+      const uint16_t* weights = packed + block * block_elements + first_chunk * kBlockChunkElements;
       const int64_t column0 = block * kBlockColumns, columns = std::min(kBlockColumns, n - column0);
       for (int64_t row0 = 0; row0 < rows; row0 += 2 * kTileRows) {
         const uint16_t* x_a = tiles + (row0 / kTileRows) * row_tile_elements;
         const int64_t tile_rows = std::min(2 * kTileRows, rows - row0);
+        const SumsAt held{partial + row0 * partial_ld + column0, partial_ld};
+        const SumsAt from = first ? SumsAt{nullptr, 0} : held, to = last ? SumsAt{sums, kBlockColumns} : held;
         if (tile_rows > kTileRows) {
-          block_sums<true>(x_a, x_a + row_tile_elements, weights, chunks, sums);
+          block_sums<true>(x_a, x_a + row_tile_elements, weights, span_chunks, from, to);
         } else {
-          block_sums<false>(x_a, nullptr, weights, chunks, sums);
+          block_sums<false>(x_a, nullptr, weights, span_chunks, from, to);
         }
-        round_block(sums, tile_rows, bias ? bias + column0 : nullptr, columns, out + row0 * n + column0, n);
+        if (last)
+          round_block(sums, tile_rows, bias ? bias + column0 : nullptr, columns, out + row0 * n + column0, n);
       }
     }
     _tile_release();
@@ -247,12 +279,19 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   const at::Tensor xc = x.contiguous();
   const auto* x_bits = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  std::vector<uint16_t> tiles(round_up(std::min(rows, kRowsPerPass), kTileRows) * chunks * kChunk);
+  const int64_t most_rows = round_up(std::min(rows, kRowsPerPass), 2 * kTileRows);
+  const int64_t span_chunks = std::clamp<int64_t>(kSpanInputBytes / (most_rows * kChunk * 2), 1, chunks);
+  std::vector<uint16_t> tiles(most_rows * span_chunks * kChunk);
+  std::vector<float> partial(span_chunks < chunks ? most_rows * packed.size(0) * kBlockColumns : 0);
   for (int64_t row0 = 0; row0 < rows; row0 += kRowsPerPass) {
     const int64_t pass_rows = std::min(kRowsPerPass, rows - row0);
-    pack_input_tiles(x_bits + row0 * k, pass_rows, k, chunks, tiles.data());
-    amx_pass(tiles.data(), pass_rows, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), chunks,
-             bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, n, out_bits + row0 * n);
+    for (int64_t first_chunk = 0; first_chunk < chunks; first_chunk += span_chunks) {
+      const int64_t span = std::min(span_chunks, chunks - first_chunk);
+      pack_input_tiles(x_bits + row0 * k, pass_rows, k, first_chunk, span, tiles.data());
+      amx_span(tiles.data(), pass_rows, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), chunks,
+               first_chunk, span, partial.data(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, n,
+               out_bits + row0 * n);
+    }
   }
 #endif
   return out;
