@@ -39,8 +39,10 @@ template <int kGroup>
 constexpr int kQueries = std::max(1, 16 / kGroup);
 
 constexpr int64_t kKeysAtOnce = 16;  // keys a score pass widens, one sum_lanes_of_16
-constexpr int64_t kProbsPad = kKeysAtOnce;  // floats before each query head's probabilities (a block's
-                                            // masked store may start up to 15 keys before them)
+constexpr int64_t kValueBlock = 64;  // keys an output pass sums before the next column
+// Floats before each query head's probabilities: a block's masked store may start up to 15
+// keys before them.
+constexpr int64_t kProbsPad = kKeysAtOnce;
 
 // One query's keys: index positions [begin, end) of its sequence's row.
 struct KeySpan {
@@ -94,30 +96,34 @@ void tile_item(const uint16_t* q, int64_t q_row_stride, int queries, const KeySp
   for (int i = 0; i < queries; ++i)
     for (int g = 0; g < kGroup; ++g)
       softmax_in_place(probs + (i * kGroup + g) * probs_stride + kProbsPad, spans[i].end - spans[i].begin);
-  // Outputs. Keys [all_begin, all_end) are in every query's span: no test per query there.
-  const int64_t all_begin = spans[queries - 1].begin, all_end = std::max(all_begin, spans[0].end);
-  for (int c = 0; c < kVecs; ++c) {
-    __m512 acc[kHeads];
+  // Outputs, kValueBlock keys at a time (their V rows and probabilities stay in L1 for the
+  // column passes); between blocks the sums wait in `out`. Keys [all_begin, all_end) are in
+  // every query's span: no test per query there.
+  const int64_t all_begin = spans[queries - 1].begin, all_end = spans[0].end;
+  for (int64_t block0 = first; block0 < last; block0 += kValueBlock) {
+    const int64_t block_end = std::min(last, block0 + kValueBlock);
+    for (int c = 0; c < kVecs; ++c) {
+      __m512 acc[kHeads];
 #pragma GCC unroll 16
-    for (int h = 0; h < kHeads; ++h) acc[h] = _mm512_setzero_ps();
-    const auto add_key = [&](int64_t t, bool every_query) {
-      if (c == 0 && t + kPrefetchAhead < last)
-        prefetch_head<kDim>(kv + tokens[t + kPrefetchAhead] * token_stride + v_offset);
-      const __m512 v = widen16(kv + tokens[t] * token_stride + v_offset + c * 16);
+      for (int h = 0; h < kHeads; ++h)
+        acc[h] = block0 == first ? _mm512_setzero_ps() : _mm512_load_ps(out + (h * kVecs + c) * 16);
+      for (int64_t t = block0; t < block_end; ++t) {
+        if (c == 0 && t + kPrefetchAhead < last)
+          prefetch_head<kDim>(kv + tokens[t + kPrefetchAhead] * token_stride + v_offset);
+        const bool every_query = t >= all_begin && t < all_end;
+        const __m512 v = widen16(kv + tokens[t] * token_stride + v_offset + c * 16);
 #pragma GCC unroll 16
-      for (int i = 0; i < kQueries<kGroup>; ++i) {
-        if (i >= queries || (!every_query && (t < spans[i].begin || t >= spans[i].end))) continue;
-        const float* p = probs + i * kGroup * probs_stride + kProbsPad + (t - spans[i].begin);
+        for (int i = 0; i < kQueries<kGroup>; ++i) {
+          if (i >= queries || (!every_query && (t < spans[i].begin || t >= spans[i].end))) continue;
+          const float* p = probs + i * kGroup * probs_stride + kProbsPad + (t - spans[i].begin);
 #pragma GCC unroll 8
-        for (int g = 0; g < kGroup; ++g)
-          acc[i * kGroup + g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * probs_stride]), v, acc[i * kGroup + g]);
+          for (int g = 0; g < kGroup; ++g)
+            acc[i * kGroup + g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * probs_stride]), v, acc[i * kGroup + g]);
+        }
       }
-    };
-    for (int64_t t = first; t < std::min(all_begin, last); ++t) add_key(t, false);
-    for (int64_t t = all_begin; t < all_end; ++t) add_key(t, true);
-    for (int64_t t = std::max(all_end, first); t < last; ++t) add_key(t, false);
 #pragma GCC unroll 16
-    for (int h = 0; h < kHeads; ++h) _mm512_store_ps(out + (h * kVecs + c) * 16, acc[h]);
+      for (int h = 0; h < kHeads; ++h) _mm512_store_ps(out + (h * kVecs + c) * 16, acc[h]);
+    }
   }
 }
 
