@@ -113,9 +113,9 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
 #ifdef TRIDENT_AMX
 // `rows` rows of x [rows, k], k-chunks first_chunk .. first_chunk + chunks - 1 -> input tiles
 // [ceil(rows / 16)][chunks][16][32]: each tile the 1 KB that TDPBF16PS reads as its first source,
-// contiguous. Read in place, a tile's 16 rows lie
-// k * 2 bytes apart, a stride that maps them onto a few L1 sets (4 KB apart at k = 2,048), and
-// every chunk's loads miss. Rows past `rows` and k past `k` are zeros.
+// contiguous. Read in place, a tile's 16 rows lie k * 2 bytes apart, a stride that maps them onto
+// a few L1 sets (4 KB apart at k = 2,048), and every chunk's loads miss. Rows past `rows` and k
+// past `k` are zeros.
 void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t first_chunk, int64_t chunks,
                       uint16_t* tiles) {
   const int64_t row_tiles = round_up(rows, kTileRows) / kTileRows;
