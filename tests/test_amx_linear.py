@@ -75,6 +75,19 @@ def test_amx_linear_gives_the_same_bits_on_one_thread_and_on_several_and_past_on
     assert torch.equal(AMX.linear(x[250:300], packed, None, 200), alone[250:300])
 
 
+def test_amx_linear_gives_the_same_bits_when_a_wide_input_is_summed_in_several_k_spans():
+    """300 rows of 2,080 features: the first pass's 256 rows take the k-chunks in two spans (the
+    float32 sums wait in memory in between); a few rows take them in one."""
+    w, b = torch.randn(40, 2080, dtype=torch.bfloat16), torch.randn(40, dtype=torch.bfloat16)
+    packed = AMX.pack(w)
+    x = torch.randn(300, 2080, dtype=torch.bfloat16)
+    whole = AMX.linear(x, packed, b, 40)
+    for start in (0, 17, 255, 299):
+        assert torch.equal(AMX.linear(x[start : start + 1], packed, b, 40), whole[start : start + 1]), start
+    reference = x.double() @ w.double().T + b.double()
+    assert ((whole.double() - reference).abs() <= _error_bound(x, w, b, reference)).all()
+
+
 def test_amx_linear_of_no_rows_is_empty_and_a_mismatched_width_is_a_clear_error():
     w = torch.randn(32, 64, dtype=torch.bfloat16)
     packed = AMX.pack(w)

@@ -1,7 +1,8 @@
 """Builds and loads the worker's C++ CPU kernels (csrc/*.cpp) as torch ops.
 
 - `torch.ops.trident.paged_decode_attention` (csrc/paged_decode_attention.cpp): decode
-  attention reading the paged KV pool in place (`--decode-attention`);
+  attention reading the paged KV pool in place (`--decode-attention`); given kv_rows (a
+  prompt chunk's queries), it takes tiles of consecutive queries (csrc/query_tile_attention.cpp);
 - `torch.ops.trident.vnni_linear` (csrc/vnni_linear.cpp): a bf16 linear layer for decode
   batches on weights packed for AVX512-BF16 (packed_linear.py uses it);
 - `torch.ops.trident.amx_linear` (csrc/amx_linear.cpp): a bf16 linear layer for every batch
@@ -57,6 +58,7 @@ SOURCES = [
     os.path.join(CSRC, name)
     for name in (
         "paged_decode_attention.cpp",
+        "query_tile_attention.cpp",
         "vnni_linear.cpp",
         "amx_linear.cpp",
         "fused_moe.cpp",

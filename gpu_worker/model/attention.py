@@ -29,7 +29,9 @@ no padding, so it skips the gather that dominated the torch path (docs/benchmark
 With batch invariance (batch_invariance.py) every query of a step goes to that kernel, a
 prompt chunk's tokens and a draft's tokens too, each as its own row (`QueryKeys`): a query's
 output is then the same bits whether it is decoded, prefilled, verified, chunked or read
-over a cached prefix, and whatever else runs in its step.
+over a cached prefix, and whatever else runs in its step. The kernel takes a prompt chunk's
+consecutive queries in tiles that read each K and V row once for the tile, in the decode
+loop's order of additions (csrc/query_tile_attention.cpp).
 """
 
 from __future__ import annotations

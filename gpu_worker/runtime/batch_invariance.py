@@ -18,8 +18,9 @@ tokens took:
 - Attention: every query token, decoded, prefilled, verified as a draft or chunked, is its
   own row of the decode kernel (attention.py `QueryKeys`, csrc/paged_decode_attention.cpp):
   one thread sums its keys in position order, reading them from the pool, where prefill
-  and decode wrote the same bits (rotary_write_kv). SDPA, which prompt chunks went
-  through, splits keys by the chunk's length.
+  and decode wrote the same bits (rotary_write_kv); a prompt chunk's queries are summed in
+  tiles that share K and V rows, in the decode loop's order (csrc/query_tile_attention.cpp).
+  SDPA, which prompt chunks went through, splits keys by the chunk's length.
 - Norms, rotary, activations and greedy argmax: the C++ ops, one row per task, each row
   reduced in one order. Seeded sampling draws each row's noise from its own (seed, tokens
   generated, token id) hash (sampler.py), so sampled text is batch invariant too.

@@ -9,13 +9,17 @@
 // The packed weight layout, the input tiles and the inner loop are amx_tiles.h's (shared with
 // fused_moe.cpp).
 //
-// Loop order: rows in blocks of up to kRowsPerPass (the inputs of a pass, copied into 1 KB
-// tiles, stay in L2); within a pass the threads claim column blocks, and each column block is
-// read from memory once for all the pass's rows, 32 rows (four accumulator tiles) at a time. A
-// decode step (<= kRowsPerPass rows) therefore streams each weight once.
+// Loop order: rows in blocks of up to kRowsPerPass; within a pass, k in spans whose inputs
+// (copied into 1 KB tiles) fit kSpanInputBytes and so stay in L2; within a span the threads
+// claim column blocks, and each column block's span is read from memory once for all the pass's
+// rows, 32 rows (four accumulator tiles) at a time. A decode step (<= kRowsPerPass rows, one
+// span) therefore streams each weight once. A long prompt chunk on a wide input (the MLP's down
+// projection) takes several spans: read whole, its 256 rows of inputs would not fit in L2 and
+// every column block would read them again from memory.
 //
 // Batch invariance: an output's sum runs over k-chunks 0, 1, 2, ... on one accumulator tile,
-// whatever the number of rows, the row's position in its tile, or the thread that computes it;
+// whatever the number of rows, the row's position in its tile, or the thread that computes it
+// (between spans the float32 sums wait in memory, and come back with the same bits);
 // TDPBF16PS computes each element of the tile from its own row and column only. Padded rows are
 // zeros that no output reads. So a row's bits depend on its own inputs alone. Rounded to bfloat16
 // once, after the bias (nearest even).
@@ -44,10 +48,13 @@ using trident_kernels::amx::kChunk;
 using trident_kernels::amx::kTileElements;
 using trident_kernels::amx::kTileRows;
 using trident_kernels::amx::round_up;
+using trident_kernels::amx::SumsAt;
 
-// Rows of one pass over the weights: its inputs (at k = 2,048, 1 MB) stay in L2 while every
-// column block is read once. Larger batches (long prompt chunks) read the weights once a pass.
+// Rows of one pass over the weights. Larger batches (long prompt chunks) read the weights once a pass.
 constexpr int64_t kRowsPerPass = 256;
+// The input tiles of one k-span of a pass (all of k = 2,048 at 256 rows), kept in L2 while every
+// column block is read once.
+constexpr int64_t kSpanInputBytes = int64_t{1} << 20;
 // Column blocks a thread claims at a time (parallel_for_claimed).
 constexpr int64_t kBlocksPerClaim = 1;
 
@@ -68,8 +75,10 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
 }
 
 #ifdef TRIDENT_AMX
-// `rows` rows of x [rows, k] -> input tiles [ceil(rows / 16)][chunks][16][32] (amx_tiles.h).
-void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t chunks, uint16_t* tiles) {
+// `rows` rows of x [rows, k], k-chunks first_chunk .. first_chunk + chunks - 1 -> input tiles
+// [ceil(rows / 16)][chunks][16][32] (amx_tiles.h).
+void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t first_chunk, int64_t chunks,
+                      uint16_t* tiles) {
   const int64_t row_tiles = round_up(rows, kTileRows) / kTileRows;
   at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -77,7 +86,7 @@ void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t chunks
         const int64_t row = t * kTileRows + r;
         return row < rows ? x + row * k : nullptr;
       };
-      amx::pack_input_tile(row_of, k, chunks, tiles + t * chunks * kTileElements);
+      amx::pack_input_tile(row_of, k, first_chunk, chunks, tiles + t * chunks * kTileElements);
     }
   });
 }
@@ -101,27 +110,34 @@ void round_block(const float* sums, int64_t rows, const float* bias, int64_t col
   }
 }
 
-// One pass: `rows` (<= kRowsPerPass) rows, packed by pack_input_tiles, against every column block.
-void amx_pass(const uint16_t* tiles, int64_t rows, const uint16_t* packed, int64_t chunks, const float* bias,
-              int64_t n, uint16_t* out) {
-  const int64_t blocks = round_up(n, kBlockColumns) / kBlockColumns;
-  const int64_t block_elements = chunks * kBlockChunkElements, row_tile_elements = chunks * kTileElements;
+// One k-span of a pass: `rows` (<= kRowsPerPass) rows, their k-chunks first_chunk ..
+// first_chunk + span_chunks - 1 packed by pack_input_tiles, against every column block. `partial`
+// [rows rounded up to 32][blocks * 32] float32 holds the sums between spans (unused with one
+// span); the last span rounds them into `out`.
+void amx_span(const uint16_t* tiles, int64_t rows, const uint16_t* packed, int64_t chunks, int64_t first_chunk,
+              int64_t span_chunks, float* partial, const float* bias, int64_t n, uint16_t* out) {
+  const int64_t blocks = round_up(n, kBlockColumns) / kBlockColumns, partial_ld = blocks * kBlockColumns;
+  const int64_t block_elements = chunks * kBlockChunkElements, row_tile_elements = span_chunks * kTileElements;
+  const bool first = first_chunk == 0, last = first_chunk + span_chunks == chunks;
   trident_kernels::parallel_for_claimed(blocks, kBlocksPerClaim, [&](int64_t begin, int64_t end) {
     const amx::TileConfig config;
     _tile_loadconfig(&config);
     alignas(64) float sums[2 * kTileRows * kBlockColumns];
     for (int64_t block = begin; block < end; ++block) {
-      const uint16_t* weights = packed + block * block_elements;
+      const uint16_t* weights = packed + block * block_elements + first_chunk * kBlockChunkElements;
       const int64_t column0 = block * kBlockColumns, columns = std::min(kBlockColumns, n - column0);
       for (int64_t row0 = 0; row0 < rows; row0 += 2 * kTileRows) {
         const uint16_t* x_a = tiles + (row0 / kTileRows) * row_tile_elements;
         const int64_t tile_rows = std::min(2 * kTileRows, rows - row0);
+        const SumsAt held{partial + row0 * partial_ld + column0, partial_ld};
+        const SumsAt from = first ? SumsAt{nullptr, 0} : held, to = last ? SumsAt{sums, kBlockColumns} : held;
         if (tile_rows > kTileRows) {
-          amx::block_sums<true>(x_a, x_a + row_tile_elements, weights, chunks, sums);
+          amx::block_sums<true>(x_a, x_a + row_tile_elements, weights, span_chunks, from, to);
         } else {
-          amx::block_sums<false>(x_a, nullptr, weights, chunks, sums);
+          amx::block_sums<false>(x_a, nullptr, weights, span_chunks, from, to);
         }
-        round_block(sums, tile_rows, bias ? bias + column0 : nullptr, columns, out + row0 * n + column0, n);
+        if (last)
+          round_block(sums, tile_rows, bias ? bias + column0 : nullptr, columns, out + row0 * n + column0, n);
       }
     }
     _tile_release();
@@ -149,12 +165,19 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   const at::Tensor xc = x.contiguous();
   const auto* x_bits = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  std::vector<uint16_t> tiles(round_up(std::min(rows, kRowsPerPass), kTileRows) * chunks * kChunk);
+  const int64_t most_rows = round_up(std::min(rows, kRowsPerPass), 2 * kTileRows);
+  const int64_t span_chunks = std::clamp<int64_t>(kSpanInputBytes / (most_rows * kChunk * 2), 1, chunks);
+  std::vector<uint16_t> tiles(most_rows * span_chunks * kChunk);
+  std::vector<float> partial(span_chunks < chunks ? most_rows * packed.size(0) * kBlockColumns : 0);
   for (int64_t row0 = 0; row0 < rows; row0 += kRowsPerPass) {
     const int64_t pass_rows = std::min(kRowsPerPass, rows - row0);
-    pack_input_tiles(x_bits + row0 * k, pass_rows, k, chunks, tiles.data());
-    amx_pass(tiles.data(), pass_rows, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), chunks,
-             bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, n, out_bits + row0 * n);
+    for (int64_t first_chunk = 0; first_chunk < chunks; first_chunk += span_chunks) {
+      const int64_t span = std::min(span_chunks, chunks - first_chunk);
+      pack_input_tiles(x_bits + row0 * k, pass_rows, k, first_chunk, span, tiles.data());
+      amx_span(tiles.data(), pass_rows, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), chunks,
+               first_chunk, span, partial.data(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, n,
+               out_bits + row0 * n);
+    }
   }
 #endif
   return out;

@@ -78,12 +78,13 @@ inline void pack_weight_block(const uint16_t* src, int64_t n, int64_t k, int64_t
 }
 
 // One row tile: row_of(r) for r in 0..15 gives that row's k bfloat16 values, or nullptr for a
-// padding row (zeros), copied into `chunks` input tiles from `tiles`; k past `k` is zeros.
+// padding row (zeros); its k-chunks first_chunk .. first_chunk + chunks - 1 are copied into
+// `chunks` input tiles from `tiles`; k past `k` is zeros.
 template <typename RowOf>
-void pack_input_tile(const RowOf& row_of, int64_t k, int64_t chunks, uint16_t* tiles) {
+void pack_input_tile(const RowOf& row_of, int64_t k, int64_t first_chunk, int64_t chunks, uint16_t* tiles) {
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     uint16_t* tile = tiles + chunk * kTileElements;
-    const int64_t k0 = chunk * kChunk, width = std::min(kChunk, k - k0);
+    const int64_t k0 = (first_chunk + chunk) * kChunk, width = std::min(kChunk, k - k0);
     for (int64_t r = 0; r < kTileRows; ++r) {
       const uint16_t* row = row_of(r);
       uint16_t* dst = tile + r * kChunk;
@@ -116,17 +117,37 @@ struct alignas(64) TileConfig {
   }
 };
 
+// Where a block's float32 sums [32 rows][32 columns] are, `ld` floats a row.
+struct SumsAt {
+  float* sums;
+  int64_t ld;
+};
+
 // Tiles: 0-3 accumulators (rows a/b x columns 0-15/16-31), 4-5 inputs (rows a, b), 6-7 weights
-// (columns 0-15, 16-31). Sums `chunks` k-chunks of one 32-column block for 16 or 32 rows into
-// `sums` [32][32] float32. x_a / x_b: the first input tile of each 16 rows (packed by
-// pack_input_tile: a tile a chunk, 1 KB apart). The caller loads a TileConfig first.
+// (columns 0-15, 16-31). Adds `chunks` k-chunks of one 32-column block for 16 or 32 rows to the
+// sums `from` (zeros when its pointer is null) and stores them to `to`; a kernel that splits k
+// into spans parks the sums in memory between spans, and they come back with the same bits.
+// x_a / x_b: the first input tile of each 16 rows (packed by pack_input_tile: a tile a chunk,
+// 1 KB apart). The caller loads a TileConfig first.
 template <bool kTwoRowTiles>
-void block_sums(const uint16_t* x_a, const uint16_t* x_b, const uint16_t* block, int64_t chunks, float* sums) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (kTwoRowTiles) {
-    _tile_zero(2);
-    _tile_zero(3);
+void block_sums(const uint16_t* x_a, const uint16_t* x_b, const uint16_t* block, int64_t chunks, SumsAt from,
+                SumsAt to) {
+  const int64_t from_ld = from.ld * sizeof(float), to_ld = to.ld * sizeof(float);
+  const int64_t row_b = kTileRows * from.ld;
+  if (from.sums) {
+    _tile_loadd(0, from.sums, from_ld);
+    _tile_loadd(1, from.sums + kTileColumns, from_ld);
+    if (kTwoRowTiles) {
+      _tile_loadd(2, from.sums + row_b, from_ld);
+      _tile_loadd(3, from.sums + row_b + kTileColumns, from_ld);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (kTwoRowTiles) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
   }
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     const uint16_t* weights = block + chunk * kBlockChunkElements;
@@ -141,13 +162,18 @@ void block_sums(const uint16_t* x_a, const uint16_t* x_b, const uint16_t* block,
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  constexpr int64_t ld = kBlockColumns * sizeof(float);
-  _tile_stored(0, sums, ld);
-  _tile_stored(1, sums + kTileColumns, ld);
+  _tile_stored(0, to.sums, to_ld);
+  _tile_stored(1, to.sums + kTileColumns, to_ld);
   if (kTwoRowTiles) {
-    _tile_stored(2, sums + kTileRows * kBlockColumns, ld);
-    _tile_stored(3, sums + kTileRows * kBlockColumns + kTileColumns, ld);
+    _tile_stored(2, to.sums + kTileRows * to.ld, to_ld);
+    _tile_stored(3, to.sums + kTileRows * to.ld + kTileColumns, to_ld);
   }
+}
+
+// All of k in one go, from zeros, into `sums` [32][32] float32.
+template <bool kTwoRowTiles>
+void block_sums(const uint16_t* x_a, const uint16_t* x_b, const uint16_t* block, int64_t chunks, float* sums) {
+  block_sums<kTwoRowTiles>(x_a, x_b, block, chunks, SumsAt{nullptr, 0}, SumsAt{sums, kBlockColumns});
 }
 
 #pragma GCC pop_options

@@ -329,7 +329,7 @@ void moe_pass(const Kernel& kernel, const Shapes& s, const uint16_t* x, const in
       const auto row_of = [&](int64_t r) -> const uint16_t* {
         return row0 + r < count ? x + (pairs[row0 + r] / s.k) * s.hidden : nullptr;
       };
-      amx::pack_input_tile(row_of, s.hidden, s.hidden_chunks, x_tiles + t * x_tile_elements);
+      amx::pack_input_tile(row_of, s.hidden, 0, s.hidden_chunks, x_tiles + t * x_tile_elements);
     }
   });
 

@@ -27,6 +27,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "attention_common.h"
 #include "kernel_common.h"
 
 #include <algorithm>
@@ -35,14 +36,28 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define TRIDENT_FAST_DECODE_BF16 1
-#include <immintrin.h>
-#endif
+namespace trident_attention {
+
+__attribute__((noinline)) void softmax_in_place(float* p, int64_t len) {
+  float peak = p[0];
+#pragma omp simd reduction(max : peak)
+  for (int64_t t = 1; t < len; ++t) peak = std::max(peak, p[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    p[t] = trident_kernels::exp_nonpositive(p[t] - peak);
+    sum += p[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t t = 0; t < len; ++t) p[t] *= inv;
+}
+
+}  // namespace trident_attention
 
 namespace {
 
-using trident_kernels::exp_nonpositive;
+using namespace trident_attention;
 
 // Widening loads, written so that the compiler vectorises them: bfloat16 is the top half
 // of a float32, so widening is a 16-bit shift of the raw bits.
@@ -62,42 +77,6 @@ inline void widen(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Tokens ahead to prefetch: a row's pool entries are scattered (page size 1, rows decoding
-// side by side), so each is a fresh trip to memory (~100 ns) against ~20 ns of work a token.
-constexpr int64_t kPrefetchAhead = 16;
-
-// The first of a row's `len` keys its query sees: the last `window` of them (0: all).
-inline int64_t window_start(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
-
-// The row of kv_indices that query row `row` reads its keys from: its own, or kv_rows[row]
-// when given (every query of a prompt chunk reads its sequence's one row of indices).
-inline int64_t index_row(const int64_t* kv_rows, int64_t row) { return kv_rows ? kv_rows[row] : row; }
-
-// Scores to probabilities, in place, over one query head's `len` keys.
-inline void softmax_in_place(float* p, int64_t len) {
-  float peak = p[0];
-#pragma omp simd reduction(max : peak)
-  for (int64_t t = 1; t < len; ++t) peak = std::max(peak, p[t]);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < len; ++t) {
-    p[t] = exp_nonpositive(p[t] - peak);
-    sum += p[t];
-  }
-  const float inv = 1.f / sum;
-#pragma omp simd
-  for (int64_t t = 0; t < len; ++t) p[t] *= inv;
-}
-
-#ifdef TRIDENT_FAST_DECODE_BF16
-// Every cache line of one head's kDim bfloat16 values (two for 64, eight for 256).
-template <int kDim>
-inline void prefetch_head(const uint16_t* head) {
-#pragma GCC unroll 8
-  for (int i = 0; i < kDim; i += 32) __builtin_prefetch(head + i);
-}
-#endif
-
 #ifdef __AVX512F__
 // The fast path: bfloat16, head dim kDim (64, 128 or 256), AVX-512. One work item is a
 // (row, KV head) and its `kGroup` query heads. A token costs its K and V rows read once
@@ -106,18 +85,14 @@ inline void prefetch_head(const uint16_t* head) {
 // x 2, 256 x 1) they stay there for the whole row; otherwise they are float32 in L1 and
 // feed the FMAs as memory operands (the load ports are idle anyway). The outputs are summed
 // kColumns vectors at a time, in passes over the row's V rows: the first pass prefetches
-// every line of each V row, so later passes read them from cache.
-inline __m512 widen16(const uint16_t* src) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+// every line of each V row, so later passes read them from cache. A score's arithmetic
+// (dot_lanes, sum_lanes) is shared with the query-tile kernel (attention_common.h).
 
 template <int kGroup, int kDim>
 void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const int64_t* tokens, int64_t len,
                       int64_t token_stride, int64_t k_offset, int64_t v_offset, float* probs, float* out) {
   constexpr int kVecs = kDim / 16;
   constexpr bool kQueryInRegisters = kGroup * kVecs <= 16;
-  constexpr int kChains = kVecs >= 8 ? 2 : 1;  // independent FMA chains per score: a long head's sum
   // Output vectors summed a pass: kGroup x kColumns accumulators <= 16.
   constexpr int kColumns = std::min(kVecs, kGroup == 1 ? 16 : kGroup == 2 ? 8 : kGroup <= 4 ? 4 : 2);
   static_assert(kVecs % kColumns == 0, "column passes tile the head");
@@ -147,15 +122,8 @@ void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const 
 #pragma GCC unroll 16
     for (int c = 0; c < kVecs; ++c) kc[c] = widen16(k + c * 16);
 #pragma GCC unroll 8
-    for (int g = 0; g < kGroup; ++g) {
-      __m512 s[kChains];
-#pragma GCC unroll 2
-      for (int i = 0; i < kChains; ++i) s[i] = _mm512_mul_ps(query(g, i), kc[i]);
-#pragma GCC unroll 16
-      for (int c = kChains; c < kVecs; ++c) s[c % kChains] = _mm512_fmadd_ps(query(g, c), kc[c], s[c % kChains]);
-      if constexpr (kChains == 2) s[0] = _mm512_add_ps(s[0], s[1]);
-      probs[g * len + t] = _mm512_reduce_add_ps(s[0]);
-    }
+    for (int g = 0; g < kGroup; ++g)
+      probs[g * len + t] = sum_lanes(dot_lanes<kVecs>([&](int c) { return query(g, c); }, [&](int c) { return kc[c]; }));
   }
   for (int g = 0; g < kGroup; ++g) softmax_in_place(probs + g * len, len);
   for (int column0 = 0; column0 < kVecs; column0 += kColumns) {
@@ -421,6 +389,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     }
   };
 #ifdef TRIDENT_FAST_DECODE_BF16
+  if (q.scalar_type() == at::kBFloat16 && kv_rows && query_tiles_bf16(qc, kvc, idx, kv_rows, lens, out, scale, window))
+    return out;
   if (q.scalar_type() == at::kBFloat16 && decode_bf16(qc, kvc, idx, kv_rows, lens, out, scale, window)) return out;
 #endif
   switch (q.scalar_type()) {

@@ -1,0 +1,113 @@
+// What the two attention kernels share: the decode kernel (paged_decode_attention.cpp, one query
+// per work item) and the query-tile kernel (query_tile_attention.cpp, a prompt chunk's
+// consecutive queries per work item). The worker's batch invariance asks a query's output to be
+// the same bits from either (a resumed request re-prefills the tokens it had decoded, then
+// decodes on from them), so each step of a query's arithmetic that both take is written once,
+// here: the score's lanes (dot_lanes), their sum (sum_lanes, and sum_lanes_of_16 for sixteen
+// scores at once in the same order), the softmax, and the order of the keys.
+
+#pragma once
+
+#include <torch/types.h>
+
+#include "kernel_common.h"
+
+#include <cstdint>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define TRIDENT_FAST_DECODE_BF16 1
+#include <immintrin.h>
+#endif
+
+namespace trident_attention {
+
+// Tokens ahead to prefetch: a row's pool entries are scattered (page size 1, rows decoding
+// side by side), so each is a fresh trip to memory (~100 ns) against ~20 ns of work a token.
+constexpr int64_t kPrefetchAhead = 16;
+
+// The first of a row's `len` keys its query sees: the last `window` of them (0: all).
+inline int64_t window_start(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
+// The row of kv_indices that query row `row` reads its keys from: its own, or kv_rows[row]
+// when given (every query of a prompt chunk reads its sequence's one row of indices).
+inline int64_t index_row(const int64_t* kv_rows, int64_t row) { return kv_rows ? kv_rows[row] : row; }
+
+// Scores to probabilities, in place, over one query head's `len` keys. Defined once (in
+// paged_decode_attention.cpp) and never inlined: both kernels run the same machine code.
+void softmax_in_place(float* p, int64_t len);
+
+#ifdef TRIDENT_FAST_DECODE_BF16
+// Every cache line of one head's kDim bfloat16 values (two for 64, eight for 256).
+template <int kDim>
+inline void prefetch_head(const uint16_t* head) {
+#pragma GCC unroll 8
+  for (int i = 0; i < kDim; i += 32) __builtin_prefetch(head + i);
+}
+#endif
+
+#ifdef __AVX512F__
+inline __m512 widen16(const uint16_t* src) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The 16 lanes of a score (query . key), before their sum: lane l sums the products of elements
+// l, l + 16, ... in order, on kChains chains (two for a long head) added at the end.
+template <int kVecs, typename Query, typename Key>
+inline __m512 dot_lanes(const Query& query, const Key& key) {
+  constexpr int kChains = kVecs >= 8 ? 2 : 1;
+  __m512 s[kChains];
+#pragma GCC unroll 2
+  for (int i = 0; i < kChains; ++i) s[i] = _mm512_mul_ps(query(i), key(i));
+#pragma GCC unroll 16
+  for (int c = kChains; c < kVecs; ++c) s[c % kChains] = _mm512_fmadd_ps(query(c), key(c), s[c % kChains]);
+  if constexpr (kChains == 2) s[0] = _mm512_add_ps(s[0], s[1]);
+  return s[0];
+}
+
+// The sum of a vector's lanes as a halving tree: lanes l and l + 8, then l and l + 4, l and l + 2,
+// l and l + 1 (GCC's _mm512_reduce_add_ps, written out so that no compiler's choice changes it).
+inline float sum_lanes(__m512 v) {
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  const __m256 eighths = _mm256_add_ps(hi, lo);
+  const __m128 quarters = _mm_add_ps(_mm256_extractf128_ps(eighths, 1), _mm256_castps256_ps128(eighths));
+  const __m128 halves = _mm_add_ps(quarters, _mm_shuffle_ps(quarters, quarters, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(halves) + _mm_cvtss_f32(_mm_shuffle_ps(halves, halves, 1));
+}
+
+// Lane j: sum_lanes(v[j]), with the same additions of the same pairs, sixteen sums at a time
+// (15 vector additions where sixteen sum_lanes take 60 scalar ones).
+inline __m512 sum_lanes_of_16(const __m512 (&v)[16]) {
+  __m512 eighths[8], quarters[4], halves[2];
+  // eighths[m]: lanes 0-7 the pairs (l, l + 8) of v[2m], lanes 8-15 those of v[2m + 1].
+#pragma GCC unroll 8
+  for (int m = 0; m < 8; ++m)
+    eighths[m] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                               _mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  // quarters[m]: 128-bit lane q holds the four pairs (l, l + 4) of v[4m + q].
+#pragma GCC unroll 4
+  for (int m = 0; m < 4; ++m)
+    quarters[m] = _mm512_add_ps(_mm512_shuffle_f32x4(eighths[2 * m], eighths[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                                _mm512_shuffle_f32x4(eighths[2 * m], eighths[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+  // halves[m]: 128-bit lane q holds the pairs (l, l + 2) of v[q] and v[4 + q] (m = 0), of v[8 + q]
+  // and v[12 + q] (m = 1).
+#pragma GCC unroll 2
+  for (int m = 0; m < 2; ++m)
+    halves[m] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * m], quarters[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(quarters[2 * m], quarters[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Lane 4q + j: the sum of v[4j + q].
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, sums);
+}
+#endif
+
+// The query-tile kernel over every query row (query_tile_attention.cpp): false where it has no
+// path for this head dim, GQA group or instruction set, and the decode kernel's loop runs instead.
+// Arguments as paged_decode_attention's, contiguous; kv_rows given.
+bool query_tiles_bf16(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const int64_t* kv_rows,
+                      const at::Tensor& lens, at::Tensor& out, double scale, int64_t window);
+
+}  // namespace trident_attention
