@@ -66,6 +66,13 @@ def workloads(args: argparse.Namespace) -> dict[str, argparse.Namespace]:
     return {name: fixed_lengths(args, name, prompts, concurrency) for name, (prompts, concurrency) in shapes.items()}
 
 
+def served_figures(name: str, run: dict[str, Any]) -> dict[str, float | None]:
+    """A served workload's output tok/s, and its decode alone (sequences / median TPOT;
+    None where every token after the first arrived in one streamed chunk)."""
+    decode = decode_tok_s(run) if run["tpot_ms"]["median"] > 0 else None
+    return {name: run["output_throughput"], f"{name} decode only": decode}
+
+
 def run_trident(weight_dtype: str, args: argparse.Namespace, model_path: str, log_dir: str) -> dict[str, Any]:
     cmd = f"{shlex.quote(sys.executable)} launch.py --model {shlex.quote(model_path)} --weight-dtype {weight_dtype} "
     cmd += f"--max-total-tokens {args.max_total_tokens} {args.trident_args}"
@@ -75,8 +82,7 @@ def run_trident(weight_dtype: str, args: argparse.Namespace, model_path: str, lo
     with LaunchedServer(cmd, log) as server:
         for name, ns in workloads(args).items():
             run = run_against(server.base_url, ns, build_workload(workload_spec(ns), tokenizer))["runs"][0]
-            result[name] = run["output_throughput"]
-            result[f"{name} decode only"] = decode_tok_s(run)
+            result |= served_figures(name, run)
             print(f"trident {weight_dtype} {name}: {run['output_throughput']:.1f} tok/s, failed {run['failed']}")
         assert server.proc is not None
         result["memory_kb"] = proc_status_kb(child_process(server.proc.pid, "trident::worker[tp0]").pid)

@@ -44,8 +44,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import workload_spec  # noqa: E402
-from compare_llamacpp import run_llamacpp, run_trident, workloads  # noqa: E402
-from compare_vllm import comma_list, decode_tok_s, run_engine  # noqa: E402
+from compare_llamacpp import run_llamacpp, run_trident, served_figures, workloads  # noqa: E402
+from compare_vllm import comma_list, run_engine  # noqa: E402
 from dense_checkpoint import progress  # noqa: E402
 from launched_server import REPO_ROOT  # noqa: E402
 from moe_floor import checkpoint_active_bytes, gguf_active_bytes, host_read_gb_s, memory_floor_tok_s  # noqa: E402
@@ -94,11 +94,7 @@ def run_vllm(args: argparse.Namespace, files: dict[str, str], log_dir: str) -> d
     labelled = {name: (ns, build_workload(workload_spec(ns), tokenizer)) for name, ns in workloads(args).items()}
     served = {"name": args.shape, "vllm": files["checkpoint"]}
     runs = run_engine("vllm", args, served, labelled, log_dir)
-    result: dict[str, Any] = {}
-    for name, run in runs.items():
-        result[name] = run["output_throughput"]
-        result[f"{name} decode only"] = decode_tok_s(run)
-    return result
+    return {k: v for name, run in runs.items() for k, v in served_figures(name, run).items()}
 
 
 def run_one(engine: str, args: argparse.Namespace, files: dict[str, str], log_dir: str) -> dict[str, Any]:
