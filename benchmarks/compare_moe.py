@@ -157,7 +157,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--max-total-tokens", type=int, default=8192, help="trident's KV pool, in tokens")
     r.add_argument("--trident-args", default="--max-running-requests 64")
     r.add_argument("--vllm-python", default="/work/vllm-venv/bin/python", help="the python of vLLM's own venv")
-    r.add_argument("--vllm-args", default="--max-num-seqs 64 --max-model-len 2048 --gpu-memory-utilization 0.3")
+    # On CPU, vLLM's worker takes this fraction of the host's memory for weights and KV cache
+    # together: the bf16 experts need more of it than compare_vllm.py's dense models.
+    r.add_argument("--vllm-args", default="--max-num-seqs 64 --max-model-len 2048 --gpu-memory-utilization 0.4")
     r.add_argument("--llamacpp-python", default="/work/llamacpp-venv/bin/python")
     r.add_argument("--llamacpp-threads", type=int, default=2)
     r.add_argument("--roofline-threads", type=int, default=2, help="torch threads of the memory read measurement")
