@@ -8,8 +8,9 @@ Per round, for each engine in turn (they never share the CPU): one stream (`--st
 requests one after another) and `--concurrency` sequences at once, `--input-len` random
 prompt tokens and `--output-len` forced greedy output tokens each.
 - trident: launch.py with `--weight-dtype` each of `--weight-dtypes`, the workloads through
-  bench_serving (streamed /v1/completions through its OpenAI server); then the worker's
-  VmRSS and VmHWM. Its KV pool is `--max-total-tokens` tokens, printed in bytes beside.
+  bench_serving (streamed /v1/completions through its OpenAI server), each also as decode
+  alone (sequences / median TPOT); then the worker's VmRSS and VmHWM. Its KV pool is
+  `--max-total-tokens` tokens, printed in bytes beside.
 - llama.cpp: benchmarks/llamacpp_bench.py under `--llamacpp-python` (its own venv, built
   from the sdist for this CPU: docs/benchmarks.md), in process, the same shapes; its RSS.
 Output tok/s counts prefill and decode alike (output tokens / wall time of the workload);
@@ -31,7 +32,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import run_against, workload_spec  # noqa: E402
 from compare_hf import resolve_model_path  # noqa: E402
-from compare_vllm import fixed_lengths  # noqa: E402
+from compare_vllm import decode_tok_s, fixed_lengths  # noqa: E402
 from launched_server import REPO_ROOT, LaunchedServer, child_process  # noqa: E402
 from serving_report import write_json  # noqa: E402
 from serving_workload import build_workload, load_tokenizer  # noqa: E402
@@ -65,6 +66,13 @@ def workloads(args: argparse.Namespace) -> dict[str, argparse.Namespace]:
     return {name: fixed_lengths(args, name, prompts, concurrency) for name, (prompts, concurrency) in shapes.items()}
 
 
+def served_figures(name: str, run: dict[str, Any]) -> dict[str, float | None]:
+    """A served workload's output tok/s, and its decode alone (sequences / median TPOT;
+    None where every token after the first arrived in one streamed chunk)."""
+    decode = decode_tok_s(run) if run["tpot_ms"]["median"] > 0 else None
+    return {name: run["output_throughput"], f"{name} decode only": decode}
+
+
 def run_trident(weight_dtype: str, args: argparse.Namespace, model_path: str, log_dir: str) -> dict[str, Any]:
     cmd = f"{shlex.quote(sys.executable)} launch.py --model {shlex.quote(model_path)} --weight-dtype {weight_dtype} "
     cmd += f"--max-total-tokens {args.max_total_tokens} {args.trident_args}"
@@ -74,7 +82,7 @@ def run_trident(weight_dtype: str, args: argparse.Namespace, model_path: str, lo
     with LaunchedServer(cmd, log) as server:
         for name, ns in workloads(args).items():
             run = run_against(server.base_url, ns, build_workload(workload_spec(ns), tokenizer))["runs"][0]
-            result[name] = run["output_throughput"]
+            result |= served_figures(name, run)
             print(f"trident {weight_dtype} {name}: {run['output_throughput']:.1f} tok/s, failed {run['failed']}")
         assert server.proc is not None
         result["memory_kb"] = proc_status_kb(child_process(server.proc.pid, "trident::worker[tp0]").pid)
