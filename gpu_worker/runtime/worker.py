@@ -28,6 +28,7 @@ from gpu_worker.kernels.cpu_kernels import (
     require_kernels,
     wants_decode_kernel,
 )
+from gpu_worker.kernels.triton import load_triton_kernels
 from gpu_worker.layers.gguf_layers import weights_left_uninitialised
 from gpu_worker.layers.linear_plan import choose_linear
 from gpu_worker.model.compiled_decode import wants_compile, warm_up
@@ -80,6 +81,20 @@ def resolve_weight_dtype(args: ServerArgs, device: torch.device, dtype: torch.dt
         return args.weight_dtype
     quantized_kernels = device.type == "cpu" and args.linear_weights == "auto" and load_quant_linear() != ""
     return "gguf" if gguf_input and dtype == torch.bfloat16 and quantized_kernels else "bf16"
+
+
+def resolve_attention_backend(args: ServerArgs, device: torch.device) -> str:
+    """`--attention-backend auto`: triton on CUDA, torch elsewhere. The triton backend has its
+    own decode attention, so a `--decode-attention` other than auto beside it is a mistake."""
+    backend = args.attention_backend
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and args.decode_attention != "auto":
+        raise ValueError(
+            f"--decode-attention {args.decode_attention} picks the CPU decode attention of "
+            "--attention-backend torch; the triton backend runs its own"
+        )
+    return backend
 
 
 def kv_pool_tokens(
@@ -184,15 +199,23 @@ class Worker(WorkerLoop):
         pool_tokens = self.tp.agree_min(kv_pool_tokens(args, self.cfg, self.dtype, self.device, self.plan.num_kv_heads))
         self.num_pages = pool_tokens // args.page_size + 1  # page 0 is the padding page
         self.kv_pool = KVPool(self.cfg, self.num_pages, args.page_size, self.dtype, self.device, self.plan.num_kv_heads)
-        if wants_decode_kernel(args.decode_attention, self.device):
+        self.attention_backend = resolve_attention_backend(args, self.device)
+        if self.attention_backend == "triton":
+            kernels = load_triton_kernels(self.device)
+            self.model.use_decode_kernel(kernels.decode)
+            self.model.use_extend_kernel(kernels.extend)
+            self.model.use_elementwise_kernels(kernels.elementwise)
+        elif wants_decode_kernel(args.decode_attention, self.device):
             kernel = load_decode_kernel()
             if kernel is None and args.decode_attention == "kernel":
                 raise RuntimeError("--decode-attention kernel: the kernel could not be built (see the log above)")
             if kernel is not None:
                 self.model.use_decode_kernel(kernel)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.attention_backend == "torch":
             self.model.use_elementwise_kernels(load_elementwise_kernels())
         off_because = invariance_off_because
+        if off_because is None and self.attention_backend == "triton":
+            off_because = "--attention-backend triton"
         if off_because is None and (self.model.decode_kernel is None or self.model.norm.kernels is None):
             off_because = "the C++ kernels are not built for this CPU"
         self.batch_invariant = off_because is None
@@ -240,6 +263,8 @@ class Worker(WorkerLoop):
 
     def summary(self) -> str:
         attention = "kernel" if self.model.decode_kernel is not None else "torch"
+        if self.attention_backend == "triton":
+            attention = "triton"
         compiled = "compiled" if self.compiled else "eager"
         invariant = "batch invariant" if self.batch_invariant else "not batch invariant"
         return (

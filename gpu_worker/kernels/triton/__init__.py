@@ -47,11 +47,6 @@ def _gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def _rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
-
-
 def load_triton_kernels(device: torch.device) -> TritonKernels:
     """The kernels for `device`: a GPU, or the CPU under the interpreter (else a clear error)."""
     if device.type == "cpu" and not interpreted():
@@ -63,11 +58,17 @@ def load_triton_kernels(device: torch.device) -> TritonKernels:
     from gpu_worker.kernels.triton.extend_attention import TritonExtendAttention
     from gpu_worker.kernels.triton.rms_norm import add_rms_norm, rms_norm
     from gpu_worker.kernels.triton.rotary_write_kv import rotary_write_kv
+    from gpu_worker.model.decoder import apply_rotary
 
     # Under the interpreter every program runs in turn on the host: few splits keep it quick
     # while still exercising the merge.
     splits = 2 if device.type == "cpu" else 8
     elementwise = ElementwiseKernels(
-        rms_norm, add_rms_norm, _silu_and_mul, _gelu_tanh_and_mul, _rotary, rotary_write_kv
+        rms_norm,
+        add_rms_norm,
+        _silu_and_mul,
+        _gelu_tanh_and_mul,
+        lambda x, cos, signed_sin: apply_rotary(x, (cos, signed_sin)),  # prompt steps only: torch's ops
+        rotary_write_kv,
     )
     return TritonKernels(TritonDecodeAttention(num_splits=splits), TritonExtendAttention(), elementwise)
