@@ -158,9 +158,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             "without capture (gpu_worker/runtime/decode_graphs.py)",
         ),
     ] = 256
-    disable_cuda_graph: Annotated[
-        bool, Flag(MODEL, "every decode step eager, rows unpadded (no graph runner)")
-    ] = False
+    disable_cuda_graph: Annotated[bool, Flag(MODEL, "every decode step eager, rows unpadded (no graph runner)")] = False
     disable_batch_invariance: Annotated[
         bool,
         Flag(
