@@ -37,6 +37,7 @@ from gpu_worker.model.model_config import ModelConfig
 from gpu_worker.model.weights import iter_weights, load_config
 from gpu_worker.runtime.batch_invariance import batch_invariance_off_because
 from gpu_worker.runtime.batch_state import BatchState, StepPlan
+from gpu_worker.runtime.decode_graphs import DecodeGraphs
 from gpu_worker.runtime.grammar import GrammarTable
 from gpu_worker.runtime.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.runtime.malloc_policy import release_freed_memory
@@ -150,6 +151,7 @@ class Worker(WorkerLoop):
         )
         self.allocate_kv_and_kernels(args, invariance_off_because)
         self.build_batch_state(args)
+        self.build_decode_graphs(args)
         self.open_sockets(ctx)
 
     def place_on_device(self, ctx: ChildContext) -> None:
@@ -253,6 +255,19 @@ class Worker(WorkerLoop):
             every_query_through_kernel=self.batch_invariant,
         )
 
+    def build_decode_graphs(self, args: ServerArgs) -> None:
+        """Step 6: with the triton backend at tp 1, the decode-graph runner (decode_graphs.py),
+        its buckets captured on CUDA; on CPU it runs the same steps without capture."""
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.attention_backend != "triton" or args.disable_cuda_graph or self.tp.size > 1:
+            return
+        max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+        if max_bs <= 0:
+            return
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_pool, self.state, max_bs)
+        if self.device.type == "cuda":
+            self.decode_graphs.capture()
+
     def load_model(self, model_path: str, quantized: bool) -> LlamaForCausalLM:
         """This rank's part of the model on the device in the worker's dtype, weights from the
         checkpoint (benchmarks/gpu_check.py builds random weights on the device instead)."""
@@ -266,6 +281,8 @@ class Worker(WorkerLoop):
         if self.attention_backend == "triton":
             attention = "triton"
         compiled = "compiled" if self.compiled else "eager"
+        if self.decode_graphs is not None:
+            compiled = "graphs" if self.decode_graphs.graphs else "bucketed"
         invariant = "batch invariant" if self.batch_invariant else "not batch invariant"
         return (
             f"{self.dtype}, weights {self.weight_dtype}, linear {self.linear_kind}, decode {compiled}, "
@@ -295,8 +312,12 @@ class Worker(WorkerLoop):
     def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
         if plan is None:
             return [], []
-        inputs = self.state.forward_inputs(plan)
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_pool, inputs.meta, inputs.logits_indices)
+        if self.decode_graphs is not None and self.decode_graphs.serves(plan):
+            inputs: StepPlan = plan
+            logits = self.decode_graphs.run(plan)
+        else:
+            inputs = step = self.state.forward_inputs(plan)
+            logits = self.model(step.input_ids, step.positions, self.kv_pool, step.meta, step.logits_indices)
         ends = np.cumsum(inputs.num_logits)
         plain = [i for i, s in enumerate(inputs.sampling_slots) if s not in inputs.drafts]
         accepted: list[np.ndarray] = [None] * len(inputs.sampling_slots)  # type: ignore[list-item]
