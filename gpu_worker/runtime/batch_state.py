@@ -378,9 +378,7 @@ class BatchState:
         keys through this step, of which it sees those up to its own position."""
         kv_lens = starts + plan.q_lens
         kv = np.arange(int(kv_lens.max()))
-        table = np.where(
-            kv[None, :] < kv_lens[:, None], self.pool_index(plan.computing_slots[:, None], kv[None, :]), 0
-        )
+        table = np.where(kv[None, :] < kv_lens[:, None], self.pool_index(plan.computing_slots[:, None], kv[None, :]), 0)
         stage = self.staging.stage
         return QueryKeys(
             kv_table=stage(table, torch.int64, table.shape),
