@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels.triton.dot_precision import dot_precision
+
 
 @triton.jit
 def _decode_split(
@@ -46,6 +48,7 @@ def _decode_split(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -76,13 +79,13 @@ def _decode_split(
         kv_ptr = KV + token[:, None] * stride_kv_token + kv_head * stride_kv_head + d[None, :]
         kv_ok = n_ok[:, None] & d_ok[None, :]
         k = tl.load(kv_ptr, mask=kv_ok, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         scores = tl.where(n_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         v = tl.load(kv_ptr + stride_kv_kv, mask=kv_ok, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         total = total * alpha + tl.sum(p, 1)
         m = m_new
 
@@ -170,6 +173,7 @@ class TritonDecodeAttention:
             BLOCK_H=max(16, triton.next_power_of_2(group)),
             BLOCK_N=self.block_n,
             BLOCK_D=block_d,
+            DOT_PRECISION=dot_precision(q.dtype),
             NUM_SPLITS=self.num_splits,
         )
         _decode_merge[(rows, heads)](

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.kernels.triton.dot_precision import dot_precision
+
 
 @triton.jit
 def _extend(
@@ -36,6 +38,7 @@ def _extend(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
     head = tl.program_id(1)
@@ -61,7 +64,7 @@ def _extend(
         kv_ptr = KV + token[:, None] * stride_kv_token + kv_head * stride_kv_head + d[None, :]
         kv_ok = n_ok[:, None] & d_ok[None, :]
         k = tl.load(kv_ptr, mask=kv_ok, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         seen = n_ok[None, :] & (n[None, :] <= position[:, None])
         seen = seen & ((window <= 0) | (n[None, :] > position[:, None] - window))
         scores = tl.where(seen, scores, float("-inf"))
@@ -70,7 +73,7 @@ def _extend(
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         v = tl.load(kv_ptr + stride_kv_kv, mask=kv_ok, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         total = total * alpha + tl.sum(p, 1)
         m = m_new
 
@@ -120,5 +123,6 @@ class TritonExtendAttention:
             BLOCK_M=self.block_m,
             BLOCK_N=self.block_n,
             BLOCK_D=triton.next_power_of_2(dim),
+            DOT_PRECISION=dot_precision(q.dtype),
         )
         return out
