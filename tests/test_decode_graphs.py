@@ -160,3 +160,32 @@ def test_the_triton_backend_refuses_a_cpu_decode_attention_choice_beside_it():
         resolve_attention_backend(
             ServerArgs(model_path="m", attention_backend="triton", decode_attention="kernel"), cpu
         )
+
+
+def test_the_token_table_mirrors_the_page_table_and_keeps_a_columns_last_page():
+    from gpu_worker.runtime.batch_state import BatchState
+    from gpu_worker.runtime.sampler import SamplingTable
+    from trident.wire.backend import AddedRequest, BatchDescriptor
+
+    cpu = torch.device("cpu")
+    state = BatchState(4, 3, 2, SamplingTable(4, 100, [0], cpu), cpu)  # page size 2
+    table = state.keep_token_table()
+    params = _added(0).sampling
+
+    def apply(step: int, pages: list[tuple[int, int, list[int]]], added=(), removed=()) -> None:
+        added = [AddedRequest(s, 0, params) for s in added]
+        desc = BatchDescriptor(step, int(ForwardMode.IDLE), list(removed), added, PageAppends.of_rows(pages), [], 0)
+        state.apply(desc)
+
+    apply(1, [(0, 0, [3, 5]), (2, 0, [7])], added=[0, 2])
+    apply(2, [(2, 1, [4])])
+    apply(3, [], removed=[2])
+    apply(4, [(2, 0, [9])], added=[2])  # slot 2 again: column 0 now holds page 9
+    update = state.stage_token_table_updates()
+    state.staging.flush()
+    update()
+    for slot, pages in ((0, [3, 5]), (2, [9, 4])):
+        want = [page * 2 + i for page in pages for i in range(2)]
+        assert table[slot, : len(want)].tolist() == want
+        assert state.pool_index(np.full(len(want), slot), np.arange(len(want))).tolist() == want
+    assert state.stage_token_table_updates() is None  # nothing left to write

@@ -177,8 +177,13 @@ class BatchState:
         the flush, writes them there (None: nothing to write)."""
         if self.token_table is None or not self._pending_pages:
             return None
-        slots, cols, ids = (np.concatenate(parts) for parts in zip(*self._pending_pages))
+        slots, cols, ids = (np.concatenate(parts).astype(np.int64) for parts in zip(*self._pending_pages))
         self._pending_pages.clear()
+        # A slot's column appended twice since the last update (the slot freed and handed out
+        # again) keeps its last page: one write per entry, as index_put_ wants.
+        _, last = np.unique((slots * self.page_table.shape[1] + cols)[::-1], return_index=True)
+        keep = len(slots) - 1 - last
+        slots, cols, ids = slots[keep], cols[keep], ids[keep]
         within_page = np.arange(self.page_size)
         stage = self.staging.stage
         rows = stage(np.repeat(slots, self.page_size), torch.int64)
