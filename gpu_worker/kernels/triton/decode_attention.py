@@ -7,7 +7,7 @@ as SGLang's and vLLM's Triton decode kernels do), so that a few long rows still 
 
     stage 1, grid (rows, kv_heads, splits): the GROUP query heads of one KV head over one
              part of the row's keys -> a partial output and its log-sum-exp;
-    stage 2, grid (rows, heads): the parts merged by their log-sum-exp.
+    stage 2, grid (rows, kv_heads): the parts merged by their log-sum-exp.
 
 Every part's bounds are computed in the kernel from kv_lens, so the grid depends on the rows
 only: a captured graph stays valid as rows grow. A row with kv_lens 0 (a padding row of a
@@ -104,23 +104,33 @@ def _decode_merge(
     Out,
     stride_out_row,
     stride_out_head,
+    GROUP: tl.constexpr,
     DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0)
-    head = tl.program_id(1)
-    base = (row * tl.num_programs(1) + head) * NUM_SPLITS
-    s = tl.arange(0, NUM_SPLITS)
+    kv_head = tl.program_id(1)
+    h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    lse = tl.load(PartLse + base + s)
-    top = tl.max(lse, 0)
-    weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)))
-    parts = tl.load(PartOut + (base + s)[:, None] * BLOCK_D + d[None, :])
-    norm = tl.sum(weight, 0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(norm == 0.0, 1.0, norm)
-    out_ptr = Out + row.to(tl.int64) * stride_out_row + head * stride_out_head + d
-    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=d < DIM)
+    h_ok = h < GROUP
+    heads = kv_head * GROUP + h
+    base = (row * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS
+    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        top = tl.maximum(top, tl.load(PartLse + base + split, mask=h_ok, other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)  # every part empty: the weights are all 0
+    norm = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        weight = tl.exp(tl.load(PartLse + base + split, mask=h_ok, other=float("-inf")) - top)
+        part = tl.load(PartOut + (base + split)[:, None] * BLOCK_D + d[None, :], mask=h_ok[:, None], other=0.0)
+        acc += part * weight[:, None]
+        norm += weight
+    out = acc / tl.where(norm == 0.0, 1.0, norm)[:, None]
+    out_ptr = Out + row.to(tl.int64) * stride_out_row + heads[:, None] * stride_out_head + d[None, :]
+    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=h_ok[:, None] & (d < DIM)[None, :])
 
 
 class TritonDecodeAttention:
@@ -146,6 +156,7 @@ class TritonDecodeAttention:
         kv_heads = kv_cache.shape[2]
         group = heads // kv_heads
         block_d = triton.next_power_of_2(dim)
+        block_h = max(16, triton.next_power_of_2(group))  # tl.dot's least M
         parts = q.new_empty(rows * heads * self.num_splits, block_d, dtype=torch.float32)
         lse = q.new_empty(rows * heads * self.num_splits, dtype=torch.float32)
         out = q.new_empty(q.shape)
@@ -170,13 +181,22 @@ class TritonDecodeAttention:
             HAS_TABLE_ROW=kv_rows is not None,
             GROUP=group,
             DIM=dim,
-            BLOCK_H=max(16, triton.next_power_of_2(group)),
+            BLOCK_H=block_h,
             BLOCK_N=self.block_n,
             BLOCK_D=block_d,
             DOT_PRECISION=dot_precision(q.dtype),
             NUM_SPLITS=self.num_splits,
         )
-        _decode_merge[(rows, heads)](
-            parts, lse, out, out.stride(0), out.stride(1), DIM=dim, BLOCK_D=block_d, NUM_SPLITS=self.num_splits
+        _decode_merge[(rows, kv_heads)](
+            parts,
+            lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            GROUP=group,
+            DIM=dim,
+            BLOCK_H=block_h,
+            BLOCK_D=block_d,
+            NUM_SPLITS=self.num_splits,
         )
         return out
