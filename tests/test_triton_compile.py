@@ -40,8 +40,8 @@ compile_for_h100(_decode_merge, [f32, f32, bf, "i32", "i32"],
     dict(GROUP=4, DIM=128, BLOCK_H=16, BLOCK_D=128, NUM_SPLITS=8))
 compile_for_h100(_extend, [bf, bf, i64, bf, "i32", "i32", "fp32", "i32", *ints, "i32", "i32"],
     dict(GROUP=4, DIM=128, BLOCK_M=32, BLOCK_N=32, BLOCK_D=128, DOT_PRECISION="tf32"))
-compile_for_h100(_add_rms_norm, [bf, bf, bf, bf, bf, "fp32"],
-    dict(HIDDEN=4096, BLOCK=4096, HAS_DELTA=True, UNIT_OFFSET=False))
+compile_for_h100(_add_rms_norm, [bf, bf, bf, bf, bf, "i32", "fp32"],
+    dict(HIDDEN=4096, BLOCK=4096, BLOCK_ROWS=1, HAS_DELTA=True, UNIT_OFFSET=False))
 compile_for_h100(_rotary_write_kv, [bf, bf, bf, bf, i64, bf, bf, bf, "fp32", "i32", "i32", "i32", "i32", "i32"],
     dict(HEADS=32, KV_HEADS=8, DIM=128, BLOCK_HEADS=64, HAS_NORM=True, UNIT_OFFSET=False))
 """

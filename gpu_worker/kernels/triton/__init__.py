@@ -60,9 +60,9 @@ def load_triton_kernels(device: torch.device) -> TritonKernels:
     from gpu_worker.kernels.triton.rotary_write_kv import rotary_write_kv
     from gpu_worker.model.decoder import apply_rotary
 
-    # Under the interpreter every program runs in turn on the host: few splits keep it quick
-    # while still exercising the merge.
-    splits = 2 if device.type == "cpu" else 8
+    # Under the interpreter every program runs in turn on the host, each op at a cost: fewer,
+    # larger programs (two splits still exercise the merge).
+    decode = TritonDecodeAttention(num_splits=2, block_n=64) if device.type == "cpu" else TritonDecodeAttention()
     elementwise = ElementwiseKernels(
         rms_norm,
         add_rms_norm,
@@ -71,4 +71,4 @@ def load_triton_kernels(device: torch.device) -> TritonKernels:
         lambda x, cos, signed_sin: apply_rotary(x, (cos, signed_sin)),  # prompt steps only: torch's ops
         rotary_write_kv,
     )
-    return TritonKernels(TritonDecodeAttention(num_splits=splits), TritonExtendAttention(), elementwise)
+    return TritonKernels(decode, TritonExtendAttention(), elementwise)

@@ -1,4 +1,4 @@
-"""RMSNorm, alone or fused with the residual add before it: one program per row.
+"""RMSNorm, alone or fused with the residual add before it: one program per row (on the GPU).
 
 The reference's rounding order (decoder.py, `RMSNorm`): the sum x + delta rounded to the
 model's dtype (it is the residual stream), normalised in float32, cast, then scaled by the
@@ -19,29 +19,30 @@ def _add_rms_norm(
     Weight,
     Sum,
     Out,
+    rows,
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    ok = c < HIDDEN
-    x = tl.load(X + row * HIDDEN + c, mask=ok, other=0.0)
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
+    c = tl.arange(0, BLOCK)[None, :]
+    ok = (r < rows) & (c < HIDDEN)
+    at = r.to(tl.int64) * HIDDEN + c
+    x = tl.load(X + at, mask=ok, other=0.0)
     if HAS_DELTA:
-        x = (x.to(tl.float32) + tl.load(Delta + row * HIDDEN + c, mask=ok, other=0.0).to(tl.float32)).to(
-            Out.dtype.element_ty
-        )
-        tl.store(Sum + row * HIDDEN + c, x, mask=ok)
+        x = (x.to(tl.float32) + tl.load(Delta + at, mask=ok, other=0.0).to(tl.float32)).to(Out.dtype.element_ty)
+        tl.store(Sum + at, x, mask=ok)
     xf = x.to(tl.float32)
-    normed = xf * tl.rsqrt(tl.sum(xf * xf, 0) / HIDDEN + eps)
-    w = tl.load(Weight + c, mask=ok, other=0.0).to(tl.float32)
+    normed = xf * tl.rsqrt(tl.sum(xf * xf, 1) / HIDDEN + eps)[:, None]
+    w = tl.load(Weight + c, mask=c < HIDDEN, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
         out = normed * (1.0 + w)
     else:
         out = normed.to(Out.dtype.element_ty).to(tl.float32) * w
-    tl.store(Out + row * HIDDEN + c, out.to(Out.dtype.element_ty), mask=ok)
+    tl.store(Out + at, out.to(Out.dtype.element_ty), mask=ok)
 
 
 def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, unit_offset: bool):
@@ -50,16 +51,20 @@ def _launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, e
     out = torch.empty_like(x)
     total = torch.empty_like(x) if delta is not None else out
     rows = x.numel() // hidden
+    # A GPU takes a row per program; the interpreter, which runs programs one by one, a block.
+    block_rows = 16 if x.device.type == "cpu" else 1
     if rows:
-        _add_rms_norm[(rows,)](
+        _add_rms_norm[(triton.cdiv(rows, block_rows),)](
             x,
             x if delta is None else delta.contiguous(),
             weight,
             total,
             out,
+            rows,
             eps,
             HIDDEN=hidden,
             BLOCK=triton.next_power_of_2(hidden),
+            BLOCK_ROWS=block_rows,
             HAS_DELTA=delta is not None,
             UNIT_OFFSET=unit_offset,
         )
