@@ -413,7 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--bandwidth-gbs", type=float, default=0.0, help="memory bandwidth (default: by device name)")
     p.add_argument("--families", default=",".join(FAMILY_CHECKPOINTS))
-    p.add_argument("--rows", default="1,32,128")
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="batch sizes of (c) (default 1,32,128; 1,4 for triton on a CPU, whose interpreter runs "
+        "each program in turn)",
+    )
     p.add_argument("--skip-tp", action="store_true", help="leave out (d), the one part that starts a server")
     p.add_argument(
         "--attention-backend",
@@ -431,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = ns.bandwidth_gbs or default_bandwidth(ns.device)
     backend = "triton" if ns.attention_backend == "auto" and ns.device == "cuda" else ns.attention_backend
     backend = "torch" if backend == "auto" else backend
-    rows = [int(r) for r in ns.rows.split(",")]
+    interpreted = ns.device == "cpu" and backend == "triton"
+    rows = [int(r) for r in (ns.rows or ("1,4" if interpreted else "1,32,128")).split(",")]
     parts = {
         "parity": lambda: check_parity(ns.device, families, workdir, backend),
         "syncs": lambda: check_syncs(ns.device, os.path.join(workdir, families[0]), backend),
