@@ -46,14 +46,16 @@ class SchedulerIO:
             ctx, endpoint(run, scheduler_in_endpoint(dp)), bind=True, union=SchedulerInput, name=f"{child.name}.in"
         )
         self.tokenizer = PushSocket(ctx, endpoint(run, ENDPOINT_TOKENIZER_IN), bind=False)
+        layout = layout_of(args)
+        # Ranks placed by Ray may be on any node: rank 0 replies over signed tcp to the head.
         self.replies = PullSocket(
             ctx,
-            endpoint(run, scheduler_reply_endpoint(dp)),
+            layout.reply_address(dp) if layout.ranks_anywhere else endpoint(run, scheduler_reply_endpoint(dp)),
             bind=True,
             union=SchedulerReply,
             name=f"{child.name}.reply",
+            signer=signer_of(args) if layout.ranks_anywhere else None,
         )
-        layout = layout_of(args)
         local = [r for r in range(args.tp_size) if not layout.is_remote_rank(r)]
         self.workers = [PushSocket(ctx, endpoint(run, worker_endpoint(dp, r)), bind=False) for r in local]
         self.remote_ranks = [peer_id(dp, r) for r in range(args.tp_size) if layout.is_remote_rank(r)]

@@ -84,6 +84,34 @@ def result_mismatch(step_rows: int, batch_rows: int, result: StepResult, max_per
     return None
 
 
+def embeddings_mismatch(pooling_rows: int, result: StepResult) -> str | None:
+    """Why `result` cannot answer a step whose last chunks of `pooling_rows` embedding rows
+    ran (None if it can): it must carry exactly one vector for each."""
+    got = result.embeddings.rows if result.embeddings is not None else 0
+    if got != pooling_rows:
+        return f"{got} embedding vectors for {pooling_rows} embedding rows"
+    return None
+
+
+def take_step_embeddings(reqs: list[Req], result: StepResult) -> StepOutputs:
+    """Each embedding request of `reqs` (in batch order) gets its vector from `result`, and
+    finishes with it; one whose request finished first (aborted) is dropped."""
+    rids: list[str] = []
+    extras: list[RowExtras] = []
+    finished: list[Req] = []
+    for i, req in enumerate(reqs):
+        req.pending_results -= 1
+        if req.finish_reason is not None:
+            continue
+        req.finish(FinishReason.STOP)
+        finished.append(req)
+        extras.append(RowExtras(len(rids), FinishReason.STOP.value, embedding=result.embeddings.row(i)))
+        rids.append(req.rid)
+    if not rids:
+        return StepOutputs(None, 0, finished)
+    return StepOutputs(TokenOutBatch(rids, token_counts=pack_int32([0] * len(rids)), extras=extras), 0, finished)
+
+
 def take_step_tokens(reqs: list[Req], result: StepResult) -> StepOutputs:
     """Adds each sampling row's tokens of `result` to its request (rows in `reqs` order)
     and returns what the step produced.

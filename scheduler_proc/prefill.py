@@ -50,8 +50,12 @@ class WaitingQueue:
 
 
 class PrefillPlanner:
-    def __init__(self, kv: KVCacheManager, max_prefill_tokens: int, chunk_size: int, max_running: int) -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_prefill_tokens: int, chunk_size: int, max_running: int, pooling: str = "last"
+    ) -> None:
         self.kv = kv
+        self.pooling = pooling
+        """`--pooling`: with mean, an embedding request's every token must run."""
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_size = chunk_size
         self.max_running = max_running
@@ -97,9 +101,10 @@ class PrefillPlanner:
     def _admit(self, req: Req, budget: int, decode_reserve: int) -> bool:
         """Takes the cached prefix and the pages of the first chunk, or nothing at all."""
         req.fill_ids = req.all_token_ids()
-        if req.sampling.repetition_penalty != 1.0:
-            # The worker's repetition penalty sees only the prompt tokens it runs: a cached
-            # prefix never runs there, so such a request takes none (it still offers its KV).
+        if req.sampling.repetition_penalty != 1.0 or (req.embedding and self.pooling == "mean"):
+            # The worker's repetition penalty, and mean pooling, see only the prompt tokens it
+            # runs: a cached prefix never runs there, so such a request takes none (it still
+            # offers its KV).
             req.pages, req.prefix_len = [], 0
         else:
             self.kv.match_prefix(req)

@@ -32,6 +32,7 @@ class Req:
         "arrival_time",
         "cached_tokens",
         "decoding",
+        "embedding",
         "error",
         "fill_ids",
         "finish_reason",
@@ -58,6 +59,7 @@ class Req:
         eos_ids: frozenset[int] = frozenset(),
         context_length: int = 1 << 62,
         resumed_ids: list[int] | None = None,
+        embedding: bool = False,
     ) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
@@ -72,6 +74,9 @@ class Req:
         self.max_output_len = min(sampling.max_new_tokens, context_length - len(prompt_ids))
         """Outputs at which it ends with "length" (its budget, or the context is full)."""
         self.arrival_time = time.monotonic()
+        self.embedding = embedding
+        """An `EmbedReq`: a prefill that samples nothing; the step that runs its last chunk
+        returns its pooled vector, its one output, and it finishes with that."""
 
         # KV state, valid while the request is in the running batch
         self.slot: int | None = None
@@ -120,7 +125,10 @@ class Req:
         """Its output budget runs out with the tokens of the steps already sent (each adds
         at least one): no later step can add to it. With overlap, the next step is built
         before those results arrive; without this, it would carry the row one step past
-        its finish, a whole forward for a one-token request before its answer goes out."""
+        its finish, a whole forward for a one-token request before its answer goes out.
+        An embedding request ends with its one result, its vector."""
+        if self.embedding:
+            return self.pending_results > 0
         return len(self.output_ids) + self.pending_results >= self.max_output_len
 
     def finish(self, reason: FinishReason, error: str = "") -> None:

@@ -46,6 +46,9 @@ class ScheduleBatch:
         self.sampling_mask = np.zeros(0, dtype=bool)
         """Rows that sample a token in the step being built: decoding rows, and rows whose
         last prompt chunk runs; reset by build_descriptor."""
+        self.pooling_reqs: list[Req] = []
+        """Embedding rows whose last prompt chunk runs in the step being built, in batch
+        order: each gets its vector from the step; reset by build_descriptor."""
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -68,6 +71,7 @@ class ScheduleBatch:
                     generated_ids=pack_int32(req.resumed_ids + req.output_ids)
                     if req.resumed_ids or req.output_ids
                     else b"",
+                    pooled=req.embedding,
                 )
             )
         self.reqs.extend(new_reqs)
@@ -100,6 +104,10 @@ class ScheduleBatch:
             self._extends.append(ExtendChunk(req.slot, pack_int32(req.fill_ids[start : start + n]), is_last))
             self.seq_lens_cpu[index] += n
             self.step_increments[index] += n
+            if req.embedding:  # samples nothing, never decodes: its vector is due
+                if is_last:
+                    self.pooling_reqs.append(req)
+                continue
             # The worker starts decoding this row right after the step; so does the mirror.
             req.decoding = is_last
             self.sampling_mask[index] = is_last
@@ -176,6 +184,7 @@ class ScheduleBatch:
             seq_lens_sum=self.seq_lens_sum,
         )
         self._removed_slots, self._added, self._extends = [], [], []
+        self.pooling_reqs = []
         self._decode_rows = 0
         self.step_increments = np.zeros(len(self.reqs), dtype=np.int64)
         self.sampling_mask = np.zeros(len(self.reqs), dtype=bool)

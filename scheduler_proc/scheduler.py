@@ -16,7 +16,7 @@ import numpy as np
 
 from scheduler_proc.io import SchedulerIO
 from scheduler_proc.kv_cache import KVCacheManager
-from scheduler_proc.output import finished_alone, take_step_tokens
+from scheduler_proc.output import finished_alone, take_step_embeddings, take_step_tokens
 from scheduler_proc.prefill import PrefillPlanner, WaitingQueue
 from scheduler_proc.request import FinishReason, Req
 from scheduler_proc.schedule_batch import ScheduleBatch, check_seq_lens
@@ -28,9 +28,11 @@ from trident.wire.codec import unpack_int32
 from trident.wire.control import PROTOCOL_VERSION, check_protocol_version
 from trident.wire.frontend import (
     AbortReq,
+    EmbedReq,
     FlushCacheDone,
     FlushCacheReq,
     GenerateReq,
+    SamplingParams,
     ServerInfo,
     TokenizerHello,
     WorkerGroupLost,
@@ -63,7 +65,11 @@ class Scheduler:
         self.kv = KVCacheManager(ready.num_pages, ready.page_size, self.args.disable_radix_cache)
         self.waiting.kv = self.kv
         self.prefill = PrefillPlanner(
-            self.kv, self.args.max_prefill_tokens, self.args.chunked_prefill_size, self.args.max_running_requests
+            self.kv,
+            self.args.max_prefill_tokens,
+            self.args.chunked_prefill_size,
+            self.args.max_running_requests,
+            self.args.pooling,
         )
         self.batch = ScheduleBatch()
         self.next_step_id = 1
@@ -128,6 +134,8 @@ class Scheduler:
     def handle_request(self, msg) -> None:
         if isinstance(msg, GenerateReq):
             self.handle_generate(msg)
+        elif isinstance(msg, EmbedReq):
+            self.handle_embed(msg)
         elif isinstance(msg, AbortReq):
             self.handle_abort(msg.rid)
         elif isinstance(msg, TokenizerHello):
@@ -181,9 +189,29 @@ class Scheduler:
             self.worker.context_length,
             unpack_int32(msg.resumed_ids).tolist(),
         )
-        need = len(req.prompt_ids) + 1
-        if msg.rid in self.reqs:
-            req.finish(FinishReason.ERROR, f"request id {msg.rid!r} is already running")
+        self.admit(req, need=len(req.prompt_ids) + 1)
+
+    def handle_embed(self, msg: EmbedReq) -> None:
+        """An embedding request: queued like a prompt, it needs KV for its prompt alone.
+
+        It shares the radix cache as a prompt does: with last-token pooling it takes a cached
+        prefix (embedding models prefix every query with the same instruction, whose KV is then
+        computed once) and, like any request, offers the KV it wrote when it leaves; LRU
+        eviction drops one-off documents first. With mean pooling it takes none (prefill.py)."""
+        if msg.scheduler_boot_id and msg.scheduler_boot_id != self.boot_id:
+            self.counters.stale_requests += 1
+            return
+        ids = unpack_int32(msg.input_ids).copy()
+        req = Req(
+            msg.rid, ids, SamplingParams(max_new_tokens=0), context_length=self.worker.context_length, embedding=True
+        )
+        self.admit(req, need=len(ids))
+
+    def admit(self, req: Req, need: int) -> None:
+        """Queues a new request, or finishes it at once with an error when it cannot run:
+        `need` is the KV it takes (its prompt, plus its first output if it generates)."""
+        if req.rid in self.reqs:
+            req.finish(FinishReason.ERROR, f"request id {req.rid!r} is already running")
         elif len(req.prompt_ids) == 0 or need > self.worker.context_length or need > self.kv.total_tokens:
             req.finish(
                 FinishReason.ERROR,
@@ -231,12 +259,21 @@ class Scheduler:
             return None  # rows that left are told with the next descriptor
         rows = np.flatnonzero(self.batch.sampling_mask)
         sampling = [self.batch.reqs[i] for i in rows.tolist()]
-        for req in sampling:
+        pooling = self.batch.pooling_reqs
+        for req in sampling + pooling:
             req.pending_results += 1
         increments = self.batch.step_increments.copy()
         desc = self.batch.build_descriptor(self.next_step_id)
         self.next_step_id += 1
-        return Step(desc, sampling, rows, self.batch.seq_lens_cpu.copy(), increments, build_s=time.perf_counter() - t0)
+        return Step(
+            desc,
+            sampling,
+            rows,
+            self.batch.seq_lens_cpu.copy(),
+            increments,
+            build_s=time.perf_counter() - t0,
+            pooling_reqs=pooling,
+        )
 
     def decoding_rows(self) -> np.ndarray:
         reqs = self.batch.reqs
@@ -303,7 +340,7 @@ class Scheduler:
         whose last tokens are in flight has already left the batch (`ends_with_steps_in_flight`)
         and would otherwise be held by nobody, its client never answered."""
         queued = set(self.waiting.queue)
-        in_flight = [r for step in self.link.in_flight for r in step.sampling_reqs]
+        in_flight = [r for step in self.link.in_flight for r in step.sampling_reqs + step.pooling_reqs]
         running = [r for r in dict.fromkeys([*self.batch.reqs, *in_flight]) if not r.finished and r not in queued]
         for req in reversed(running):
             req.reset_kv_state()
@@ -367,12 +404,14 @@ class Scheduler:
                 self.batch.add_accepted_drafts(step.sampling_rows, counts.astype(np.int64) - 1)
                 self.trim_draft_pages()
         outputs = take_step_tokens(step.sampling_reqs, result)
-        for req in outputs.finished:
+        embedded = take_step_embeddings(step.pooling_reqs, result)
+        for req in outputs.finished + embedded.finished:
             # No slot: it left the batch before this result (retracted into the queue, or
             # removed as ending with its steps in flight), so no later step will drop it.
             if req.slot is None:
                 self.waiting.remove(req.rid)
                 self.reqs.pop(req.rid, None)
         self.counters.totals.generation_tokens += outputs.tokens
-        if outputs.batch is not None:
-            self.io.tokenizer.send(outputs.batch)
+        for batch in (outputs.batch, embedded.batch):
+            if batch is not None:
+                self.io.tokenizer.send(batch)

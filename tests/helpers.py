@@ -368,9 +368,12 @@ def record_workload(tmp_path, seed: int, num_prompts: int, max_new_tokens: int, 
     return recording
 
 
-def prompt_logits(path: str, ids: torch.Tensor, dtype: torch.dtype, prepare=None) -> torch.Tensor:
+def prompt_logits(
+    path: str, ids: torch.Tensor, dtype: torch.dtype, prepare=None, quantized: bool = False
+) -> torch.Tensor:
     """Next-token logits at every position of one prompt through the worker's own model
-    (weights loaded and cast to `dtype`; `prepare(model)` then, e.g. to quantize or pack)."""
+    (weights loaded and cast to `dtype`; `prepare(model)` then, e.g. to quantize or pack;
+    `quantized`: a GGUF's weights in its own formats, `--weight-dtype gguf`)."""
     import torch
 
     from gpu_worker.model.attention import AttentionMetadata, ExtendRow
@@ -380,9 +383,11 @@ def prompt_logits(path: str, ids: torch.Tensor, dtype: torch.dtype, prepare=None
 
     cfg = load_config(path)
     model = LlamaForCausalLM(cfg)
-    model.load_weights(iter_weights(path, cfg))
+    model.load_weights(iter_weights(path, cfg, quantized))
     model = model.to(dtype=dtype).eval()
     model.rope.to(dtype=torch.float32)
+    if quantized:
+        model.install_quantized_weights()
     if prepare is not None:
         prepare(model)
     n = len(ids)

@@ -26,8 +26,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from gpu_worker.layers.fused_moe import fused_moe_available
 from gpu_worker.model.attention import AttentionMetadata, DecodeGroup, ExtendRow, QueryKeys, shifted_causal_mask
-from tests.family_models import FAMILY_CHECKPOINTS, WINDOW, make_family_checkpoint
+from tests.family_models import FAMILY_CHECKPOINTS, MOE_CHECKPOINTS, WINDOW, make_family_checkpoint, write_moe_gguf
 from tests.helpers import TEST_CPU_THREADS, smollm2_gguf
 from trident.wire.child import ChildContext
 from trident.wire.server_args import ServerArgs
@@ -219,15 +220,30 @@ def test_a_decode_rows_logits_are_the_same_bits_in_steps_of_1_to_80_rows_and_bes
     assert decode_batch_differences(seqs, prompt, torch.Generator().manual_seed(5)) == []
 
 
-@pytest.mark.parametrize("family", FAMILY_CHECKPOINTS)
+@pytest.mark.parametrize("family", FAMILY_CHECKPOINTS + MOE_CHECKPOINTS)
 def test_every_family_is_batch_invariant(family, tmp_path):
     """Random-weight checkpoints of each family we serve, with its quirks on (q/k norms,
     biases, rope scalings, Gemma 3's local and global layers, a sliding window shorter than
-    the prompt, head dims 16 to 256)."""
+    the prompt, head dims 16 to 256, routed and shared experts: a token's experts see
+    other tokens beside it in each step, on the fused MoE op where it builds)."""
     path = make_family_checkpoint(str(tmp_path / family), family)
     prompt = random_prompt(torch.Generator().manual_seed(6), 3 * WINDOW)
     for worker in default_worker(path):
         assert worker.batch_invariant
+        if family in MOE_CHECKPOINTS and fused_moe_available():
+            assert worker.experts_kind.startswith("fused-"), worker.experts_kind
+        assert chunking_differences(Sequences(worker), prompt) == []
+        assert decode_batch_differences(Sequences(worker), prompt, torch.Generator().manual_seed(7)) == []
+
+
+def test_a_moe_gguf_in_its_own_formats_is_batch_invariant(tmp_path):
+    """Qwen3-MoE as a qwen3moe GGUF on the default worker: the experts as QuantLinear
+    layers, the float32 router on our bf16 kernel."""
+    checkpoint = make_family_checkpoint(str(tmp_path / "ckpt"), "qwen3_moe_gguf")
+    path = write_moe_gguf(checkpoint, str(tmp_path / "qwen3moe.gguf"), "qwen3moe")
+    prompt = random_prompt(torch.Generator().manual_seed(6), 3 * WINDOW)
+    for worker in default_worker(path):
+        assert worker.batch_invariant and worker.weight_dtype == "gguf" and worker.experts_kind == "torch"
         assert chunking_differences(Sequences(worker), prompt) == []
         assert decode_batch_differences(Sequences(worker), prompt, torch.Generator().manual_seed(7)) == []
 

@@ -7,8 +7,8 @@ VNNI linear (whichever the CPU picks), in bf16 with int8 weights, and in float32
 oneDNN's packed weights. Each workload runs twice on the same worker, with the flat loop
 off and on, and every step's logits are compared. The same on two other families
 (tests/family_models.py): Gemma 3 (four norms a layer, (1 + w) norms, GeGLU, q/k norms,
-head dim 256, local layers with a 12-key window shorter than the prompts) and Qwen3 (q/k
-norms, head dim 128).
+head dim 256, local layers with a 12-key window shorter than the prompts), Qwen3 (q/k
+norms, head dim 128) and Qwen2-MoE (routed experts and a gated shared expert).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from trident.wire.child import ChildContext
 from trident.wire.server_args import ServerArgs
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3", "qwen2_moe"])
 def model_dir(request, tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp(request.param))
     if request.param != "llama":

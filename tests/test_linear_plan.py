@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.kernels.cpu_kernels import load_amx_linear, load_vnni_linear, load_widening_bf16_linear
-from gpu_worker.layers.linear_plan import LinearPlan, choose_linear
+from gpu_worker.kernels.cpu_kernels import load_amx_linear, load_fused_moe, load_vnni_linear, load_widening_bf16_linear
+from gpu_worker.layers.fused_moe import fused_moe_available
+from gpu_worker.layers.linear_plan import LinearPlan, choose_experts, choose_linear
 from gpu_worker.layers.packed_linear import Bf16KernelLinear, PackedLinear
 from tests.helpers import make_random_llama, prompt_logits
 
@@ -74,3 +75,17 @@ def test_a_cpu_with_amx_takes_the_amx_kernel_with_batch_invariance_off_too(tmp_p
     assert plan.kind == "amx-bf16" and plan.breaks_batch_invariance is None
     assert linear_kinds_installed(plan, torch.bfloat16, tmp_path) == {Bf16KernelLinear}
     assert choose_linear("packed", "bf16", CPU, torch.bfloat16, batch_invariant=False).kind == "packed"
+
+
+def test_experts_keep_their_own_linear_layers_wherever_the_fused_op_does_not_apply_and_say_why():
+    gguf = choose_experts("gguf", CPU, torch.bfloat16)
+    assert gguf.kind == "torch" and "quantized" in gguf.reason and "bf16 only" in gguf.reason
+    assert "int8" in choose_experts("int8", CPU, torch.bfloat16).reason
+    assert choose_experts("bf16", CPU, torch.float32).kind == "torch"
+    assert "cuda" in choose_experts("bf16", torch.device("cuda"), torch.bfloat16).reason
+
+
+@pytest.mark.skipif(not fused_moe_available(), reason="the fused MoE op's kernels do not build on this CPU")
+def test_bf16_experts_on_cpu_take_the_fused_op_in_its_best_path():
+    plan = choose_experts("bf16", CPU, torch.bfloat16)
+    assert plan.kind == f"fused-{load_fused_moe().replace('_', '-')}" and "fused op" in plan.reason

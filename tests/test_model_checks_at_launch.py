@@ -51,6 +51,21 @@ def test_unsupported_model_type_names_the_supported_families(tiny_llama, tmp_pat
     assert all(family in line for family in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3"))
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss"])
+def test_moe_types_we_do_not_serve_get_one_line(tiny_llama, tmp_path, model_type):
+    """DeepSeek's grouped sigmoid routing and gpt-oss's biased experts are not the MoE
+    families we serve (qwen3_moe, qwen2_moe, mixtral)."""
+    config = {"model_type": model_type, "n_routed_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2}
+    line = launch_error(edited_copy(tiny_llama, tmp_path / model_type, config))
+    assert f"model type {model_type!r} is not supported" in line and "qwen3_moe" in line
+
+
+def test_a_moe_config_over_dense_tensors_is_refused_for_its_missing_experts(tiny_llama, tmp_path):
+    config = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    line = launch_error(edited_copy(tiny_llama, tmp_path / "moe", config))
+    assert "model.layers.0.mlp.gate.weight and" in line and "missing" in line
+
+
 def test_a_classifier_checkpoint_is_refused(tiny_llama, tmp_path):
     classifier = edited_copy(tiny_llama, tmp_path / "cls", {"architectures": ["LlamaForSequenceClassification"]})
     assert "holds no text-generation model" in launch_error(classifier)

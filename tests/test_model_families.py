@@ -6,7 +6,8 @@ greedy tokens equal transformers `generate()` token for token: a short prompt, a
 longer than the sliding window cut into prefill chunks that cross the window's edge, and
 that prompt again (its prefix from the radix cache). The windowed families also run with
 the torch decode attention (the reference path) and n-gram speculative verification;
-Phi-3 and Gemma 3 also at tensor parallel 2. In
+Phi-3 and Gemma 3 also at tensor parallel 2, and the mixture-of-experts families
+(Qwen3-MoE, Qwen2-MoE, Mixtral) at tensor parallel 1 and 2. In
 bfloat16 (the default fast path: C++ kernels, flat decode loop), the served tokens are
 float32 transformers' top-1 at most positions, teacher-forced on the served text.
 """
@@ -20,7 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.family_models import FAMILY_CHECKPOINTS, WINDOW, make_family_checkpoint, transformers_greedy
+from tests.family_models import (
+    FAMILY_CHECKPOINTS,
+    MOE_CHECKPOINTS,
+    WINDOW,
+    make_family_checkpoint,
+    transformers_greedy,
+)
 from tests.helpers import running_server
 
 MAX_TOKENS = 16
@@ -104,15 +111,37 @@ def test_families_split_over_two_ranks_equal_transformers(name, family_case):
     assert served == [*want, want[-1]], name
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", MOE_CHECKPOINTS)
+def test_moe_families_equal_transformers_at_one_and_two_ranks(name, tp, family_case):
+    """Routing (top-k, renormalised or not), experts, Qwen2-MoE's gated shared expert and a
+    dense layer among sparse ones (Qwen3-MoE); at tp 2 each rank holds half of every
+    expert's intermediate dimension."""
+    path, want = family_case(name)
+    args = ["--model", path, "--dtype", "float32", "--chunked-prefill-size", str(CHUNK), "--tp-size", str(tp)]
+    with running_server(args) as server:
+        served = _serve(server, _prompts())
+    assert served == [*want, want[-1]], name
+
+
 BF16_SLACK = 0.1
 """Our bf16 may agree with float32 on this much fewer of the positions than transformers'
 own bf16 does (measured: docs/benchmarks.md)."""
 
 
 def test_bfloat16_fast_path_serves_each_family_about_as_close_to_float32_as_transformers_bf16(family_checkpoint):
+    assert_bf16_about_as_close_as_transformers(*family_checkpoint)
+
+
+def test_bfloat16_fast_path_serves_a_moe_family_about_as_close_to_float32_as_transformers_bf16(family_case):
+    """Qwen2-MoE: the router and the shared expert's one-row gate on the bf16 kernels, the
+    experts in the flat decode loop."""
+    assert_bf16_about_as_close_as_transformers("qwen2_moe", family_case("qwen2_moe")[0])
+
+
+def assert_bf16_about_as_close_as_transformers(name: str, path: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    name, path = family_checkpoint
     prompts = _prompts()
     with running_server(["--model", path, "--chunked-prefill-size", str(CHUNK)]) as server:
         served = _serve(server, prompts)[: len(prompts)]

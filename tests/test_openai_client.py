@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import openai
@@ -111,3 +112,15 @@ def test_parsers_chosen_by_flag_reach_the_chat_answers():
         full = _assert_stream_accumulates_to_the_message(client, **kw)
         assert full.message.content and full.message.model_extra["reasoning_content"] is None
         _assert_stream_accumulates_to_the_message(client, **kw, tools=[WEATHER_TOOL], tool_choice="auto")
+        # A constraint starts after any thinking: the grammar lets `<think>` free text come
+        # first, and SmolLM2, told it reasons, takes it and thinks on to the length limit.
+        kw["max_tokens"] = 64
+        forced = _assert_stream_accumulates_to_the_message(client, **kw, tools=[WEATHER_TOOL], tool_choice="required")
+        if forced.finish_reason == "tool_calls":
+            assert forced.message.tool_calls[0].function.name == "get_weather"
+        else:
+            assert forced.finish_reason == "length" and forced.message.model_extra["reasoning_content"]
+            assert not forced.message.content and not forced.message.tool_calls
+        as_json = client.chat.completions.create(**kw, response_format={"type": "json_object"})
+        if as_json.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(as_json.choices[0].message.content), dict)

@@ -12,19 +12,18 @@ from types import SimpleNamespace
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
+from xgrammar import Grammar
+from xgrammar.testing import _is_grammar_accept_string
 
 from tokenizer_proc import openai_format as fmt
 from tokenizer_proc.chat_output import ChoiceOutput, choice_output
 from tokenizer_proc.protocol import ChatMessage
-from tokenizer_proc.reasoning import ReasoningParser, thinking_open_in, uses_reasoning_parser
-from tokenizer_proc.tool_parsers import (
-    HERMES,
-    LLAMA3_JSON,
-    MISTRAL,
-    ToolCallFormat,
-    choose_tool_format,
-)
-from tokenizer_proc.tools import ToolPlan, template_messages
+from tokenizer_proc.pythonic_calls import PYTHONIC
+from tokenizer_proc.reasoning import ReasoningParser, thinking_open_in, thinking_skipped_in, uses_reasoning_parser
+from tokenizer_proc.structured import after_reasoning, schema_spec
+from tokenizer_proc.tool_formats import choose_tool_format
+from tokenizer_proc.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, ToolCallFormat
+from tokenizer_proc.tools import ToolPlan, forced_call_spec, template_messages
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
@@ -79,6 +78,14 @@ CASES = [
     (MISTRAL, "[TOOL_CALLS]no call here", "no call here", []),
     (LLAMA3_JSON, '<|python_tag|>{"name": "get_time", "parameters": {}}<|python_tag|>{"name": "get_time", '
      '"parameters": {}}', None, [("get_time", {}), ("get_time", {})]),
+    (PYTHONIC, '[get_weather(city="Oslo"), get_time()]', None, [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    (PYTHONIC, "<|python_start|>[get_weather(city='Oslo, Norway', days=[1, 2], hourly=True)]<|python_end|>", None,
+     [("get_weather", {"city": "Oslo, Norway", "days": [1, 2], "hourly": True})]),
+    (PYTHONIC, ' [get_time(tz=None)]\n', None, [("get_time", {"tz": None})]),
+    (PYTHONIC, "[1] is a citation.", "[1] is a citation.", []),
+    (PYTHONIC, "[launch_rocket()]", "[launch_rocket()]", []),
+    (PYTHONIC, "Hello [get_time()]", "Hello [get_time()]", []),
+    (PYTHONIC, "[get_weather(city=open('x'))] then", "city=open('x'))] then", [("get_weather", {})]),
 ]  # fmt: skip
 
 
@@ -121,6 +128,7 @@ def test_streamed_pieces_add_up_to_the_whole_answer_in_the_openai_clients_accumu
         (LLAMA3_JSON, '{"name": "get_time", "parameters": {"x": 1}}; {"name": "get_weather"', '"parameters": {', "1}"),
         (MISTRAL, '[TOOL_CALLS] [{"name": "get_time", "arguments": {"x": 1}}] and', "}}]", "}}]"),
         (MISTRAL, '[TOOL_CALLS]get_time[ARGS]{"x": 1} and', "[ARGS]{", "1}"),
+        (PYTHONIC, "[get_time(x=1)] and", "get_time(", "x=1)"),
     ],
 )
 def test_a_streamed_call_goes_out_with_its_name_then_its_arguments_as_they_are_written(
@@ -169,7 +177,7 @@ def test_without_a_parser_or_tools_the_text_is_the_content():
 
 def test_family_formats_write_earlier_calls_as_they_parse_them():
     pairs = [('"get_weather"', '{"city": "Oslo"}'), ('"get_time"', "{}")]
-    for family in (HERMES, LLAMA3_JSON, MISTRAL):
+    for family in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC):
         output = _parse(family, family.calls_text(pairs))
         assert _calls(output) == [("get_weather", {"city": "Oslo"}), ("get_time", {})], family.name
         assert family.calls_text([]) == ""
@@ -184,6 +192,9 @@ def test_auto_picks_the_format_from_the_chat_template_or_control_tokens():
     assert choose_tool_format("auto", _tokenizer("<tool_call>\n{{ tool_call | tojson }}")) is HERMES
     assert choose_tool_format("auto", _tokenizer("{{ '<|python_tag|>' }} ipython")) is LLAMA3_JSON
     assert choose_tool_format("auto", _tokenizer("plain", {"[TOOL_CALLS]": 5})) is MISTRAL
+    assert choose_tool_format("auto", _tokenizer("[func_name1(params_name1=params_value1)]")) is PYTHONIC
+    assert choose_tool_format("auto", _tokenizer("plain", {"<|python_start|>": 7})) is PYTHONIC
+    assert choose_tool_format("auto", _tokenizer('{"name": function name, "parameters": ...}')) is LLAMA3_JSON
     assert choose_tool_format("auto", _tokenizer("{{ messages }}")) is HERMES
     assert choose_tool_format("llama3_json", _tokenizer("<tool_call>")) is LLAMA3_JSON
     assert choose_tool_format("none", _tokenizer("<tool_call>")) is None
@@ -235,13 +246,76 @@ def test_auto_reasoning_parser_follows_the_template():
     assert uses_reasoning_parser("deepseek_r1", _tokenizer("")) and not uses_reasoning_parser("none", _tokenizer(""))
 
 
-def test_a_constrained_output_is_all_answer_even_where_the_prompt_opened_think():
-    """A grammar (a forced call, a response_format) shapes the output from its first token, so
-    there is no reasoning to split off, even after DeepSeek-R1's `<think>` prompt."""
-    forced = ToolPlan([TIME], "required")
-    output = choice_output(forced, HERMES, True, "<|Assistant|><think>\n", constrained=True)
-    output.feed('{"name": "get_time", "arguments": {}}', "stop")
-    assert _calls(output) == [("get_time", {})] and output.message()["reasoning_content"] is None
+def _grammar_accepts(spec, text: str) -> bool:
+    assert spec.kind in ("ebnf", "json_schema")
+    if spec.kind == "json_schema":
+        return _is_grammar_accept_string(str(Grammar.from_json_schema(spec.text, any_whitespace=False)), text)
+    return _is_grammar_accept_string(spec.text, text)
+
+
+FORCED_CALLS = {
+    HERMES: '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    LLAMA3_JSON: '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}',
+    MISTRAL: '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+    '{"name": "get_time", "arguments": {}}]',
+    PYTHONIC: '[get_weather(city="Oslo"), get_time()]',
+}
+
+
+@pytest.mark.parametrize("family", FORCED_CALLS, ids=lambda f: f.name)
+def test_a_forced_tool_choice_is_constrained_to_the_familys_own_format_and_read_back_by_its_parser(family):
+    """`required` with parallel_tool_calls allows several calls in the family's wrapper;
+    without it, or for a named function, exactly one; what the grammar allows, the parser reads."""
+    text = FORCED_CALLS[family]
+    required = forced_call_spec(ToolPlan([WEATHER, TIME], "required"), family, True)
+    assert _grammar_accepts(required, text)
+    assert not _grammar_accepts(required, "It is sunny.")
+    output = choice_output(ToolPlan([WEATHER, TIME], "required"), family, False, "")
+    output.feed(text, "stop")
+    assert _calls(output) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert output.finish_reason == "tool_calls" and output.message()["content"] is None
+    named = forced_call_spec(ToolPlan([WEATHER, TIME], "named", "get_weather"), family, None)
+    one_call = family.calls_text([('"get_weather"', '{"city": "Oslo"}')])
+    if family is HERMES:
+        one_call = one_call.replace("<tool_call>", "<tool_call>\n").replace("</tool_call>", "\n</tool_call>")
+    if family is MISTRAL:
+        one_call = one_call.replace("[TOOL_CALLS] ", "[TOOL_CALLS]")
+    assert _grammar_accepts(named, one_call) and not _grammar_accepts(named, text)
+    for parallel in (False, None):
+        single = forced_call_spec(ToolPlan([WEATHER, TIME], "required"), family, parallel)
+        assert _grammar_accepts(single, one_call) and not _grammar_accepts(single, text)
+
+
+def test_a_pythonic_forced_call_takes_only_values_of_each_parameters_type():
+    tool = {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer"}, "unit": {"enum": ["C", "F"]}, "tags": {"type": "array", "items": {"type": "string"}},
+    }}}  # fmt: skip
+    spec = forced_call_spec(ToolPlan([tool], "required"), PYTHONIC, None)
+    assert _grammar_accepts(spec, '[f(n=3, unit="C", tags=["a", "b"])]')
+    for wrong in ('[f(n="3")]', '[f(unit="K")]', "[f(tags=[1])]", "[f(m=1)]", "[g()]"):
+        assert not _grammar_accepts(spec, wrong), wrong
+
+
+def test_structured_outputs_apply_only_after_the_reasoning_ends():
+    """The thinking is free text up to `</think>`; the constraint starts after it. Where the
+    prompt opened `<think>` (DeepSeek-R1) the output starts inside it; elsewhere the model
+    may open one or answer at once."""
+    schema = schema_spec({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "x")
+    opened = after_reasoning(schema, thinking_open=True)
+    assert _grammar_accepts(opened, 'Maybe {"a": "x"}? No.</think>\n\n{"a": 1}')
+    assert not _grammar_accepts(opened, '{"a": 1}')
+    assert not _grammar_accepts(opened, "Hmm.</think>\n\nThe answer is 1.")
+    assert not _grammar_accepts(opened, 'Hmm.</think>{"a": 1}</think>{"a": 1}')
+    optional = after_reasoning(schema, thinking_open=False)
+    assert _grammar_accepts(optional, '<think>Easy.</think>\n{"a": 1}') and _grammar_accepts(optional, '{"a": 1}')
+    assert not _grammar_accepts(optional, 'Sure: {"a": 1}')
+    # Qwen3 with enable_thinking false closes an empty block: no thinking, the constraint from the start
+    assert thinking_skipped_in("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not thinking_skipped_in("<|im_start|>assistant\n") and not thinking_skipped_in("<think>\n")
+    output = choice_output(ToolPlan([TIME], "required"), HERMES, True, "<|Assistant|><think>\n")
+    output.feed('Call it.</think>\n\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "stop")
+    assert output.message()["reasoning_content"] == "Call it." and _calls(output) == [("get_time", {})]
 
 
 def test_an_answer_sent_back_with_its_reasoning_is_accepted_and_reaches_templates_that_take_it():

@@ -6,8 +6,9 @@ It owns everything a client sees and nothing the GPU needs:
 - `app`: the FastAPI application, its middleware (API key, body size) and error handlers.
 - `openai_api` / `openai_format`: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
 - `chat_output`: a chat choice's text as reasoning, content and tool calls, streamed or not,
-  through `reasoning` (`<think>`) and `tool_parsers` (each family's call format); `tools`
-  holds the tool plan, its prompt and the forced-call constraint.
+  through `reasoning` (`<think>`) and the call parser `tool_formats` chooses: `tool_parsers`
+  (the JSON families) or `pythonic_calls`; `tools` holds the tool plan and its prompt, and
+  `tool_grammar` the forced-call constraint in the family's format.
 - `tokenize_api`: vLLM's `/tokenize` and `/detokenize`.
 - `native_api`: SGLang-style `/generate`, `/abort`, `/flush_cache`, `/server_info`, `/health_generate`.
 - `protocol` / `sampling`: request models and their validation into `wire.frontend.SamplingParams`.

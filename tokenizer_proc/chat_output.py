@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenizer_proc.pythonic_calls import PythonicCallParser
 from tokenizer_proc.reasoning import ReasoningParser, thinking_open_in
+from tokenizer_proc.tool_formats import call_parser
 from tokenizer_proc.tool_parsers import FORCED, Call, ToolCallFormat, ToolCallParser
 from tokenizer_proc.tools import ToolPlan
 
@@ -20,7 +22,10 @@ class ChoiceOutput:
     """A choice's reasoning, content and calls so far, and the deltas that send them."""
 
     def __init__(
-        self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, model_reasons: bool = False
+        self,
+        reasoning: ReasoningParser | None,
+        tools: ToolCallParser | PythonicCallParser | None,
+        model_reasons: bool = False,
     ) -> None:
         self._reasoning = reasoning
         self._tools = tools
@@ -86,22 +91,17 @@ class ChoiceOutput:
 
 
 def choice_output(
-    plan: ToolPlan,
-    tool_format: ToolCallFormat | None,
-    model_reasons: bool,
-    prompt_text: str,
-    constrained: bool = False,
+    plan: ToolPlan, tool_format: ToolCallFormat | None, model_reasons: bool, prompt_text: str
 ) -> ChoiceOutput:
-    """The parsers one choice's text goes through: a forced call is read as the bare object
-    its grammar makes; `auto` in the served model's format (none: calls stay text). A
-    `constrained` output (a grammar from the first token: no room for `<think>`) is all answer."""
+    """The parsers one choice's text goes through: calls in the served model's format (a
+    forced call without one is the bare object its grammar makes; none: calls stay text),
+    after the reasoning when the model reasons (a constraint starts after it too)."""
     names = {t["name"] for t in plan.tools}
+    tools: ToolCallParser | PythonicCallParser | None = None
     if plan.forced:
         names = names if plan.mode == "required" else {plan.name or ""}
-        tools: ToolCallParser | None = ToolCallParser(FORCED, names)
+        tools = call_parser(tool_format or FORCED, names)
     elif plan.mode == "auto" and tool_format is not None:
-        tools = ToolCallParser(tool_format, names)
-    else:
-        tools = None
-    reasoning = ReasoningParser(thinking_open_in(prompt_text)) if model_reasons and not constrained else None
+        tools = call_parser(tool_format, names)
+    reasoning = ReasoningParser(thinking_open_in(prompt_text)) if model_reasons else None
     return ChoiceOutput(reasoning, tools, model_reasons)

@@ -127,6 +127,7 @@ async def server_info(request: Request) -> dict[str, Any]:
             "routed_requests": router.routed[d],
             "open_requests": router.open_requests[d],
             "scheduler_stats": msgspec.structs.asdict(replicas.stats[d]) if replicas.stats[d] else None,
+            "worker_nodes": mgr.health.rank_nodes[d] if d < len(mgr.health.rank_nodes) else None,
         }
         for d in range(replicas.size)
     ]

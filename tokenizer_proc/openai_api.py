@@ -28,6 +28,7 @@ from tokenizer_proc.protocol import (
     ChatMessage,
     CompletionRequest,
 )
+from tokenizer_proc.reasoning import thinking_open_in, thinking_skipped_in
 from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.sampling import (
     SamplingRequest,
@@ -47,7 +48,7 @@ from tokenizer_proc.serving import (
     usage_of,
 )
 from tokenizer_proc.state import FrontendState, get_state
-from tokenizer_proc.structured import one_constraint, response_format_spec, sglang_constraint
+from tokenizer_proc.structured import after_reasoning, one_constraint, response_format_spec, sglang_constraint
 from tokenizer_proc.tokenization import apply_chat_template, encode_text
 from tokenizer_proc.tool_parsers import HERMES
 from tokenizer_proc.tools import ToolPlan, forced_call_spec, plan_of, template_messages, template_renders_tools
@@ -265,8 +266,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     st = get_state(request)
     check_model(body.model, st.limits)
     plan = plan_of(body)
-    grammar = request_constraint(body, forced_call_spec(plan) if plan.forced else None)
+    forced = forced_call_spec(plan, st.tool_format, body.parallel_tool_calls) if plan.forced else None
+    grammar = request_constraint(body, forced)
     prompt_text, prompt_ids = render_chat(st, body.messages, plan, body.chat_template_kwargs)
+    if grammar is not None and st.model_reasons and not thinking_skipped_in(prompt_text):
+        grammar = after_reasoning(grammar, thinking_open_in(prompt_text))
     check_prompt_ids(prompt_ids, st.limits, "messages")
     use_mct = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
@@ -276,8 +280,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     handles = await submit_choices(st, prompt_ids, body, sreq, cid, param)
     created = int(time.time())
     model = st.args.served_model_name
-    constrained = grammar is not None
-    outputs = [choice_output(plan, st.tool_format, st.model_reasons, prompt_text, constrained) for _ in handles]
+    outputs = [choice_output(plan, st.tool_format, st.model_reasons, prompt_text) for _ in handles]
 
     if body.stream:
         stream = _stream_chat(st, body, outputs, handles, cid, created, model, len(prompt_ids))

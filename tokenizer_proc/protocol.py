@@ -82,9 +82,6 @@ class _AcceptedNoOps(_Strict):
     """Tags for stored completions (see `store`)."""
     service_tier: str | None = None
     """The provider's processing tier; there is one tier."""
-    parallel_tool_calls: bool | None = None
-    """May the model call several tools at once; every call it writes is returned (a forced
-    call is always one)."""
     prompt_cache_key: str | None = None
     """A routing hint for the provider's prompt cache; the radix cache needs none."""
     safety_identifier: str | None = None
@@ -275,6 +272,9 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    """May the model call several tools at once: `auto` returns every call it writes either
+    way; `required` allows several only when true (tools.forced_call_spec says why)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (vLLM's field), e.g. {"enable_thinking": false}."""
 
@@ -330,6 +330,19 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[StrictInt]
+
+
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings, as OpenAI takes it: one input (text or token ids) or a list."""
+
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    """Refused (tokenizer_proc/embeddings_api.py): a vector cut short is an embedding only
+    for a model trained for it (Matryoshka representation learning)."""
+    user: str | None = None
+    """Accepted and ignored: OpenAI's end-user id."""
 
 
 class AbortRequest(_Strict):

@@ -28,6 +28,12 @@ def thinking_open_in(prompt_text: str) -> bool:
     return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
 
 
+def thinking_skipped_in(prompt_text: str) -> bool:
+    """The prompt ends with a closed, empty `<think>` block (Qwen3's `enable_thinking: false`):
+    the output is all answer, so a constraint applies from its first token."""
+    return prompt_text.rstrip().endswith(THINK_CLOSE)
+
+
 def partial_marker_tail(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker`: held back, as the next
     piece may complete the marker."""

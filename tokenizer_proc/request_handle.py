@@ -32,6 +32,8 @@ class TokenOut(msgspec.Struct):
     error: str = ""
     token_logprobs: list[float] = []
     top_logprobs: list[list[tuple[int, float]]] = []
+    embedding: bytes = b""
+    """An embedding request's vector (`RowExtras.embedding`), with its finish."""
 
     @classmethod
     def of_row(cls, rid: str, token_ids: list[int], extras: RowExtras | None) -> TokenOut:
@@ -45,6 +47,7 @@ class TokenOut(msgspec.Struct):
             extras.error,
             extras.token_logprobs,
             extras.top_logprobs,
+            extras.embedding,
         )
 
 
@@ -58,14 +61,15 @@ def take_queued(out: TokenOut, queue: asyncio.Queue[TokenOut]) -> TokenOut:
     if queue.empty() or out.finish_reason is not None:
         return out
     token_ids, token_logprobs, top_logprobs = list(out.token_ids), list(out.token_logprobs), list(out.top_logprobs)
-    cached, error, finish = out.cached_tokens, out.error, None
+    cached, error, finish, embedding = out.cached_tokens, out.error, None, out.embedding
     while finish is None and not queue.empty():
         nxt = queue.get_nowait()
         token_ids += nxt.token_ids
         token_logprobs += nxt.token_logprobs
         top_logprobs += nxt.top_logprobs
         cached, error, finish = max(cached, nxt.cached_tokens), nxt.error or error, nxt.finish_reason
-    return TokenOut(out.rid, token_ids, finish, cached, error, token_logprobs, top_logprobs)
+        embedding = nxt.embedding or embedding
+    return TokenOut(out.rid, token_ids, finish, cached, error, token_logprobs, top_logprobs, embedding)
 
 
 @dataclass
@@ -86,6 +90,8 @@ class GenerationOutput:
     """Cumulative."""
     cached_tokens: int
     error: str = ""
+    embedding: bytes = b""
+    """An embedding request's vector, little-endian float32 (with its finish)."""
 
 
 @dataclass
@@ -103,6 +109,8 @@ class OpenRequest:
     created: float = field(default_factory=time.monotonic)
     scheduler_done: bool = False
     """The scheduler finished it, or was already told to abort it: no AbortReq is due."""
+    embedding: bool = False
+    """An /v1/embeddings input (`EmbedReq`): it samples nothing, `sampling` is unused."""
 
 
 class RequestHandle:
@@ -154,6 +162,7 @@ class RequestHandle:
                     completion_tokens=len(req.generated),
                     cached_tokens=req.cached_tokens,
                     error=out.error,
+                    embedding=out.embedding,
                 )
                 if finish is not None:
                     if metrics is not None:

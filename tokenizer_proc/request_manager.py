@@ -34,6 +34,7 @@ from trident.wire.codec import pack_int32
 from trident.wire.control import PROTOCOL_VERSION, check_protocol_version
 from trident.wire.frontend import (
     AbortReq,
+    EmbedReq,
     FlushCacheDone,
     FlushCacheReq,
     GenerateReq,
@@ -170,19 +171,9 @@ class RequestManager:
         stream: bool = True,
     ) -> list[RequestHandle]:
         """Open one request per SamplingParams (n > 1) and send them; raises Overloaded (503)."""
-        if self.draining:
-            raise APIError("the server is shutting down", 503, type_=SERVER_ERROR, headers={"Retry-After": "5"})
-        if not self.health.healthy:
-            raise APIError(
-                f"{SERVER_UNAVAILABLE}: {self.health.last_cause}", 503, type_=SERVER_ERROR, headers={"Retry-After": "5"}
-            )
         params = [sampling] if isinstance(sampling, SamplingParams) else list(sampling)
         rids = list(rids) if rids is not None else [self.new_rid() for _ in params]
-        if check_capacity and len(self._open) + len(params) > self.capacity:
-            raise Overloaded(self.capacity)
-        for rid in rids:
-            if rid in self._open:
-                raise APIError(f"Request id {rid!r} is already in use.", param="rid")
+        self._check_can_open(rids, check_capacity)
         prompt = list(prompt_ids)
         packed = pack_int32(prompt)
         replica = self.replicas.router.choose(prompt)  # the n choices share their prompt's cache
@@ -206,6 +197,49 @@ class RequestManager:
                 handle.close()
             raise
         return handles
+
+    async def submit_embeddings(self, inputs: Sequence[Sequence[int]], rids: Sequence[str]) -> list[RequestHandle]:
+        """Open one embedding request (`EmbedReq`) per tokenized input and send them, each to
+        the replica its tokens route to; raises Overloaded (503)."""
+        self._check_can_open(rids, check_capacity=True)
+        reqs, handles = [], []
+        for index, (rid, ids) in enumerate(zip(rids, inputs, strict=True)):
+            prompt = list(ids)
+            replica = self.replicas.router.choose(prompt)
+            self.replicas.router.opened(replica, prompt, 1)
+            detok = RequestDetokenizer(self.tokenizer, (), True, (), text_at_end_only=True)
+            req = OpenRequest(rid, index, prompt, SamplingParams(max_new_tokens=0), detok, replica, embedding=True)
+            self._open[rid] = req
+            reqs.append(req)
+            handles.append(RequestHandle(self, req))
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(sum(len(ids) for ids in inputs))
+        try:
+            for req in reqs:
+                await self.replicas.send(req.replica, self._embed_req(req))
+        except BaseException:
+            for handle in handles:
+                handle.close()
+            raise
+        return handles
+
+    def _embed_req(self, req: OpenRequest) -> EmbedReq:
+        return EmbedReq(req.rid, pack_int32(req.prompt_ids), self.replicas.boot_id(req.replica))
+
+    def _check_can_open(self, rids: Sequence[str], check_capacity: bool) -> None:
+        """Raises the 503 of a draining or unhealthy server or a full queue (`check_capacity`),
+        or a 400 for a rid already open."""
+        if self.draining:
+            raise APIError("the server is shutting down", 503, type_=SERVER_ERROR, headers={"Retry-After": "5"})
+        if not self.health.healthy:
+            raise APIError(
+                f"{SERVER_UNAVAILABLE}: {self.health.last_cause}", 503, type_=SERVER_ERROR, headers={"Retry-After": "5"}
+            )
+        if check_capacity and len(self._open) + len(rids) > self.capacity:
+            raise Overloaded(self.capacity)
+        for rid in rids:
+            if rid in self._open:
+                raise APIError(f"Request id {rid!r} is already in use.", param="rid")
 
     def abort(self, rid: str) -> list[str]:
         """Abort `rid` and its choices (`rid-0`, `rid-1`...); they finish with "abort"."""
@@ -324,6 +358,10 @@ class RequestManager:
         lost = [r for r in self._open.values() if r.replica == info.dp_rank and not r.scheduler_done]
         logger.warning("scheduler of replica %d restarted: resubmitting %d open requests", info.dp_rank, len(lost))
         for req in lost:
+            if req.embedding:
+                self._send_soon(req.replica, self._embed_req(req))
+                self.metrics.resumed_requests.inc()
+                continue
             produced = len(req.generated)
             sp = msgspec.structs.replace(req.sampling, max_new_tokens=max(1, req.sampling.max_new_tokens - produced))
             ids, resumed = pack_int32(req.prompt_ids + req.generated), pack_int32(req.generated)

@@ -89,6 +89,7 @@ class ChoiceResult:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str = ""
+    embedding: bytes = b""
 
     def add(self, out: GenerationOutput) -> None:
         self.text += out.text
@@ -101,6 +102,7 @@ class ChoiceResult:
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.error = out.error
+            self.embedding = out.embedding
 
 
 async def _wait_disconnect(request: Request) -> None:

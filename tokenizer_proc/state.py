@@ -17,7 +17,8 @@ from tokenizer_proc.reasoning import uses_reasoning_parser
 from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import ModelLimits
 from tokenizer_proc.tokenization import TokenStrings
-from tokenizer_proc.tool_parsers import ToolCallFormat, choose_tool_format
+from tokenizer_proc.tool_formats import choose_tool_format
+from tokenizer_proc.tool_parsers import ToolCallFormat
 from trident.wire.server_args import ServerArgs
 
 

@@ -2,7 +2,8 @@
 `logit_bias`; each checked here so that bad input is a 400 naming the problem.
 
 The constraint leaves this process as text (`GrammarSpec`); the worker compiles it against
-the vocabulary and owns the matcher (gpu_worker/runtime/grammar.py). Parsing it here needs no
+the vocabulary and owns the matcher (gpu_worker/runtime/grammar.py). A reasoning model's
+constraint starts after its thinking (`after_reasoning`). Parsing it here needs no
 vocabulary and catches what the library would refuse (a bad schema, regex or grammar),
 with the library's own reason.
 """
@@ -13,10 +14,14 @@ import json
 import re
 from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizer_proc.errors import APIError
+from tokenizer_proc.reasoning import THINK_CLOSE, THINK_OPEN
 from trident.wire.frontend import GrammarSpec
+
+if TYPE_CHECKING:
+    import xgrammar
 
 ANY_JSON_OBJECT = '{"type": "object"}'
 """`response_format: {"type": "json_object"}`: any JSON object (OpenAI's meaning)."""
@@ -31,25 +36,54 @@ def library_reason(err: Exception) -> str:
     return _LIBRARY_LOG_PREFIX.sub("", str(err).strip()).strip()
 
 
-@lru_cache(maxsize=256)
-def _parse(spec: GrammarSpec) -> str:
-    """'' if `spec` parses, else the library's reason (cached: clients reuse schemas)."""
+GRAMMAR_ERRORS = (RuntimeError, ValueError, TypeError)
+"""What xgrammar raises for a schema, regex or grammar it refuses."""
+
+
+def grammar_of(spec: GrammarSpec) -> xgrammar.Grammar:
+    """The grammar the worker will compile `spec` to (gpu_worker/runtime/grammar.py, with the
+    same JSON options); raises GRAMMAR_ERRORS when the library refuses it."""
     # Imported on the first grammar, not at start-up: xgrammar imports torch, which this
     # process otherwise never loads (torchless.py); that first request waits for it once.
     import xgrammar
 
+    if spec.kind == "json_schema":
+        return xgrammar.Grammar.from_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)
+    if spec.kind == "regex":
+        return xgrammar.Grammar.from_regex(spec.text)
+    if spec.kind == "ebnf":
+        return xgrammar.Grammar.from_ebnf(spec.text)
+    raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+
+@lru_cache(maxsize=256)
+def _parse(spec: GrammarSpec) -> str:
+    """'' if `spec` parses, else the library's reason (cached: clients reuse schemas)."""
     try:
-        if spec.kind == "json_schema":
-            xgrammar.Grammar.from_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)
-        elif spec.kind == "regex":
-            xgrammar.Grammar.from_regex(spec.text)
-        elif spec.kind == "ebnf":
-            xgrammar.Grammar.from_ebnf(spec.text)
-        else:
-            return f"unknown grammar kind {spec.kind!r}"
-    except (RuntimeError, ValueError, TypeError) as e:
+        grammar_of(spec)
+    except GRAMMAR_ERRORS as e:
         return library_reason(e)
     return ""
+
+
+def after_reasoning(spec: GrammarSpec, thinking_open: bool) -> GrammarSpec:
+    """`spec` for a reasoning model: free text up to and including `</think>` (already open
+    when the prompt opened it; else an optional `<think>...</think>` block), whitespace,
+    then the constraint. The thinking itself is never constrained."""
+    import xgrammar
+
+    def tag(begin: str) -> xgrammar.Grammar:
+        text = {"type": "any_text", "excludes": [THINK_CLOSE]}
+        fmt = {"type": "tag", "begin": begin, "content": text, "end": THINK_CLOSE}
+        return xgrammar.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
+
+    body = grammar_of(spec)
+    whitespace = xgrammar.Grammar.from_ebnf("root ::= [ \\t\\n]*")
+    if thinking_open:
+        grammar = xgrammar.Grammar.concat(tag(""), whitespace, body)
+    else:
+        grammar = xgrammar.Grammar.union(xgrammar.Grammar.concat(tag(THINK_OPEN), whitespace, body), body)
+    return GrammarSpec("ebnf", str(grammar))
 
 
 def checked(spec: GrammarSpec, param: str) -> GrammarSpec:

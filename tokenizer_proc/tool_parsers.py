@@ -1,6 +1,7 @@
 """Tool calls in a model's output, per family's format, parsed as the text streams in.
 
-The formats (`--tool-call-parser`):
+The JSON formats (`--tool-call-parser`; pythonic_calls.py reads the pythonic one, and
+tool_formats.py chooses):
 - hermes (Hermes, Qwen): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one
   block per call; an output that opens with a bare call object is a call too.
 - llama3_json (Llama 3.x): `{"name": ..., "parameters": {...}}` (or `arguments`) at the start
@@ -71,29 +72,8 @@ HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>", "{", "arguments
 LLAMA3_JSON = ToolCallFormat("llama3_json", "<|python_tag|>", None, "{", "parameters")
 MISTRAL = ToolCallFormat("mistral", "[TOOL_CALLS]", None, "[", "arguments", named_calls=True)
 FORCED = ToolCallFormat("forced", None, None, "{", "arguments")
-"""A call forced by tool_choice: the grammar makes the output exactly one call object."""
-
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
-
-
-def choose_tool_format(flag: str, tokenizer: Any) -> ToolCallFormat | None:
-    """The format `--tool-call-parser` names; `auto` reads the model's chat template, then its
-    control tokens, and falls back to hermes (the format the system prompt teaches a
-    template that renders no tools). None: calls the model writes stay text."""
-    if flag == "none":
-        return None
-    if flag != "auto":
-        return FORMATS[flag]
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if not isinstance(template, str):  # several named templates: read them all
-        template = " ".join(str(t) for t in dict(template).values())
-    vocab = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
-    for fmt in (MISTRAL, HERMES):
-        if fmt.opener in template or fmt.opener in vocab:
-            return fmt
-    if "<|python_tag|>" in template or "ipython" in template or "<|python_tag|>" in vocab:
-        return LLAMA3_JSON
-    return HERMES
+"""A call forced by tool_choice without a parser (`--tool-call-parser none`): the grammar
+makes the output exactly one call object."""
 
 
 def json_value_end(text: str) -> int | None:

@@ -4,9 +4,9 @@ parsed by `tool_parsers`, in the served model's format).
 - The tool definitions reach the model through its own chat template when the template
   renders `tools`; a template that does not (SmolLM2's) gets them in the system message,
   with the call format the output will be parsed in (Hermes' `<tool_call>` by default).
-- `tool_choice` "required" or a named function constrains decoding to one call object
-  `{"name": ..., "arguments": {...}}` whose arguments follow that tool's parameter schema
-  (the grammar is enforced on the worker like any json_schema constraint).
+- `tool_choice` "required" or a named function constrains decoding to calls in the model's
+  own format, whose arguments follow the tool's parameter schema (tool_grammar.py; the
+  grammar is enforced on the worker like any other constraint).
 - "auto" leaves decoding free and parses what the model wrote in its family's format;
   anything else is the answer text. "none" (or no tools) neither renders nor parses tools.
 """
@@ -20,10 +20,9 @@ from typing import Any
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.protocol import ChatCompletionRequest, ChatMessage
 from tokenizer_proc.structured import schema_spec
+from tokenizer_proc.tool_grammar import call_object_schema, checked_family_calls_spec
 from tokenizer_proc.tool_parsers import ToolCallFormat
 from trident.wire.frontend import GrammarSpec
-
-NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True)
@@ -58,20 +57,15 @@ def plan_of(body: ChatCompletionRequest) -> ToolPlan:
     return ToolPlan(tools, "named", name)
 
 
-def forced_call_spec(plan: ToolPlan) -> GrammarSpec:
-    """The JSON schema of one call object to a tool the plan allows."""
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t["name"]}, "arguments": t.get("parameters") or NO_ARGUMENTS},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in plan.tools
-        if plan.mode == "required" or t["name"] == plan.name
-    ]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return schema_spec(schema, "tools")
+def forced_call_spec(plan: ToolPlan, fmt: ToolCallFormat | None, parallel: bool | None) -> GrammarSpec:
+    """The constraint of a forced tool choice: calls in the model's format `fmt`
+    (tool_grammar.py), or one bare call object where no parser reads the family's format.
+    `required` allows parallel calls only when the request sets `parallel_tool_calls: true`:
+    a small model, once free to add a call, tends to repeat its call until the length limit."""
+    allowed = [t for t in plan.tools if plan.mode == "required" or t["name"] == plan.name]
+    if fmt is None:
+        return schema_spec(call_object_schema(allowed, "arguments"), "tools")
+    return checked_family_calls_spec(allowed, fmt, single=plan.mode == "named" or parallel is not True)
 
 
 def template_renders_tools(tokenizer: Any) -> bool:

@@ -125,7 +125,7 @@ class Engine:
     def __init__(self, model: str | None = None, **server_flags: Any) -> None:
         ns = parse_engine_flags(model, server_flags)
         try:
-            model_path, served_name = resolve_model(ns.model_path)
+            model_path, served_name = resolve_model(ns.model_path, ns.gguf_file)
         except ModelNotFound as e:
             raise ValueError(str(e)) from None
         self._procs = _Processes(tempfile.mkdtemp(prefix="trident-engine-"))  # mode 0700

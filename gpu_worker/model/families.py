@@ -16,6 +16,18 @@ biases) are read into `ModelConfig` (model_config.py) from config.json or a GGUF
 
 Gemma 3 also gives local (sliding) and global layers their own rope parameters and scales
 attention by query_pre_attn_scalar**-0.5; both are per-model values in ModelConfig.
+
+The mixture-of-experts families are their dense namesakes' attention with a routed MLP
+(moe_spec.py holds the numbers, model/sparse_moe.py the layer):
+
+| family    | attention as | top-k weights renormalised | shared expert | checkpoint experts        |
+|-----------|--------------|----------------------------|---------------|---------------------------|
+| qwen3_moe | qwen3        | norm_topk_prob             | -             | mlp.experts.N.*_proj      |
+| qwen2_moe | qwen2        | norm_topk_prob             | sigmoid-gated | mlp.experts.N.*_proj      |
+| mixtral   | mistral      | always                     | -             | block_sparse_moe.*.w1/w2/w3 |
+
+Other MoE types (DeepSeek, gpt-oss: grouped routing, sigmoid scores, biased experts) are
+not served: their model types are not listed, so they get the one-line refusal below.
 """
 
 from __future__ import annotations
@@ -65,6 +77,13 @@ class Family:
     """Attention scale query_pre_attn_scalar**-0.5 (Gemma), not head_dim**-0.5."""
     fused_checkpoint: bool = False
     """The checkpoint stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3)."""
+    experts: bool = False
+    """Sparse layers route each token to top-k SwiGLU experts (moe_spec.py)."""
+    shared_expert: bool = False
+    """Sparse layers also run a shared expert behind a sigmoid gate (Qwen2-MoE)."""
+    norm_topk_prob: bool | None = None
+    """Renormalise the top-k weights regardless of the config (Mixtral: True); None: the
+    config's norm_topk_prob."""
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -85,6 +104,17 @@ FAMILIES: tuple[Family, ...] = (
         query_pre_attn_scalar=True,
     ),
     Family("phi3", ("phi3",), window_layers=WindowLayers.EVERY, fused_checkpoint=True),
+    Family("qwen3_moe", ("qwen3_moe",), qk_norm=True, window_layers=WindowLayers.LAYER_TYPES, experts=True),
+    Family(
+        "qwen2_moe",
+        ("qwen2_moe",),
+        qkv_bias=True,
+        o_bias_from_config=False,
+        window_layers=WindowLayers.LAYER_TYPES,
+        experts=True,
+        shared_expert=True,
+    ),
+    Family("mixtral", ("mixtral",), window_layers=WindowLayers.EVERY, experts=True, norm_topk_prob=True),
 )
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}

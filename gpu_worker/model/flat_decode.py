@@ -26,6 +26,7 @@ from torch import nn
 
 from gpu_worker.kernels.cpu_kernels import DecodeKernel, ElementwiseKernels
 from gpu_worker.model.attention import AttentionMetadata, paged_attention
+from gpu_worker.model.sparse_moe import SparseMoeBlock
 
 if TYPE_CHECKING:
     from gpu_worker.model.decoder import DecoderLayer
@@ -54,10 +55,12 @@ class FlatLayer(NamedTuple):
     """LLaMA: the MLP's input norm; sandwich norms: the norm of the attention output."""
     pre_feedforward_norm: torch.Tensor | None
     """Sandwich norms only (Gemma 3): the MLP's input norm."""
-    gate_up_proj: RowsLinear
-    activate: Callable[[torch.Tensor], torch.Tensor]
+    gate_up_proj: RowsLinear | None
+    activate: Callable[[torch.Tensor], torch.Tensor] | None
     """MLP.activate: SwiGLU or GeGLU through the C++ op."""
-    down_proj: RowsLinear
+    down_proj: RowsLinear | None
+    sparse_mlp: Callable[[torch.Tensor], torch.Tensor] | None
+    """A mixture-of-experts layer's MLP (sparse_moe.py), in place of the three above."""
     post_feedforward_norm: torch.Tensor | None
     """Sandwich norms only: the norm of the MLP output."""
     rope: int
@@ -69,6 +72,7 @@ class FlatLayer(NamedTuple):
     def of(cls, layer: DecoderLayer, rope: int) -> FlatLayer:
         attn, mlp = layer.self_attn, layer.mlp
         pre_ffn, post_ffn = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
+        sparse = isinstance(mlp, SparseMoeBlock)
         return cls(
             layer.input_layernorm.weight,
             rows_linear(attn.qkv_proj),
@@ -76,9 +80,10 @@ class FlatLayer(NamedTuple):
             rows_linear(attn.o_proj),
             layer.post_attention_layernorm.weight,
             None if pre_ffn is None else pre_ffn.weight,
-            rows_linear(mlp.gate_up_proj),
-            mlp.activate,
-            rows_linear(mlp.down_proj),
+            None if sparse else rows_linear(mlp.gate_up_proj),
+            None if sparse else mlp.activate,
+            None if sparse else rows_linear(mlp.down_proj),
+            mlp.forward if sparse else None,
             None if post_ffn is None else post_ffn.weight,
             rope,
             attn.window,
@@ -130,11 +135,17 @@ class FlatDecodeLoop:
             attn = layer.o_proj(out.reshape(-1, self.q_size))
             if layer.pre_feedforward_norm is None or layer.post_feedforward_norm is None:
                 x, h = ops.add_rms_norm(x, attn, layer.post_attention_norm, eps, unit)
-                delta = layer.down_proj(layer.activate(layer.gate_up_proj(h)))
+                if layer.sparse_mlp is None:
+                    delta = layer.down_proj(layer.activate(layer.gate_up_proj(h)))
+                else:
+                    delta = layer.sparse_mlp(h)
             else:
                 attn = ops.rms_norm(attn, layer.post_attention_norm, eps, unit)
                 x, h = ops.add_rms_norm(x, attn, layer.pre_feedforward_norm, eps, unit)
-                mlp_out = layer.down_proj(layer.activate(layer.gate_up_proj(h)))
+                if layer.sparse_mlp is None:
+                    mlp_out = layer.down_proj(layer.activate(layer.gate_up_proj(h)))
+                else:
+                    mlp_out = layer.sparse_mlp(h)
                 delta = ops.rms_norm(mlp_out, layer.post_feedforward_norm, eps, unit)
         assert delta is not None, "a model has at least one layer"
         return x + delta

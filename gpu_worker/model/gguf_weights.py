@@ -8,6 +8,9 @@ loader does (transformers loads these files and is our reference):
   `llama`) is permuted: qwen2, qwen3, gemma3 and phi3 use the half-split (NeoX) rotary.
 - Gemma norms are stored as 1 + w (llama.cpp's norm_shift); Hugging Face stores w.
 - Phi-3's `attn_qkv` and `ffn_up` are already the fused qkv_proj and gate_up_proj.
+- Mixture-of-experts files stack each projection's experts in one 3-D tensor
+  (`ffn_gate_exps` [experts, rows, cols]): yielded one expert at a time. llama.cpp writes
+  Mixtral as a `llama` with experts; we serve it as mixtral.
 
 What the header does not say, llama.cpp fixes per arch and so do we: Gemma 3 makes every
 sixth layer global and the rest local with rope base 10k, and scales attention by
@@ -26,9 +29,11 @@ from gpu_worker.layers.gguf_repack import SUPPORTED, QuantWeights, repack
 from gpu_worker.model.families import UnsupportedModelError
 from gpu_worker.model.gguf_header import GGUFHeader, read_gguf_header, tensor_bytes
 from gpu_worker.model.model_config import ModelConfig
+from gpu_worker.model.moe_checkpoint import expert_name, stacked_projection
 
 if TYPE_CHECKING:
     import torch
+    from gguf import GGMLQuantizationType
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +44,8 @@ GGUF_MODEL_TYPES = {
     "qwen3": "qwen3",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
 }
 """GGUF general.architecture -> config.json model_type (families.py)."""
 
@@ -57,7 +64,17 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+"""The experts come stacked, [experts, rows, cols]: iter_gguf_weights yields one entry per
+expert (moe_checkpoint.py's names)."""
 _ARCH_LAYER_NAMES = {
     "gemma3": {
         "ffn_norm": "pre_feedforward_layernorm",
@@ -101,6 +118,12 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
     return None if name is None else f"model.layers.{layer}.{name}.{suffix}"
 
 
+def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The Hugging Face shape of a GGUF tensor: the shared expert's gate is [hidden] in a
+    GGUF, [1, hidden] in a checkpoint."""
+    return (1, *shape) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 else shape
+
+
 def stop_token_ids(header: GGUFHeader) -> list[int]:
     """eos, eot and eom ids from the header, and every control token that ends a turn."""
     ids = [header.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -132,7 +155,9 @@ def hf_config_dict(header: GGUFHeader, path: str) -> dict:
         "model_type": GGUF_MODEL_TYPES[arch],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(header.get(f"{arch}.feed_forward_length")),
+        "intermediate_size": int(
+            header.get(f"{arch}.feed_forward_length") or header.get(f"{arch}.expert_feed_forward_length")
+        ),
         "num_hidden_layers": int(header.get(f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(header.get(f"{arch}.attention.head_count_kv", heads)),
@@ -148,6 +173,17 @@ def hf_config_dict(header: GGUFHeader, path: str) -> dict:
     scaling = _rope_scaling(header, arch)
     if scaling is not None:
         cfg["rope_scaling"] = scaling
+    if header.get(f"{arch}.expert_count"):
+        cfg.update(
+            num_experts=int(header.get(f"{arch}.expert_count")),
+            num_experts_per_tok=int(header.get(f"{arch}.expert_used_count")),
+            moe_intermediate_size=int(header.get(f"{arch}.expert_feed_forward_length") or cfg["intermediate_size"]),
+            shared_expert_intermediate_size=int(header.get(f"{arch}.expert_shared_feed_forward_length", 0)),
+            # llama.cpp renormalises the top-k weights of qwen3moe (and Mixtral), not of qwen2moe.
+            norm_topk_prob=arch == "qwen3moe",
+        )
+        if arch == "llama":  # llama.cpp writes Mixtral as a llama with experts
+            cfg["model_type"] = "mixtral"
     if arch == "gemma3":
         cfg.update(
             hidden_activation="gelu_pytorch_tanh",
@@ -191,9 +227,7 @@ def iter_gguf_weights(
     """(Hugging Face name, float32 tensor) of every tensor, dequantized (K-quants included).
     `quantized`: the linear, embedding and LM-head weights in a format of gguf_repack.py's
     table come as its U4/I8 weights instead; one outside it is dequantized, and logged."""
-    import torch
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
     from tqdm import tqdm
 
     header = read_gguf_header(path)
@@ -206,33 +240,56 @@ def iter_gguf_weights(
             raise UnsupportedModelError(f"{path}: tensor {t.name} has no place in the decoder")
         kind = GGMLQuantizationType(t.ggml_type)
         raw = tensor_bytes(file, t)
-        packed = repack(raw, kind, t.shape) if len(t.shape) == 2 else None
-        data: np.ndarray | QuantWeights
-        if quantized and name.endswith(QUANTIZABLE_SUFFIXES) and packed is not None:
-            data = packed
-        else:
-            if quantized and name.endswith(QUANTIZABLE_SUFFIXES) and len(t.shape) == 2:
-                dense_fallbacks[kind.name] = dense_fallbacks.get(kind.name, 0) + 1
-            # The same float32 as gguf's own dequantization (gguf_repack.py), much faster.
-            data = packed.dequantize() if packed is not None else dequantize(raw, kind)
+        keep = quantized and name.endswith(QUANTIZABLE_SUFFIXES)
+        if len(t.shape) == 3:  # stacked experts: one entry per expert
+            projection = stacked_projection(name)
+            assert projection is not None, name
+            for e in range(t.shape[0]):
+                data = _decoded(raw[e], kind, t.shape[1:], keep, dense_fallbacks)
+                yield expert_name(name, e, projection), _as_torch(data)
+            continue
+        data = _decoded(raw, kind, t.shape, keep, dense_fallbacks)
         if arch in _PERMUTED_QK_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = _unpermute_rows(data, cfg.num_heads)
         elif arch in _PERMUTED_QK_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = _unpermute_rows(data, cfg.num_kv_heads)
         elif arch == "gemma3" and name.endswith("norm.weight"):
             data = data - 1.0
-        if isinstance(data, np.ndarray):
-            # Copied only where not already a writable float32 array of our own (a view of the
-            # read-only file mapping is not).
-            yield name, torch.from_numpy(np.require(data, dtype=np.float32, requirements=["C", "W"]))
-        else:
-            yield name, data
+        elif isinstance(data, np.ndarray):
+            data = data.reshape(hf_shape(name, data.shape))
+        yield name, _as_torch(data)
     if dense_fallbacks:
         logger.warning(
             "--weight-dtype gguf: %s dequantized to dense (formats served as shipped: %s)",
             ", ".join(f"{n} {kind} tensors" for kind, n in sorted(dense_fallbacks.items())),
             ", ".join(SUPPORTED),
         )
+
+
+def _decoded(
+    raw: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...], keep: bool, dense_fallbacks: dict[str, int]
+) -> np.ndarray | QuantWeights:
+    """A tensor's U4/I8 weights where `keep` and gguf_repack.py has its format, else float32
+    (a 2-D one that `keep` asked for counted in dense_fallbacks by format)."""
+    from gguf.quants import dequantize
+
+    packed = repack(raw, kind, shape) if len(shape) == 2 else None
+    if keep and packed is not None:
+        return packed
+    if keep and len(shape) == 2:
+        dense_fallbacks[kind.name] = dense_fallbacks.get(kind.name, 0) + 1
+    # The same float32 as gguf's own dequantization (gguf_repack.py), much faster.
+    return packed.dequantize() if packed is not None else dequantize(raw, kind)
+
+
+def _as_torch(data: np.ndarray | QuantWeights) -> torch.Tensor | QuantWeights:
+    import torch
+
+    if isinstance(data, np.ndarray):
+        # Copied only where not already a writable float32 array of our own (a view of the
+        # read-only file mapping is not).
+        return torch.from_numpy(np.require(data, dtype=np.float32, requirements=["C", "W"]))
+    return data
 
 
 def _unpermute_rows(data: np.ndarray | QuantWeights, n_heads: int) -> np.ndarray | QuantWeights:

@@ -19,8 +19,9 @@ import struct
 
 from gpu_worker.model.families import UnsupportedModelError
 from gpu_worker.model.gguf_header import GGUFFormatError, read_gguf_header
-from gpu_worker.model.gguf_weights import hf_config_dict, hf_name
+from gpu_worker.model.gguf_weights import hf_config_dict, hf_name, hf_shape
 from gpu_worker.model.model_config import ModelConfig
+from gpu_worker.model.moe_checkpoint import per_expert_shapes
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -43,7 +44,7 @@ class UnservableModel(ValueError):
 def check_model(path: str) -> None:
     if os.path.isdir(path):
         cfg = _dir_config(path)
-        _compare(_safetensors_shapes(path), expected_shapes(cfg), "the checkpoint")
+        _compare(per_expert_shapes(_safetensors_shapes(path)), expected_shapes(cfg), "the checkpoint")
     elif path.endswith(".gguf"):
         _check_gguf(path)
     else:
@@ -93,8 +94,8 @@ def _check_gguf(path: str) -> None:
         name = hf_name(arch, t.name)
         if name is None:
             raise UnservableModel(f"tensor {t.name} has no place in the {arch} decoder")
-        held[name] = t.shape
-    _compare(held, expected_shapes(cfg), "the GGUF file")
+        held[name] = hf_shape(name, t.shape)
+    _compare(per_expert_shapes(held), expected_shapes(cfg), "the GGUF file")
 
 
 def expected_shapes(cfg: ModelConfig) -> Shapes:
@@ -111,10 +112,10 @@ def expected_shapes(cfg: ModelConfig) -> Shapes:
         if family.fused_checkpoint:
             projections["qkv_proj"] = (q_rows + 2 * kv_rows, hidden)
             out[mlp + "gate_up_proj.weight"] = (2 * cfg.intermediate_size, hidden)
+            out[mlp + "down_proj.weight"] = (hidden, cfg.intermediate_size)
         else:
             projections.update(q_proj=(q_rows, hidden), k_proj=(kv_rows, hidden), v_proj=(kv_rows, hidden))
-            out[mlp + "gate_proj.weight"] = out[mlp + "up_proj.weight"] = (cfg.intermediate_size, hidden)
-        out[mlp + "down_proj.weight"] = (hidden, cfg.intermediate_size)
+            out.update(_mlp_shapes(cfg, i, mlp))
         for proj, shape in projections.items():
             out[attn + proj + ".weight"] = shape
             if proj != "o_proj" and cfg.attention_bias or proj == "o_proj" and cfg.o_bias:
@@ -126,6 +127,26 @@ def expected_shapes(cfg: ModelConfig) -> Shapes:
             out[layer + norm + ".weight"] = (hidden,)
         if family.qk_norm:
             out[attn + "q_norm.weight"] = out[attn + "k_norm.weight"] = (head_dim,)
+    return out
+
+
+def _mlp_shapes(cfg: ModelConfig, layer: int, mlp: str) -> Shapes:
+    """A layer's dense MLP, or its router, experts and shared expert (moe_checkpoint.py's names)."""
+    hidden = cfg.hidden_size
+
+    def swiglu(prefix: str, inter: int) -> Shapes:
+        shapes = {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden)}
+        return shapes | {prefix + "down_proj.weight": (hidden, inter)}
+
+    if cfg.moe is None or not cfg.is_sparse(layer):
+        return swiglu(mlp, cfg.intermediate_size)
+    moe = cfg.moe
+    out = {mlp + "gate.weight": (moe.num_experts, hidden)}
+    for e in range(moe.num_experts):
+        out |= swiglu(f"{mlp}experts.{e}.", moe.intermediate_size)
+    if moe.shared_intermediate_size:
+        out |= swiglu(mlp + "shared_expert.", moe.shared_intermediate_size)
+        out[mlp + "shared_expert_gate.weight"] = (1, hidden)
     return out
 
 

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from gpu_worker.model.families import ACTIVATIONS, Family, UnsupportedModelError, WindowLayers, family_named, family_of
+from gpu_worker.model.moe_spec import MoeSpec
 from gpu_worker.model.rope_spec import RopeSpec
 
 
@@ -46,6 +47,8 @@ class ModelConfig:
     """Attention scale is this ** -0.5 (Gemma); None: head_dim ** -0.5."""
     final_logit_softcap: float | None = None
     """logits = cap * tanh(logits / cap) when set (Gemma 3 configs may set it)."""
+    moe: MoeSpec | None = None
+    """The experts of a mixture-of-experts family (moe_spec.py); None: every layer is dense."""
 
     @property
     def quirks(self) -> Family:
@@ -53,6 +56,10 @@ class ModelConfig:
 
     def rope_of(self, layer: int) -> RopeSpec:
         return self.layer_rope[layer] if self.layer_rope else RopeSpec(self.rope_theta)
+
+    def is_sparse(self, layer: int) -> bool:
+        """The layer's MLP is the routed experts (moe_spec.py), not the dense MLP."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     def window_of(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -102,6 +109,7 @@ class ModelConfig:
             layer_windows=_layer_windows(cfg, family, layers),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if family.query_pre_attn_scalar else None,
             final_logit_softcap=cfg.get("final_logit_softcapping"),
+            moe=MoeSpec.from_hf(cfg, layers, family.norm_topk_prob, family.shared_expert) if family.experts else None,
         )
 
     @classmethod

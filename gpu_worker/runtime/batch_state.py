@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -72,6 +73,19 @@ def _within(what: str, values: np.ndarray, low: int, high: int) -> None:
         raise DescriptorOutOfRange(f"{what} {int(bad[0])} is outside [{low}, {high})")
 
 
+class PooledChunk(NamedTuple):
+    """A prompt chunk of an embedding row in the flat batch."""
+
+    offset: int
+    """Flat index of its first token."""
+    length: int
+    start: int
+    """The row's position of its first token (tokens of the row before this chunk)."""
+    slot: int
+    is_last: bool
+    """The prompt ends with it: the row's vector is due this step."""
+
+
 @dataclass
 class StepPlan:
     """Which rows compute this step and what they run, on the host only (no tensors yet).
@@ -99,6 +113,9 @@ class StepPlan:
     logit_positions: list[int]
     """Flat-batch indices whose logits are needed: the last token of each sampling row,
     and every position of a row verifying drafts."""
+    pooled_rows: list[PooledChunk]
+    """The chunks of embedding rows (`BatchState.pooled`), in batch order: what pooling.py
+    reads the final hidden states of."""
 
 
 @dataclass
@@ -133,6 +150,8 @@ class BatchState:
         self.page_table = np.zeros((max_slots, max_pages_per_row), dtype=np.int64)
         self.row_lens_host = np.zeros(max_slots, dtype=np.int64)
         self.decoding = np.zeros(max_slots, dtype=bool)
+        self.pooled = np.zeros(max_slots, dtype=bool)
+        """Embedding rows (`AddedRequest.pooled`): they never sample nor decode."""
         self.staging = StepStaging(device)
         """Each step's metadata arrays on their way to the device."""
         self.readback = DeviceToHost(device)
@@ -197,6 +216,7 @@ class BatchState:
             self.sampling.remove(slot)
         self.order = []
         self.decoding[:] = False
+        self.pooled[:] = False
         self.row_lens_host[:] = 0
         self.seq_lens.zero_()
         self.next_step_id = next_step_id
@@ -268,6 +288,7 @@ class BatchState:
             self.row_lens_host[add.slot] = add.prefix_len
             self.seq_lens[add.slot] = add.prefix_len
             self.decoding[add.slot] = False
+            self.pooled[add.slot] = add.pooled
             self.sampling.add(add.slot, add.sampling, unpack_int32(add.generated_ids).tolist())
         if desc.page_appends.slots:
             slots, cols, ids = desc.page_appends.scatter_indices()
@@ -288,7 +309,8 @@ class BatchState:
         """The rows that compute this step, in batch order.
 
         A prefilling row runs its chunk (if it has one this step); a decoding row runs its
-        last sampled token, followed by its draft tokens when it verifies a draft.
+        last sampled token, followed by its draft tokens when it verifies a draft. An
+        embedding row's chunks go to `pooled_rows`; its last one samples nothing.
         """
         drafts = drafts or {}
         host_ids: list[np.ndarray] = []
@@ -296,6 +318,7 @@ class BatchState:
         short_rows: list[tuple[int, int, int]] = []
         extend_rows: list[tuple[int, int, int, int]] = []
         logits_idx: list[int] = []
+        pooled_rows: list[PooledChunk] = []
         offset = num_prefill = 0
         for slot in self.order:
             if slot in chunks:
@@ -304,7 +327,9 @@ class BatchState:
                 host_ids.append(tokens.astype(np.int64))
                 extend_rows.append((offset, n, int(self.row_lens_host[slot]), slot))
                 num_prefill += n
-                if is_last:
+                if self.pooled[slot]:
+                    pooled_rows.append(PooledChunk(offset, n, int(self.row_lens_host[slot]), slot, is_last))
+                elif is_last:
                     finishing.append(slot)
                     sampling_slots.append(slot)
                     num_logits.append(1)
@@ -336,6 +361,7 @@ class BatchState:
             short_rows=short_rows,
             extend_rows=extend_rows,
             logit_positions=logits_idx,
+            pooled_rows=pooled_rows,
         )
 
     def forward_inputs(self, plan: StepPlan) -> ForwardInputs:

@@ -70,7 +70,8 @@ class DecodeGraphs:
     def serves(self, plan: StepPlan) -> bool:
         """A plain decode step of at most the largest bucket's rows."""
         rows = len(plan.computing_slots)
-        return not plan.extend_rows and not plan.drafts and rows <= self.buckets[-1] and bool((plan.q_lens == 1).all())
+        plain = not plan.extend_rows and not plan.drafts and not plan.pooled_rows
+        return plain and rows <= self.buckets[-1] and bool((plan.q_lens == 1).all())
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)

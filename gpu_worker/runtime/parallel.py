@@ -4,7 +4,8 @@ Each worker rank is its own process in one torch.distributed group (gloo on CPU,
 CUDA), rendezvoused through a TCPStore that rank 0 serves on 127.0.0.1 at a port the
 supervisor picks afresh for every generation of the worker group (TRIDENT_DIST_INIT_PORT;
 the first generation uses `ServerArgs.dist_init_port`), so a restarted group never meets
-the previous one's sockets.
+the previous one's sockets. When Ray places the ranks, the store is on the node that holds
+rank 0, named by DIST_HOST_ENV.
 
 How the LLaMA decoder is cut (Megatron-style):
 
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_worker.model.model_config import ModelConfig
+from trident.wire.control import DIST_HOST_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,11 @@ class ShardPlan:
     """Rows of this rank's embedding/LM-head shard, padded so every rank's is the same size."""
     kv_of_head: tuple[int, ...]
     """Local KV-head index read by each local query head."""
+    expert_intermediate: tuple[int, int] = (0, 0)
+    """This rank's slice of every routed expert's intermediate dimension (vLLM's MoE tensor
+    parallelism): gate/up by rows, down by columns, one all-reduce after the experts."""
+    shared_intermediate: tuple[int, int] = (0, 0)
+    """This rank's slice of the shared expert's intermediate dimension (Qwen2-MoE)."""
 
     @classmethod
     def build(cls, cfg: ModelConfig, rank: int, size: int) -> ShardPlan:
@@ -97,6 +104,8 @@ class ShardPlan:
             vocab=(min(rank * rows, cfg.vocab_size), min((rank + 1) * rows, cfg.vocab_size)),
             vocab_rows=rows,
             kv_of_head=tuple(h // group - kv0 for h in range(h0, h1)),
+            expert_intermediate=_balanced(cfg.moe.intermediate_size, size, rank) if cfg.moe else (0, 0),
+            shared_intermediate=_balanced(cfg.moe.shared_intermediate_size, size, rank) if cfg.moe else (0, 0),
         )
 
     @property
@@ -243,6 +252,7 @@ class TPGroup:
         return int(t[0])
 
 
-def dist_port() -> int:
-    """The rendezvous port of this generation of the worker group (set by the supervisor)."""
-    return int(os.environ.get(DIST_PORT_ENV) or 0)
+def dist_address(default_host: str) -> tuple[str, int]:
+    """The rendezvous host and port of this generation of the worker group (set by the
+    supervisor; the host only when Ray placed rank 0 on a node of its choosing)."""
+    return os.environ.get(DIST_HOST_ENV) or default_host, int(os.environ.get(DIST_PORT_ENV) or 0)

@@ -30,7 +30,7 @@ from gpu_worker.kernels.cpu_kernels import (
 )
 from gpu_worker.kernels.triton import load_triton_kernels
 from gpu_worker.layers.gguf_layers import weights_left_uninitialised
-from gpu_worker.layers.linear_plan import choose_linear
+from gpu_worker.layers.linear_plan import choose_experts, choose_linear
 from gpu_worker.model.compiled_decode import wants_compile, warm_up
 from gpu_worker.model.decoder import LlamaForCausalLM
 from gpu_worker.model.model_config import ModelConfig
@@ -42,7 +42,8 @@ from gpu_worker.runtime.grammar import GrammarTable
 from gpu_worker.runtime.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.runtime.malloc_policy import release_freed_memory
 from gpu_worker.runtime.ngram_drafter import NgramDrafter
-from gpu_worker.runtime.parallel import ShardPlan, TPGroup, dist_port
+from gpu_worker.runtime.parallel import ShardPlan, TPGroup, dist_address
+from gpu_worker.runtime.pooling import Pooler
 from gpu_worker.runtime.sampler import SamplingTable, sample
 from gpu_worker.runtime.worker_loop import WorkerLoop
 from trident.wire.backend import BatchDescriptor
@@ -116,7 +117,10 @@ def worker_device(args: ServerArgs, rank: int, dp_rank: int) -> torch.device:
     """Each worker on a node has a GPU of its own, counted from --base-gpu-id."""
     if args.device == "cuda":
         layout = layout_of(args)
+        # Ray gives each rank's actor a GPU of its own (CUDA_VISIBLE_DEVICES), which the worker inherits.
         local_index = dp_rank * layout.ranks_per_node + rank - layout.local_ranks().start
+        if layout.ranks_anywhere:
+            local_index = 0
         device = torch.device(f"cuda:{args.base_gpu_id + local_index}")
         torch.cuda.set_device(device)
         return device
@@ -172,7 +176,8 @@ class Worker(WorkerLoop):
         # A collective that waits longer than this raises, and the rank exits (a peer died or
         # desynchronised); normally the supervisor or the scheduler's watchdog restarts the group first.
         timeout_s = max(MIN_COLLECTIVE_TIMEOUT_S, args.watchdog_timeout_s)
-        self.tp = TPGroup.init(ctx.rank, args.tp_size, self.device, dist_port(), timeout_s, args.dist_init_host)
+        host, port = dist_address(args.dist_init_host)
+        self.tp = TPGroup.init(ctx.rank, args.tp_size, self.device, port, timeout_s, host)
         if args.tp_size > 1:
             logger.info("%s", self.plan.describe())
 
@@ -184,9 +189,17 @@ class Worker(WorkerLoop):
         self.model.rope.to(dtype=torch.float32)
 
     def choose_and_apply_linear(self, args: ServerArgs) -> str | None:
-        """Step 3: the linear layer kind of every layer and the LM head (layers/linear_plan.py),
-        logged with its reason and installed. Returns why batch invariance is off so far
-        (None: still on), which the kind chosen depends on and may itself turn off."""
+        """Step 3: a mixture-of-experts model's experts path, then the linear layer kind of
+        every layer and the LM head (layers/linear_plan.py), each logged with its reason and
+        installed. Returns why batch invariance is off so far (None: still on), which the
+        linear kind chosen depends on and may itself turn off."""
+        self.experts_kind: str | None = None
+        """The routed experts' path (ExpertsPlan.kind); None: the model has no experts."""
+        if self.cfg.moe is not None:
+            experts = choose_experts(self.weight_dtype, self.device, self.dtype)
+            experts.install(self.model)
+            self.experts_kind = experts.kind
+            logger.info("experts: %s", experts.describe())
         off_because = batch_invariance_off_because(args, self.device, self.dtype, self.weight_dtype)
         linear = choose_linear(args.linear_weights, self.weight_dtype, self.device, self.dtype, off_because is None)
         linear.install(self.model)
@@ -231,8 +244,8 @@ class Worker(WorkerLoop):
             warm_up(lambda ids, pos, meta: self.model(ids, pos, self.kv_pool, meta, pos), self.device)
 
     def build_batch_state(self, args: ServerArgs) -> None:
-        """Step 5: the n-gram drafter, the sampling table with its grammars, and the batch
-        state (the device-side rows the descriptors edit)."""
+        """Step 5: the n-gram drafter, the sampling table with its grammars, the pooler of
+        embedding rows, and the batch state (the device-side rows the descriptors edit)."""
         self.num_draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
         self.drafter = NgramDrafter(args.max_running_requests, self.num_draft_tokens) if self.num_draft_tokens else None
         # Slack for drafts: the scheduler may allocate up to 2K+1 tokens past a row's length.
@@ -245,6 +258,7 @@ class Worker(WorkerLoop):
         self.sampling.grammars = GrammarTable(
             args.max_running_requests, self.cfg.vocab_size, args.model_path, list(self.cfg.eos_token_ids)
         )
+        self.pooler = Pooler(args.pooling, self.cfg.hidden_size, args.max_running_requests, self.device)
         self.state = BatchState(
             args.max_running_requests,
             max_pages_per_row,
@@ -284,8 +298,9 @@ class Worker(WorkerLoop):
         if self.decode_graphs is not None:
             compiled = "graphs" if self.decode_graphs.graphs else "bucketed"
         invariant = "batch invariant" if self.batch_invariant else "not batch invariant"
+        experts = "" if self.experts_kind is None else f", experts {self.experts_kind}"
         return (
-            f"{self.dtype}, weights {self.weight_dtype}, linear {self.linear_kind}, decode {compiled}, "
+            f"{self.dtype}, weights {self.weight_dtype}, linear {self.linear_kind}{experts}, decode {compiled}, "
             f"attention {attention}, {invariant}"
         )
 
@@ -316,8 +331,7 @@ class Worker(WorkerLoop):
             inputs: StepPlan = plan
             logits = self.decode_graphs.run(plan)
         else:
-            inputs = step = self.state.forward_inputs(plan)
-            logits = self.model(step.input_ids, step.positions, self.kv_pool, step.meta, step.logits_indices)
+            inputs, logits = self._forward(plan)
         ends = np.cumsum(inputs.num_logits)
         plain = [i for i, s in enumerate(inputs.sampling_slots) if s not in inputs.drafts]
         accepted: list[np.ndarray] = [None] * len(inputs.sampling_slots)  # type: ignore[list-item]
@@ -344,6 +358,18 @@ class Worker(WorkerLoop):
             for slot, toks in zip(inputs.sampling_slots, accepted):
                 self.drafter.note_tokens(slot, toks)
         return accepted, logprobs
+
+    def _forward(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor]:
+        """The plan's inputs and logits, eagerly; rows that pool an embedding are pooled here."""
+        inputs = self.state.forward_inputs(plan)
+        ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
+        if not plan.pooled_rows:
+            return inputs, self.model(ids, positions, self.kv_pool, meta, inputs.logits_indices)
+        states = self.model.last_layer_states(ids, positions, self.kv_pool, meta)
+        logits = self.model.logits(states[inputs.logits_indices])
+        pooled = torch.from_numpy(self.pooler.positions(plan)).to(self.device)
+        self.pooler.pool(plan, self.model.final_hidden_states(states[pooled]))
+        return inputs, logits
 
     def _logit_rows(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """The logits of `rows` (increasing); when they are every row (a decode step), the

@@ -18,6 +18,7 @@ import numpy as np
 
 from gpu_worker.runtime.batch_state import BatchState, DescriptorOutOfRange, StepGapError, StepPlan
 from gpu_worker.runtime.ngram_drafter import can_draft
+from gpu_worker.runtime.pooling import Pooler
 from gpu_worker.sim.step_profile import step_features
 from trident.wire.backend import (
     BatchDescriptor,
@@ -60,11 +61,21 @@ def open_worker_inbox(ctx: ChildContext) -> PullSocket:
     )
 
 
+def open_reply_link(ctx: ChildContext) -> PushSocket:
+    """Rank 0's results to the scheduler: ipc beside it, or signed tcp to the head when Ray
+    placed the rank (it may be on any node)."""
+    layout = layout_of(ctx.args)
+    if layout.ranks_anywhere:
+        return PushSocket(ctx.zmq_ctx, layout.reply_address(ctx.dp_rank), False, signer_of(ctx.args))
+    return PushSocket(ctx.zmq_ctx, endpoint(ctx.args.run_dir, scheduler_reply_endpoint(ctx.dp_rank)), bind=False)
+
+
 class WorkerLoop:
-    """The descriptor loop. A subclass sets, before calling `open_sockets`: `state`,
+    """The descriptor loop. A subclass sets, before calling `open_sockets`: `state`, `pooler`,
     `num_pages`, `context_length`, `vocab_size`, `eos_token_ids`, `num_draft_tokens`."""
 
     state: BatchState
+    pooler: Pooler
     num_pages: int
     context_length: int
     vocab_size: int
@@ -87,11 +98,7 @@ class WorkerLoop:
     def open_sockets(self, ctx: ChildContext) -> None:
         self.state.num_pages = self.num_pages
         self.inbox = open_worker_inbox(ctx)
-        self.reply = (
-            PushSocket(ctx.zmq_ctx, endpoint(self.args.run_dir, scheduler_reply_endpoint(ctx.dp_rank)), bind=False)
-            if ctx.rank == 0
-            else None
-        )
+        self.reply = open_reply_link(ctx) if ctx.rank == 0 else None
 
     # ------------------------------------------------------------------ hooks
 
@@ -121,7 +128,7 @@ class WorkerLoop:
 
     def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
         """Runs the plan and advances the batch; returns the accepted tokens of each sampling
-        row, and logprobs."""
+        row, and logprobs. The embedding rows' final hidden states go to `pooler`."""
         raise NotImplementedError
 
     def on_reset(self) -> None:
@@ -216,6 +223,7 @@ class WorkerLoop:
             logprobs=logprobs,
             accept_lens=pack_int32([len(a) for a in accepted]) if self.num_draft_tokens else b"",
             seq_lens=seq_lens,
+            embeddings=self.pooler.take(),
         )
 
     def _is_overlapped(self, desc: BatchDescriptor) -> bool:

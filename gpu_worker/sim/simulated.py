@@ -45,6 +45,7 @@ import torch
 
 from gpu_worker.model.weights import load_config
 from gpu_worker.runtime.batch_state import BatchState, StepPlan
+from gpu_worker.runtime.pooling import Pooler
 from gpu_worker.runtime.sampler import SamplingTable
 from gpu_worker.runtime.worker_loop import WorkerLoop
 from gpu_worker.sim.sibling_cpu import SiblingCpu
@@ -96,6 +97,7 @@ class SimulatedWorker(WorkerLoop):
         cpu = torch.device("cpu")
         self.sampling = SamplingTable(args.max_running_requests, cfg.vocab_size, self.eos_token_ids, cpu)
         self.state = BatchState(args.max_running_requests, max_pages_per_row, args.page_size, self.sampling, cpu)
+        self.pooler = Pooler(args.pooling, cfg.hidden_size, args.max_running_requests, cpu)
         self._row_offset = np.zeros(args.max_running_requests, dtype=np.int64)
         self.contention = self.profile.contention()
         self.others_cpu = SiblingCpu() if self.contention else None
@@ -117,6 +119,8 @@ class SimulatedWorker(WorkerLoop):
         accepted: list[np.ndarray] = []
         if plan is not None:
             accepted = self._pseudo_tokens(plan)
+            if plan.pooled_rows:
+                self.pooler.pool(plan, self._pseudo_states(plan))
             self.state.advance(plan, accepted)
         # Sleep out what this step costs, less what it already took.
         alone = self.step_seconds()
@@ -178,6 +182,12 @@ class SimulatedWorker(WorkerLoop):
             chain.append(fed)
         tokens = np.stack(chain, axis=1)
         return [tokens[i, :n] for i, n in enumerate(num_accepted.astype(np.int64).tolist())]
+
+    def _pseudo_states(self, plan: StepPlan) -> torch.Tensor:
+        """Final hidden states for the pooler: each token's one-hot at its id, so that an
+        embedding depends only on its own tokens, as a model's would."""
+        ids = plan.host_ids[self.pooler.positions(plan)] % self.pooler.dim
+        return torch.nn.functional.one_hot(torch.from_numpy(ids), self.pooler.dim).float()
 
     def _token_of(self, hashed: np.ndarray) -> np.ndarray:
         span = np.uint64(self.vocab_size - self.lowest_token)

@@ -5,7 +5,9 @@ against the persistent batch the worker keeps (docs/design.md §3). The batch or
 contract both sides keep: `removed_slots` filter it (order preserved), `added` requests
 are appended in order. Each step every *decoding* row computes one token; a *prefilling*
 row computes only when an `ExtendChunk` names it. Rows that sample (decoding rows, and
-prefilling rows whose chunk is the last) produce one token each, in batch order.
+prefilling rows whose chunk is the last) produce one token each, in batch order. An
+embedding row (`AddedRequest.pooled`) never samples: its last chunk produces its pooled
+vector instead (`StepResult.embeddings`), and it never decodes.
 
 worker rank 0 -> scheduler: `SchedulerReply` (ready, seq_lens sync, step results).
 """
@@ -43,6 +45,10 @@ class AddedRequest(msgspec.Struct, array_like=True):
     generated_ids: bytes = b""
     """int32 tokens this request generated before a retraction or restart; penalties
     count them. They are also part of the prompt it is resumed with."""
+    pooled: bool = False
+    """An embedding request (`EmbedReq`): the row samples no token; the final hidden states
+    of its prompt are pooled (`--pooling`) into one vector, returned in the `StepResult`
+    of the step that runs its last chunk (`StepResult.embeddings`)."""
 
 
 class ExtendChunk(msgspec.Struct, array_like=True):
@@ -183,6 +189,32 @@ class RowLogprobs(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]]
 
 
+class Embeddings(msgspec.Struct, array_like=True):
+    """The pooled vectors of the embedding rows (`AddedRequest.pooled`) whose last prompt
+    chunk ran in a step. Written by rank 0 (gpu_worker/runtime/pooling.py), read by the
+    scheduler, which passes each vector on to its request's `RowExtras.embedding`."""
+
+    dim: int
+    """Floats per vector (the model's hidden size)."""
+    vectors: bytes
+    """Little-endian float32, one L2-normalized vector of `dim` per such row, back to back,
+    in batch order."""
+
+    def __post_init__(self) -> None:
+        """Runs on decode too: a frame whose vectors do not split into rows fails to decode."""
+        if self.dim < 1 or len(self.vectors) % (4 * self.dim):
+            raise ValueError(f"{len(self.vectors)} bytes of vectors do not split into float32 rows of {self.dim}")
+
+    @property
+    def rows(self) -> int:
+        return len(self.vectors) // (4 * self.dim)
+
+    def row(self, i: int) -> bytes:
+        """Vector i as its little-endian float32 bytes."""
+        size = 4 * self.dim
+        return self.vectors[i * size : (i + 1) * size]
+
+
 class StepResult(msgspec.Struct, array_like=True, tag="result"):
     """The outcome of one step, from rank 0."""
 
@@ -198,6 +230,8 @@ class StepResult(msgspec.Struct, array_like=True, tag="result"):
     means one token per row. next_token_ids holds them back to back."""
     seq_lens: bytes | None = None
     """int32 device seq_lens of the batch rows after the step (only with --check-seq-lens)."""
+    embeddings: Embeddings | None = None
+    """The vectors of the embedding rows whose prompt ended this step; None when none did."""
 
 
 class SeqLensSync(msgspec.Struct, array_like=True, tag="seq_lens_sync"):

@@ -19,6 +19,7 @@ import time
 import setproctitle
 import zmq
 
+from trident.wire.cluster import layout_of, signer_of
 from trident.wire.control import PROTOCOL_VERSION, ProcessFailed, ProcessReady, RestartWorkers, process_name
 from trident.wire.server_args import ServerArgs, load_server_args
 from trident.wire.transport import ENDPOINT_LAUNCHER, PushSocket, endpoint
@@ -53,6 +54,15 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def launcher_link(ctx: zmq.Context, args: ServerArgs) -> PushSocket:
+    """The line to launch.py: its ipc socket, or, when Ray may place this process on another
+    node, signed tcp to the head."""
+    layout = layout_of(args)
+    if layout.ranks_anywhere:
+        return PushSocket(ctx, layout.control_address(), bind=False, signer=signer_of(args))
+    return PushSocket(ctx, endpoint(args.run_dir, ENDPOINT_LAUNCHER), bind=False)
+
+
 class ChildContext:
     """A started child: its args, role, and its line to launch.py."""
 
@@ -63,7 +73,7 @@ class ChildContext:
         self.dp_rank = dp_rank
         """Which data-parallel replica this scheduler or worker belongs to."""
         self.zmq_ctx = zmq.Context()
-        self._launcher = PushSocket(self.zmq_ctx, endpoint(args.run_dir, ENDPOINT_LAUNCHER), bind=False)
+        self._launcher = launcher_link(self.zmq_ctx, args)
 
     @property
     def name(self) -> str:

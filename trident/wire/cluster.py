@@ -11,6 +11,14 @@ Ports, all on the --dist-init-addr host (the only address cross-node traffic use
     base + 2d + 1  replica d's scheduler -> its ranks on other nodes (signed descriptors)
     base + 2 * dp  node 0's launcher <-> other nodes' launchers (signed control)
 A restarted worker group rendezvous on a fresh port that node 0 chooses and sends along.
+
+With --distributed-executor ray (`ranks_anywhere`) there is one launcher and no node
+agents: Ray places every rank of every replica, rank 0 included, on any node, so every rank
+is remote and every link a worker has is signed tcp to the head (--dist-init-addr):
+    base + 2d + 1      replica d's scheduler -> its ranks (signed descriptors)
+    base + 2 * dp      every child -> the launcher (ready, failed, restart requests)
+    base + 2 * dp + 1 + d   replica d's rank 0 -> its scheduler (step results)
+and each group rendezvous on a port of the node that holds its rank 0 (trident/ray_workers.py).
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ class ClusterLayout:
     host: str
     base_port: int
     """0 on a single node: ports are then chosen free at start."""
+    ranks_anywhere: bool = False
+    """Ray places the ranks (--distributed-executor ray): none of them is beside its scheduler."""
 
     def __post_init__(self) -> None:
         if self.dp_size < 1 or self.tp_size < 1 or self.nnodes < 1:
@@ -52,6 +62,10 @@ class ClusterLayout:
             )
         if self.nnodes > 1 and not self.base_port:
             raise ClusterError("--nnodes > 1 needs --dist-init-addr HOST:PORT")
+        if self.ranks_anywhere and self.nnodes > 1:
+            raise ClusterError("--distributed-executor ray places ranks on the Ray cluster's nodes: drop --nnodes")
+        if self.ranks_anywhere and not self.base_port:
+            raise ClusterError("--distributed-executor ray needs the head's ports (launch.py picks them)")
 
     @property
     def multi_node(self) -> bool:
@@ -67,8 +81,8 @@ class ClusterLayout:
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
     def is_remote_rank(self, rank: int) -> bool:
-        """Whether TP rank `rank` runs on another node than the schedulers (node 0)."""
-        return rank >= self.ranks_per_node
+        """Whether TP rank `rank` may run on another node than the schedulers (node 0)."""
+        return self.ranks_anywhere or rank >= self.ranks_per_node
 
     def store_port(self, dp_rank: int) -> int:
         return self.base_port + 2 * dp_rank
@@ -78,6 +92,15 @@ class ClusterLayout:
 
     def control_address(self) -> str:
         return f"tcp://{self.host}:{self.base_port + 2 * self.dp_size}"
+
+    def reply_address(self, dp_rank: int) -> str:
+        """Replica `dp_rank`'s rank 0 -> its scheduler, when Ray places the ranks."""
+        return f"tcp://{self.host}:{self.base_port + 2 * self.dp_size + 1 + dp_rank}"
+
+    @property
+    def port_count(self) -> int:
+        """Ports from base_port up that the server binds."""
+        return 2 * self.dp_size + 1 + (self.dp_size if self.ranks_anywhere else 0)
 
 
 def parse_dist_init_addr(value: str) -> tuple[str, int]:
@@ -129,7 +152,13 @@ ClusterMessage = NodeHello | StartWorkerGroup | WorkerGroupDied | StopNode
 
 def layout_of(args: ServerArgs) -> ClusterLayout:
     return ClusterLayout(
-        args.dp_size, args.tp_size, args.nnodes, args.node_rank, args.dist_init_host, args.dist_init_port
+        args.dp_size,
+        args.tp_size,
+        args.nnodes,
+        args.node_rank,
+        args.dist_init_host,
+        args.dist_init_port,
+        args.distributed_executor == "ray",
     )
 
 

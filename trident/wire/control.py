@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 8
 """Bump whenever any struct in wire/ changes shape."""
 
 WORKER_GENERATION_ENV = "TRIDENT_WORKER_GENERATION"
 """Set by launch.py in every worker's environment: which start of its replica's worker group
 the worker belongs to (1, 2, ... counted on node 0). The worker reports it in `WorkerReady`."""
+DIST_HOST_ENV = "TRIDENT_DIST_INIT_HOST"
+"""Set when Ray placed the ranks: the node of rank 0, where its group's torch.distributed
+store listens (else the --dist-init-addr host)."""
 
 
 class ProtocolMismatch(RuntimeError):

@@ -126,6 +126,19 @@ class GenerateReq(msgspec.Struct, array_like=True, tag="generate"):
     once. Empty: any scheduler (tools that drive a scheduler directly)."""
 
 
+class EmbedReq(msgspec.Struct, array_like=True, tag="embed"):
+    """A tokenized /v1/embeddings input. Written by the tokenizer, owned by the scheduler from
+    then on. It runs as a prefill that samples nothing: the worker pools the final hidden
+    states of its prompt (`--pooling`) and its one output row carries the vector
+    (`RowExtras.embedding`)."""
+
+    rid: str
+    input_ids: bytes
+    """Token ids, raw little-endian int32."""
+    scheduler_boot_id: str = ""
+    """As `GenerateReq.scheduler_boot_id`: a scheduler drops one addressed to another boot."""
+
+
 class AbortReq(msgspec.Struct, array_like=True, tag="abort"):
     """Stop a request (client gone, stop string hit, /abort); the scheduler frees its KV."""
 
@@ -145,7 +158,7 @@ class WorkerGroupLost(msgspec.Struct, array_like=True, tag="worker_group_lost"):
     launch.py; a scheduler already connected to a later group ignores the message."""
 
 
-SchedulerInput = TokenizerHello | GenerateReq | AbortReq | FlushCacheReq | WorkerGroupLost
+SchedulerInput = TokenizerHello | GenerateReq | EmbedReq | AbortReq | FlushCacheReq | WorkerGroupLost
 
 
 class RowExtras(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -164,6 +177,9 @@ class RowExtras(msgspec.Struct, array_like=True, omit_defaults=True):
     """Log-probability of each of the row's new tokens (when requested)."""
     top_logprobs: list[list[tuple[int, float]]] = []
     """Per new token, the top (token id, logprob) pairs (when requested)."""
+    embedding: bytes = b""
+    """An embedding request's pooled, L2-normalized vector, little-endian float32: its only
+    output, sent with its finish (the worker's `StepResult.embeddings`)."""
 
 
 class TokenOutBatch(msgspec.Struct, array_like=True, omit_defaults=True, tag="tokens"):
@@ -329,6 +345,9 @@ class ServerHealth(msgspec.Struct, array_like=True, tag="health"):
     last_cause: str = ""
     resumed_requests: int = 0
     """Requests the last restart put back as prefills."""
+    rank_nodes: list[list[str]] = []
+    """With --distributed-executor ray: rank_nodes[d][r] names the Ray node that holds rank r
+    of replica d (empty while the group is not placed)."""
 
 
 TokenizerInput = ServerInfo | TokenOutBatch | SchedulerStats | FlushCacheDone | ServerHealth

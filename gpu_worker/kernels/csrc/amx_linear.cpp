@@ -6,10 +6,8 @@
 // products do, so a step's linear layers stop being bound by arithmetic at the batch sizes a
 // server runs, and are bound by reading the weights once.
 //
-// Packed layout: the weight's output columns in blocks of 32 (two tiles of 16 columns), each
-// block's k in chunks of 32, each chunk two 1 KB tiles of 16 k-pairs x 16 columns x a pair:
-// tile[p][2 c + j] = w[column c][k0 + 2 p + j], the layout TDPBF16PS reads its second source in.
-// k and n are zero-padded to multiples of 32; a padded k multiplies zeros and adds exact zeros.
+// The packed weight layout, the input tiles and the inner loop are amx_tiles.h's (shared with
+// fused_moe.cpp).
 //
 // Loop order: rows in blocks of up to kRowsPerPass (the inputs of a pass, copied into 1 KB
 // tiles, stay in L2); within a pass the threads claim column blocks, and each column block is
@@ -29,57 +27,31 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "amx_tiles.h"
 #include "kernel_common.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
-
-// AMX intrinsics arrived in GCC 11.
-#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define TRIDENT_AMX 1
-#endif
 
 namespace {
 
-constexpr int64_t kTileRows = 16;      // rows of an input tile and of an accumulator tile
-constexpr int64_t kTileColumns = 16;   // float32 columns of an accumulator tile
-constexpr int64_t kChunk = 32;         // k of one TDPBF16PS (16 pairs)
-constexpr int64_t kBlockColumns = 32;  // output columns a packed block holds (two weight tiles)
-constexpr int64_t kTileElements = kTileRows * kChunk;  // bfloat16 elements of an input or weight tile
-constexpr int64_t kBlockChunkElements = 2 * kTileElements;
+namespace amx = trident_kernels::amx;
+using trident_kernels::amx::cpu_has_amx_bf16;
+using trident_kernels::amx::kBlockChunkElements;
+using trident_kernels::amx::kBlockColumns;
+using trident_kernels::amx::kChunk;
+using trident_kernels::amx::kTileElements;
+using trident_kernels::amx::kTileRows;
+using trident_kernels::amx::round_up;
+
 // Rows of one pass over the weights: its inputs (at k = 2,048, 1 MB) stay in L2 while every
 // column block is read once. Larger batches (long prompt chunks) read the weights once a pass.
 constexpr int64_t kRowsPerPass = 256;
 // Column blocks a thread claims at a time (parallel_for_claimed).
 constexpr int64_t kBlocksPerClaim = 1;
 
-#ifdef TRIDENT_AMX
-// Linux hands a process AMX's 8 KB of tile state only on request (arch_prctl).
-constexpr int kArchRequestXcompPerm = 0x1023;
-constexpr int kXfeatureTileData = 18;
-
-bool request_amx_permission() {
-  static const bool granted = syscall(SYS_arch_prctl, kArchRequestXcompPerm, kXfeatureTileData) == 0;
-  return granted;
-}
-#endif
-
-bool cpu_has_amx_bf16() {
-#ifdef TRIDENT_AMX
-  return __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") && request_amx_permission();
-#else
-  return false;
-#endif
-}
-
-int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
-
-// weight [n, k] bfloat16 -> [ceil(n / 32), ceil(k / 32), 2, 16, 32] bfloat16 (see the layout above).
+// weight [n, k] bfloat16 -> [ceil(n / 32), ceil(k / 32), 2, 16, 32] bfloat16 (the layout in amx_tiles.h).
 at::Tensor amx_pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2, "amx_pack_weight: weight [n, k] bfloat16");
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -89,99 +61,29 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t columns = std::min(kBlockColumns, n - block * kBlockColumns);
-      for (int64_t c = 0; c < columns; ++c) {
-        const uint16_t* row = src + (block * kBlockColumns + c) * k;
-        const int64_t tile = c / kTileColumns, column = c % kTileColumns;
-        for (int64_t kk = 0; kk < k; ++kk) {
-          const int64_t chunk = kk / kChunk, pair = (kk % kChunk) / 2, half = kk % 2;
-          dst[((block * chunks + chunk) * 2 + tile) * kTileElements + pair * kChunk + 2 * column + half] = row[kk];
-        }
-      }
-    }
+    for (int64_t block = begin; block < end; ++block)
+      amx::pack_weight_block(src, n, k, block, dst + block * chunks * kBlockChunkElements);
   });
   return packed;
 }
 
 #ifdef TRIDENT_AMX
-// `rows` rows of x [rows, k] -> input tiles [ceil(rows / 16)][chunks][16][32]: each tile the
-// 1 KB that TDPBF16PS reads as its first source, contiguous. Read in place, a tile's 16 rows lie
-// k * 2 bytes apart, a stride that maps them onto a few L1 sets (4 KB apart at k = 2,048), and
-// every chunk's loads miss. Rows past `rows` and k past `k` are zeros.
+// `rows` rows of x [rows, k] -> input tiles [ceil(rows / 16)][chunks][16][32] (amx_tiles.h).
 void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t chunks, uint16_t* tiles) {
   const int64_t row_tiles = round_up(rows, kTileRows) / kTileRows;
   at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-        uint16_t* tile = tiles + (t * chunks + chunk) * kTileElements;
-        const int64_t k0 = chunk * kChunk, width = std::min(kChunk, k - k0);
-        for (int64_t r = 0; r < kTileRows; ++r) {
-          const int64_t row = t * kTileRows + r;
-          uint16_t* dst = tile + r * kChunk;
-          if (row < rows) {
-            std::memcpy(dst, x + row * k + k0, width * 2);
-            std::fill(dst + width, dst + kChunk, 0);
-          } else {
-            std::fill(dst, dst + kChunk, 0);
-          }
-        }
-      }
+      const auto row_of = [&](int64_t r) -> const uint16_t* {
+        const int64_t row = t * kTileRows + r;
+        return row < rows ? x + row * k : nullptr;
+      };
+      amx::pack_input_tile(row_of, k, chunks, tiles + t * chunks * kTileElements);
     }
   });
 }
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
-
-// The palette every tile of this kernel uses: 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) {
-      colsb[t] = 64;
-      rows[t] = kTileRows;
-    }
-  }
-};
-
-// Tiles: 0-3 accumulators (rows a/b x columns 0-15/16-31), 4-5 inputs (rows a, b), 6-7 weights
-// (columns 0-15, 16-31). Sums `chunks` k-chunks of one 32-column block for 16 or 32 rows into
-// `sums` [32][32] float32. x_a / x_b: the first input tile of each 16 rows (packed by
-// pack_input_tiles: a tile a chunk, 1 KB apart).
-template <bool kTwoRowTiles>
-void block_sums(const uint16_t* x_a, const uint16_t* x_b, const uint16_t* block, int64_t chunks, float* sums) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (kTwoRowTiles) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    const uint16_t* weights = block + chunk * kBlockChunkElements;
-    _tile_loadd(4, x_a + chunk * kTileElements, 64);
-    _tile_loadd(6, weights, 64);
-    _tile_loadd(7, weights + kTileElements, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (kTwoRowTiles) {
-      _tile_loadd(5, x_b + chunk * kTileElements, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  constexpr int64_t ld = kBlockColumns * sizeof(float);
-  _tile_stored(0, sums, ld);
-  _tile_stored(1, sums + kTileColumns, ld);
-  if (kTwoRowTiles) {
-    _tile_stored(2, sums + kTileRows * kBlockColumns, ld);
-    _tile_stored(3, sums + kTileRows * kBlockColumns + kTileColumns, ld);
-  }
-}
 
 // sums [rows][32] + bias, rounded into out[row * n + column] for the first `columns` columns.
 void round_block(const float* sums, int64_t rows, const float* bias, int64_t columns, uint16_t* out, int64_t n) {
@@ -205,7 +107,7 @@ void amx_pass(const uint16_t* tiles, int64_t rows, const uint16_t* packed, int64
   const int64_t blocks = round_up(n, kBlockColumns) / kBlockColumns;
   const int64_t block_elements = chunks * kBlockChunkElements, row_tile_elements = chunks * kTileElements;
   trident_kernels::parallel_for_claimed(blocks, kBlocksPerClaim, [&](int64_t begin, int64_t end) {
-    const TileConfig config;
+    const amx::TileConfig config;
     _tile_loadconfig(&config);
     alignas(64) float sums[2 * kTileRows * kBlockColumns];
     for (int64_t block = begin; block < end; ++block) {
@@ -215,9 +117,9 @@ void amx_pass(const uint16_t* tiles, int64_t rows, const uint16_t* packed, int64
         const uint16_t* x_a = tiles + (row0 / kTileRows) * row_tile_elements;
         const int64_t tile_rows = std::min(2 * kTileRows, rows - row0);
         if (tile_rows > kTileRows) {
-          block_sums<true>(x_a, x_a + row_tile_elements, weights, chunks, sums);
+          amx::block_sums<true>(x_a, x_a + row_tile_elements, weights, chunks, sums);
         } else {
-          block_sums<false>(x_a, nullptr, weights, chunks, sums);
+          amx::block_sums<false>(x_a, nullptr, weights, chunks, sums);
         }
         round_block(sums, tile_rows, bias ? bias + column0 : nullptr, columns, out + row0 * n + column0, n);
       }

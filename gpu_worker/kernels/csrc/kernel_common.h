@@ -76,6 +76,12 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * scale;
 }
 
+// x * sigmoid(x), with sigmoid from exp(-|x|) so that the exponential never overflows.
+inline float silu(float x) {
+  const float e = exp_nonpositive(x > 0.f ? -x : x);
+  return x * ((x >= 0.f ? 1.f : e) / (1.f + e));
+}
+
 // One row's RMSNorm in the reference's rounding order, src and dst of `dim` values (they
 // may be the same): normalised in float32; LLaMA's weight * round(normed), or with
 // unit_offset Gemma's round(normed * (1 + weight)) in float32.

@@ -34,13 +34,8 @@ using trident_kernels::exp_nonpositive;
 using trident_kernels::rms_normalize_row;
 using trident_kernels::round_to;
 using trident_kernels::rows_per_task;
+using trident_kernels::silu;
 using trident_kernels::widen;
-
-// x * sigmoid(x), with sigmoid from exp(-|x|) so that the exponential never overflows.
-inline float silu(float x) {
-  const float e = exp_nonpositive(x > 0.f ? -x : x);
-  return x * ((x >= 0.f ? 1.f : e) / (1.f + e));
-}
 
 // gelu with the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as
 // torch's approximate="tanh" orders it: tanh rounded to float32, then 1 + tanh (which
