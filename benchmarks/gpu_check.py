@@ -2,6 +2,11 @@
 
     python benchmarks/gpu_check.py                     # on a GPU: under 8 minutes on one
     python benchmarks/gpu_check.py --device cpu        # the same checks at tiny sizes (CI)
+    TRITON_INTERPRET=1 python benchmarks/gpu_check.py --device cpu --attention-backend triton
+
+`--attention-backend` (default auto: triton on CUDA) picks the worker's kernels; with triton,
+decode steps run through the CUDA-graph runner (gpu_worker/runtime/decode_graphs.py; on a CPU
+the same runner without capture, the kernels under the Triton interpreter).
 
 It writes one JSON (`--out`) and prints a short table. Every part runs in this process on
 the worker's own code (a real `Worker`, fed descriptors as the scheduler sends them), except
@@ -9,8 +14,9 @@ tensor parallelism, which needs a process per rank and runs the real server.
 
 (a) parity: a random-weight checkpoint of each family we serve (tests/family_models.py,
     written by transformers' own classes) against transformers on the same device: greedy
-    tokens equal in float32; in bfloat16, top-1 agreement and the largest logit error over
-    every position of the float32 continuation, against transformers in float32.
+    tokens equal in float32, with the decode-graph runner on and off; in bfloat16, top-1
+    agreement and the largest logit error over every position of the float32 continuation,
+    against transformers in float32.
 (b) syncs: steady decode steps on the overlapped path, audited three ways: the worker's
     own counters (seq_lens copies, staged transfers, read-backs), every torch call that
     crosses host and device (gpu_worker/runtime/transfer_audit.py, which counts on a CPU what a GPU
@@ -19,7 +25,8 @@ tensor parallelism, which needs a process per rank and runs the real server.
 (c) throughput: ms per decode step and tok/s at 1, 32 and 128 rows on a random-weight
     Llama-3.1-8B-shaped model built on the device (tiny on CPU), with the share of the
     memory-bandwidth limit: the bytes a step must read (weights once, each row's KV) over
-    `--bandwidth-gbs` (default per device kind).
+    `--bandwidth-gbs` (default per device kind); with graphs on, and the same steps with the
+    runner off beside them.
 (d) tensor parallelism: the server at --tp-size 2 (two GPUs, or gloo on a CPU) serves the
     float32 greedy tokens of transformers.
 """
@@ -101,7 +108,16 @@ def all_position_logits(worker, seq: list[int]) -> torch.Tensor:
     return logits.float().cpu()
 
 
-def check_parity(device: str, families: list[str], workdir: str, new_tokens: int = 12) -> dict:
+def without_graphs(worker, run, *args):
+    """`run(*args)` with the worker's decode-graph runner off (every step eager and unpadded)."""
+    graphs, worker.decode_graphs = worker.decode_graphs, None
+    try:
+        return run(*args)
+    finally:
+        worker.decode_graphs = graphs
+
+
+def check_parity(device: str, families: list[str], workdir: str, backend: str, new_tokens: int = 12) -> dict:
     from transformers import AutoModelForCausalLM
 
     rng = np.random.default_rng(0)
@@ -121,22 +137,29 @@ def check_parity(device: str, families: list[str], workdir: str, new_tokens: int
             ref_logits = ref(torch.tensor([seq], device=device)).logits[0].float().cpu()
         del ref
         free_memory()
-        fp32 = make_worker(path, "float32", 256, 4, device=device)
+        fp32 = make_worker(path, "float32", 256, 4, device=device, attention_backend=backend)
         got = greedy_tokens(fp32, prompts, new_tokens)
+        graphs = fp32.decode_graphs is not None
+        got_graphs_off = without_graphs(fp32, greedy_tokens, fp32, prompts, new_tokens) if graphs else got
         del fp32
         free_memory()
-        bf16 = make_worker(path, "bfloat16", 256, 4, device=device)
+        bf16 = make_worker(path, "bfloat16", 256, 4, device=device, attention_backend=backend)
         ours = all_position_logits(bf16, seq)
         del bf16
         free_memory()
         top1 = float((ours.argmax(-1) == ref_logits.argmax(-1)).float().mean())
         results[name] = {
             "greedy_fp32_equal": got == want,
+            "decode_graphs": graphs,
+            "greedy_fp32_equal_graphs_off": got_graphs_off == want,
             "bf16_top1_agreement": top1,
             "bf16_max_logit_error": float((ours - ref_logits).abs().max()),
             "ref_logit_range": float(ref_logits.abs().max()),
         }
-    passed = all(r["greedy_fp32_equal"] and r["bf16_top1_agreement"] >= TOP1_FLOOR for r in results.values())
+    passed = all(
+        r["greedy_fp32_equal"] and r["greedy_fp32_equal_graphs_off"] and r["bf16_top1_agreement"] >= TOP1_FLOOR
+        for r in results.values()
+    )
     return {"passed": passed, "families": results}
 
 
@@ -188,8 +211,8 @@ def worker_counters(worker) -> Counter:
     )
 
 
-def check_syncs(device: str, path: str, rows: int = 8, steps: int = 6) -> dict:
-    worker = make_worker(path, "auto", 1024, rows, device=device)
+def check_syncs(device: str, path: str, backend: str, rows: int = 8, steps: int = 6) -> dict:
+    worker = make_worker(path, "auto", 1024, rows, device=device, attention_backend=backend)
     sched = SyntheticScheduler(worker, rows, 24, steps + 8, seed=1)
     sched.prefill()
     for _ in range(4):
@@ -266,28 +289,53 @@ def step_bytes(worker, rows: int, kv_len: float) -> float:
     return weights + rows * kv_len * kv_bytes_per_token(cfg, worker.dtype, cfg.num_kv_heads)
 
 
-def check_throughput(device: str, workdir: str, bandwidth_gbs: float, rows_list: list[int]) -> dict:
+def median_step_ms(sched, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        sched.decode()  # ends reading the sampled tokens back: the step is done on the device
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def check_throughput(device: str, workdir: str, bandwidth_gbs: float, rows_list: list[int], backend: str) -> dict:
     shape, prompt_len, steps = (LLAMA_31_8B, 512, 16) if device == "cuda" else (TINY, 32, 8)
     path = write_config(os.path.join(workdir, "throughput"), shape)
-    pool = max(rows_list) * (prompt_len + steps + 16)
-    worker = make_worker(path, "bfloat16", pool, max(rows_list), worker_class=RandomWeightWorker, device=device)
+    pool = max(rows_list) * (prompt_len + 2 * steps + 16)
+    worker = make_worker(
+        path,
+        "bfloat16",
+        pool,
+        max(rows_list),
+        worker_class=RandomWeightWorker,
+        device=device,
+        attention_backend=backend,
+    )
+    graphs = worker.decode_graphs is not None
     results = []
     for rows in rows_list:
-        sched = SyntheticScheduler(worker, rows, prompt_len, steps + 4, seed=rows)
+        sched = SyntheticScheduler(worker, rows, prompt_len, 2 * steps + 4, seed=rows)
         sched.prompts = [p % shape["vocab_size"] for p in sched.prompts]
         sched.prefill()
         for _ in range(3):
             sched.decode()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            sched.decode()  # ends reading the sampled tokens back: the step is done on the device
-            times.append(time.perf_counter() - t0)
+        ms = median_step_ms(sched, steps)
+        ms_off = without_graphs(worker, median_step_ms, sched, steps) if graphs else ms
         sched.finish()
-        ms = statistics.median(times) * 1e3
-        limit_ms = step_bytes(worker, rows, prompt_len + 3 + steps / 2) / (bandwidth_gbs * 1e9) * 1e3
-        results.append({"rows": rows, "ms_per_step": ms, "tok_s": rows / ms * 1e3, "bandwidth_share": limit_ms / ms})
+        limit_ms = step_bytes(worker, rows, prompt_len + 3 + steps) / (bandwidth_gbs * 1e9) * 1e3
+        results.append(
+            {
+                "rows": rows,
+                "ms_per_step": ms,
+                "tok_s": rows / ms * 1e3,
+                "bandwidth_share": limit_ms / ms,
+                "ms_per_step_graphs_off": ms_off,
+            }
+        )
     model = {"shape": shape, "dtype": str(worker.dtype), "prompt_len": prompt_len, "bandwidth_gbs": bandwidth_gbs}
+    model |= {"attention": worker.attention_backend, "decode_graphs": graphs}
+    if graphs:
+        model["captured_buckets"] = sorted(worker.decode_graphs.graphs)
     del worker, sched
     free_memory()
     return {"model": model, "results": results}
@@ -296,7 +344,7 @@ def check_throughput(device: str, workdir: str, bandwidth_gbs: float, rows_list:
 # ------------------------------------------------------------------ (d) tensor parallelism
 
 
-def check_tp(device: str, workdir: str, family: str = "llama3_rope") -> dict:
+def check_tp(device: str, workdir: str, backend: str, family: str = "llama3_rope") -> dict:
     """The server at --tp-size 2 in float32 against transformers' greedy tokens."""
     if device == "cuda" and torch.cuda.device_count() < 2:
         return {"skipped": f"needs two GPUs, this machine has {torch.cuda.device_count()}"}
@@ -310,7 +358,7 @@ def check_tp(device: str, workdir: str, family: str = "llama3_rope") -> dict:
         make_family_checkpoint(path, family)
     prompt = np.random.default_rng(2).integers(100, 20000, 20).tolist()
     want = transformers_greedy(path, prompt, 8)
-    flags = f"--tp-size 2 --device {device} --dtype float32 --max-total-tokens 4096"
+    flags = f"--tp-size 2 --device {device} --dtype float32 --max-total-tokens 4096 --attention-backend {backend}"
     t0 = time.perf_counter()
     with LaunchedServer(
         f"{sys.executable} launch.py --model {path} {flags}", os.path.join(workdir, "tp2.log"), 300
@@ -329,12 +377,14 @@ def default_bandwidth(device: str) -> float:
 
 
 def table(report: dict) -> str:
-    lines = [f"gpu_check on {report['device_name']} ({report['seconds']:.0f} s)"]
+    name, backend = report["device_name"], report["attention_backend"]
+    lines = [f"gpu_check on {name}, attention {backend} ({report['seconds']:.0f} s)"]
     parity = report["parity"]
     lines.append(f"(a) parity: {'PASS' if parity['passed'] else 'FAIL'}")
     for name, r in parity["families"].items():
         lines.append(
-            f"    {name:12s} fp32 greedy {'equal' if r['greedy_fp32_equal'] else 'DIFFERS'}   "
+            f"    {name:12s} fp32 greedy {'equal' if r['greedy_fp32_equal'] else 'DIFFERS'}"
+            f" (graphs off: {'equal' if r['greedy_fp32_equal_graphs_off'] else 'DIFFERS'})   "
             f"bf16 top-1 {r['bf16_top1_agreement']:.3f}   max logit error {r['bf16_max_logit_error']:.3f}"
         )
     syncs = report["syncs"]
@@ -344,11 +394,13 @@ def table(report: dict) -> str:
     for key, ok in syncs["rule"].items():
         lines.append(f"    {'ok  ' if ok else 'FAIL'} {key}")
     tput = report["throughput"]
-    lines.append(f"(c) throughput ({tput['model']['dtype']}, {tput['model']['bandwidth_gbs']:g} GB/s):")
+    graphs = "graphs on" if tput["model"]["decode_graphs"] else "no graph runner"
+    lines.append(f"(c) throughput ({tput['model']['dtype']}, {tput['model']['bandwidth_gbs']:g} GB/s, {graphs}):")
     for r in tput["results"]:
         lines.append(
             f"    {r['rows']:4d} rows {r['ms_per_step']:9.2f} ms/step {r['tok_s']:10.1f} tok/s "
-            f"{100 * r['bandwidth_share']:5.1f} % of the bandwidth limit"
+            f"{100 * r['bandwidth_share']:5.1f} % of the bandwidth limit "
+            f"(runner off: {r['ms_per_step_graphs_off']:.2f} ms/step)"
         )
     tp = report["tp2"]
     lines.append(f"(d) tp 2: {tp.get('skipped') or ('PASS' if tp['passed'] else 'FAIL')}")
@@ -361,8 +413,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--bandwidth-gbs", type=float, default=0.0, help="memory bandwidth (default: by device name)")
     p.add_argument("--families", default=",".join(FAMILY_CHECKPOINTS))
-    p.add_argument("--rows", default="1,32,128")
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="batch sizes of (c) (default 1,32,128; 1,4 for triton on a CPU, whose interpreter runs "
+        "each program in turn)",
+    )
     p.add_argument("--skip-tp", action="store_true", help="leave out (d), the one part that starts a server")
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="the worker's kernels (auto: triton on CUDA); triton on a CPU needs TRITON_INTERPRET=1",
+    )
     ns = p.parse_args(argv)
     if ns.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but torch sees no GPU (use --device cpu for the CPU run)", file=sys.stderr)
@@ -371,13 +434,18 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="trident-gpu-check-")
     families = ns.families.split(",")
     bandwidth = ns.bandwidth_gbs or default_bandwidth(ns.device)
+    backend = "triton" if ns.attention_backend == "auto" and ns.device == "cuda" else ns.attention_backend
+    backend = "torch" if backend == "auto" else backend
+    interpreted = ns.device == "cpu" and backend == "triton"
+    rows = [int(r) for r in (ns.rows or ("1,4" if interpreted else "1,32,128")).split(",")]
     parts = {
-        "parity": lambda: check_parity(ns.device, families, workdir),
-        "syncs": lambda: check_syncs(ns.device, os.path.join(workdir, families[0])),
-        "throughput": lambda: check_throughput(ns.device, workdir, bandwidth, [int(r) for r in ns.rows.split(",")]),
-        "tp2": lambda: {"skipped": "--skip-tp"} if ns.skip_tp else check_tp(ns.device, workdir),
+        "parity": lambda: check_parity(ns.device, families, workdir, backend),
+        "syncs": lambda: check_syncs(ns.device, os.path.join(workdir, families[0]), backend),
+        "throughput": lambda: check_throughput(ns.device, workdir, bandwidth, rows, backend),
+        "tp2": lambda: {"skipped": "--skip-tp"} if ns.skip_tp else check_tp(ns.device, workdir, backend),
     }
     report = {"device": ns.device, "device_name": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"}
+    report["attention_backend"] = backend
     report["torch"] = torch.__version__
     for name, run in parts.items():
         started = time.perf_counter()

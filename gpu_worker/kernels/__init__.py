@@ -1,1 +1,2 @@
-"""The C++ CPU kernels: their sources (csrc/) and their build and load as torch ops (cpu_kernels.py)."""
+"""The kernels: the C++ CPU kernels (csrc/, built and loaded as torch ops by cpu_kernels.py) and the
+Triton kernels of the CUDA path (triton/, `--attention-backend triton`)."""

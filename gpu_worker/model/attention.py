@@ -26,6 +26,10 @@ where the pool has them (csrc/paged_decode_attention.cpp, `--decode-attention`):
 no padding, so it skips the gather that dominated the torch path (docs/benchmarks.md,
 "Kernels").
 
+On CUDA (`--attention-backend triton`, gpu_worker/kernels/triton/) the same two hooks take
+Triton kernels: the decode kernel, and an extend kernel that runs a prompt chunk over its
+prefix and itself from the pool (the layer writes the chunk's K/V first), instead of SDPA.
+
 With batch invariance (batch_invariance.py) every query of a step goes to that kernel, a
 prompt chunk's tokens and a draft's tokens too, each as its own row (`QueryKeys`): a query's
 output is then the same bits whether it is decoded, prefilled, verified, chunked or read
@@ -36,12 +40,17 @@ loop's order of additions (csrc/query_tile_attention.cpp).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from gpu_worker.kernels.cpu_kernels import DecodeKernel
+
+ExtendKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float, int], torch.Tensor]
+"""(q [q_len, heads, dim], kv_cache, kv_indices [prefix + q_len], prefix, scale, window) -> out
+[q_len, heads, dim]: a prompt chunk whose K/V are already in the pool, causal over its prefix."""
 
 
 @dataclass
@@ -85,6 +94,10 @@ class DecodeGroup:
     window_bias: dict[int, torch.Tensor] = field(default_factory=dict)
     """window -> `bias` with the keys before each query's window also -inf; set by
     prepare_windows for the groups the torch path computes."""
+    kv_rows: torch.Tensor | None = None
+    """Each row's row of kv_indices, int64 [rows] (None: its own): set where kv_indices is a
+    persistent table of every slot (the CUDA-graph runner, decode_graphs.py); only the decode
+    kernel reads a group that has it."""
 
 
 @dataclass
@@ -185,6 +198,7 @@ def paged_attention(
     kernel: DecodeKernel | None = None,
     window: int = 0,
     scale: float | None = None,
+    extend_kernel: ExtendKernel | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, dim], this step's k/v: [num_tokens, kv_heads, dim] (already in
     kv_cache [pool tokens, 2, kv_heads, dim]; None in a step that reads the pool only,
@@ -196,7 +210,9 @@ def paged_attention(
     `kernel` (the C++ decode kernel; a StraddlingHeadsKernel with a kv_head_map) serves the
     groups it can.
     `window`: the layer's sliding window in keys (0: none; prepare_windows must have been
-    given it); `scale`: the score scale (None: dim ** -0.5)."""
+    given it); `scale`: the score scale (None: dim ** -0.5).
+    `extend_kernel` (Triton) runs each prompt chunk from the pool, where this step's K/V
+    already are; without one, or with a kv_head_map, SDPA does."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if (keys := meta.query_keys) is not None:
         assert kernel is not None, "query_keys are built only for the decode kernel"
@@ -219,6 +235,9 @@ def paged_attention(
     for row in meta.extend_rows:
         assert k is not None and v is not None, "extend rows attend to this step's k and v"
         sl = slice(row.q_start, row.q_start + row.q_len)
+        if extend_kernel is not None and kv_head_map is None:
+            out[sl] = extend_kernel(q[sl], kv_cache, row.kv_indices, row.prefix_len, scale, window)
+            continue
         out[sl] = _extend_row(q[sl], k[sl], v[sl], kv_cache, row, kv_head_map, scale, window)
     return out
 
@@ -228,6 +247,8 @@ def _kernel_group(
 ) -> torch.Tensor:
     """[rows, heads, dim] of a group of one query per row."""
     qs = q if g.covers_batch else q.index_select(0, g.token_idx[:, 0])
+    if g.kv_rows is not None:
+        return kernel(qs, kv_cache, g.kv_indices, g.kv_lens, scale, window, g.kv_rows)
     return kernel(qs, kv_cache, g.kv_indices, g.kv_lens, scale, window)
 
 

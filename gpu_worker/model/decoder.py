@@ -23,7 +23,7 @@ from gpu_worker.kernels.cpu_kernels import DecodeKernel, ElementwiseKernels
 from gpu_worker.layers.gguf_layers import QuantizedParts, narrow, pad_rows, stacked_linear
 from gpu_worker.layers.linear_plan import MakeLinear, replace_linear_layers
 from gpu_worker.layers.moe_experts import Expert, MakeFusedExperts, MoeExperts
-from gpu_worker.model.attention import AttentionMetadata, StraddlingHeadsKernel, paged_attention
+from gpu_worker.model.attention import AttentionMetadata, ExtendKernel, StraddlingHeadsKernel, paged_attention
 from gpu_worker.model.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
 from gpu_worker.model.flat_decode import FlatDecodeLoop
 from gpu_worker.model.model_config import ModelConfig
@@ -105,6 +105,8 @@ class Attention(nn.Module):
         self.register_buffer("kv_head_map", kv_map, persistent=False)
         self.decode_kernel: DecodeKernel | None = None
         """The C++ decode attention op (cpu_kernels.py), set by the model; None: torch."""
+        self.extend_kernel: ExtendKernel | None = None
+        """The Triton prompt-chunk attention (--attention-backend triton); None: SDPA."""
         self.kernels: ElementwiseKernels | None = None
         """The C++ rotary (cpu_kernels.py), set by the model on CPU; None: torch ops."""
 
@@ -134,7 +136,9 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
             write_kv(kv_cache, meta.out_cache_loc, k, v)
-        out = paged_attention(q, k, v, kv_cache, meta, self.kv_head_map, self.decode_kernel, self.window, self.scale)
+        out = paged_attention(
+            q, k, v, kv_cache, meta, self.kv_head_map, self.decode_kernel, self.window, self.scale, self.extend_kernel
+        )
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
     def qk_norm_args(self) -> tuple[torch.Tensor, torch.Tensor, float, bool] | tuple[()]:
@@ -287,6 +291,11 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.decode_kernel = kernel
         self._flat_decode = None
+
+    def use_extend_kernel(self, kernel: ExtendKernel | None) -> None:
+        """Prompt chunks' attention through `kernel` (Triton; None: SDPA)."""
+        for layer in self.layers:
+            layer.self_attn.extend_kernel = kernel
 
     @torch.inference_mode()
     def forward(

@@ -15,6 +15,7 @@ Layout of one row (slot) in the page table, page_size = 4, seq_len = 10:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -166,6 +167,12 @@ class BatchState:
         """Copies made for the sync point (SeqLensSync): one per overlapped step."""
         self.seq_lens_debug_copies = 0
         """Copies made only for --check-seq-lens; kept apart so the invariant stays exact."""
+        self.token_table: torch.Tensor | None = None
+        """Pool token index of every slot's positions on the device, [max_slots, row_capacity],
+        kept from the page appends once `keep_token_table` has made it (the decode-graph
+        runner's attention reads its rows: an input of fixed shape and address)."""
+        self._pending_pages: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        """Page appends applied to page_table and not yet to token_table."""
         self.num_pages = np.iinfo(np.int32).max
         """Pages of the KV pool, which page ids must index; the worker loop sets it once the
         pool is sized (until then only the int32 range of the wire bounds them)."""
@@ -174,6 +181,35 @@ class BatchState:
     def row_capacity(self) -> int:
         """Tokens one row's page table can address."""
         return self.page_table.shape[1] * self.page_size
+
+    def keep_token_table(self) -> torch.Tensor:
+        """Makes (once, before any row joins) and returns the device token table."""
+        if self.token_table is None:
+            assert not self.order, "the token table is made before any row joins"
+            self.token_table = torch.zeros(
+                len(self.page_table), self.row_capacity, dtype=torch.int64, device=self.device
+            )
+        return self.token_table
+
+    def stage_token_table_updates(self) -> Callable[[], None] | None:
+        """Stages the page appends not yet in the token table; the returned call, made after
+        the flush, writes them there (None: nothing to write)."""
+        if self.token_table is None or not self._pending_pages:
+            return None
+        slots, cols, ids = (np.concatenate(parts).astype(np.int64) for parts in zip(*self._pending_pages))
+        self._pending_pages.clear()
+        # A slot's column appended twice since the last update (the slot freed and handed out
+        # again) keeps its last page: one write per entry, as index_put_ wants.
+        _, last = np.unique((slots * self.page_table.shape[1] + cols)[::-1], return_index=True)
+        keep = len(slots) - 1 - last
+        slots, cols, ids = slots[keep], cols[keep], ids[keep]
+        within_page = np.arange(self.page_size)
+        stage = self.staging.stage
+        rows = stage(np.repeat(slots, self.page_size), torch.int64)
+        positions = stage((cols[:, None] * self.page_size + within_page).reshape(-1), torch.int64)
+        tokens = stage((ids[:, None] * self.page_size + within_page).reshape(-1), torch.int64)
+        table = self.token_table
+        return lambda: table.index_put_((rows, positions), tokens)
 
     def reset(self, next_step_id: int) -> None:
         for slot in self.order:
@@ -257,6 +293,8 @@ class BatchState:
         if desc.page_appends.slots:
             slots, cols, ids = desc.page_appends.scatter_indices()
             self.page_table[slots, cols] = ids
+            if self.token_table is not None:
+                self._pending_pages.append((np.asarray(slots), np.asarray(cols), np.asarray(ids)))
         return {c.slot: (unpack_int32(c.token_ids), c.is_last) for c in desc.extends}
 
     def build_forward(
@@ -333,7 +371,7 @@ class BatchState:
         staging.begin_step()
         starts = self.row_lens_host[plan.computing_slots]
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, plan.q_lens)])
-        out_loc = self._pool_index(np.repeat(plan.computing_slots, plan.q_lens), positions)
+        out_loc = self.pool_index(np.repeat(plan.computing_slots, plan.q_lens), positions)
         input_ids = staging.stage(plan.host_ids, torch.int64)
         if plan.short_rows:
             first = staging.stage([o for o, _, _ in plan.short_rows], torch.int64)
@@ -343,7 +381,7 @@ class BatchState:
             query_keys = self._query_keys(plan, starts, positions)
         rows = []
         for q_start, n, prefix, slot in plan.extend_rows:
-            kv = staging.stage(self._pool_index(np.full(prefix + n, slot), np.arange(prefix + n)), torch.int64)
+            kv = staging.stage(self.pool_index(np.full(prefix + n, slot), np.arange(prefix + n)), torch.int64)
             mask = shifted_causal_mask(n, prefix, dev) if prefix and query_keys is None else None
             rows.append(ExtendRow(q_start, n, prefix, kv, mask))
         short_rows = plan.short_rows
@@ -356,7 +394,10 @@ class BatchState:
         meta = AttentionMetadata(staging.stage(out_loc, torch.int64), groups, rows, query_keys)
         positions_dev = staging.stage(positions, torch.int64)
         logits_indices = staging.stage(plan.logit_positions, torch.int64)
+        update_token_table = self.stage_token_table_updates()
         staging.flush()
+        if update_token_table is not None:
+            update_token_table()
         if plan.short_rows:  # after the flush: this reads staged values on the device
             input_ids[first] = self.last_token[first_slots]
         return ForwardInputs(
@@ -368,9 +409,7 @@ class BatchState:
         keys through this step, of which it sees those up to its own position."""
         kv_lens = starts + plan.q_lens
         kv = np.arange(int(kv_lens.max()))
-        table = np.where(
-            kv[None, :] < kv_lens[:, None], self._pool_index(plan.computing_slots[:, None], kv[None, :]), 0
-        )
+        table = np.where(kv[None, :] < kv_lens[:, None], self.pool_index(plan.computing_slots[:, None], kv[None, :]), 0)
         stage = self.staging.stage
         return QueryKeys(
             kv_table=stage(table, torch.int64, table.shape),
@@ -378,7 +417,7 @@ class BatchState:
             kv_lens=stage(positions + 1, torch.int64),
         )
 
-    def _pool_index(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def pool_index(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         ps = self.page_size
         return self.page_table[slots, positions // ps] * ps + positions % ps
 
@@ -394,7 +433,7 @@ class BatchState:
         q_valid = q[None, :] < q_lens[:, None]
         token_idx = offsets[:, None] + np.minimum(q[None, :], q_lens[:, None] - 1)
         kv = np.arange(int(kv_lens.max()))
-        kv_idx = np.where(kv[None, :] < kv_lens[:, None], self._pool_index(slots[:, None], kv[None, :]), 0)
+        kv_idx = np.where(kv[None, :] < kv_lens[:, None], self.pool_index(slots[:, None], kv[None, :]), 0)
         # Query i of a row sits at position prefix+i and sees keys 0..prefix+i.
         visible = kv[None, None, :] <= (prefix[:, None, None] + np.minimum(q, q_lens[:, None] - 1)[:, :, None])
         bias = np.where(visible, np.float32(0), np.float32(-np.inf))

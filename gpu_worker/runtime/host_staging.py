@@ -18,6 +18,11 @@ read back, so the wait costs nothing). A view is a contiguous slice of a flat bu
 [rows, n] view has the strides of any other [rows, n] tensor (compiled decode graphs are
 specialised on strides). A buffer too small for a step is replaced by one twice as large;
 the views already handed out keep the old one alive until it has been flushed.
+
+`reserve` lays out inputs at fixed device addresses (what a captured CUDA graph reads, the
+decode-graph runner's): one more host buffer and device twin per dtype, sized once, never
+regrown; `stage_fixed` writes a field and `flush` copies the span written since the last flush
+in the same one copy per dtype.
 """
 
 from __future__ import annotations
@@ -60,6 +65,16 @@ class _Arena:
         return self.host.numel()
 
 
+class FixedField:
+    """A field at a fixed address: `device` is what the graph reads; `host` is written each step."""
+
+    def __init__(self, arena: _Arena, start: int, size: int) -> None:
+        self.arena = arena
+        self.start = start
+        self.host = arena.host_np[start : start + size]
+        self.device = arena.device[start : start + size]
+
+
 class StepStaging:
     """Metadata arrays to the device: `stage` each, `flush` once, then read the views."""
 
@@ -74,6 +89,9 @@ class StepStaging:
         the count of copies a GPU would make, so a CPU test checks the same rule."""
         self.staged_arrays = 0
         """Arrays staged; `transfers` stays a few per step however many there are."""
+        self._fixed: dict[torch.dtype, _Arena] = {}
+        self._fixed_dirty: dict[torch.dtype, tuple[int, int]] = {}
+        """Per dtype, the span of fixed fields written since the last flush."""
 
     def pinned(self) -> bool:
         """Every host buffer is page-locked (what a GPU needs for an asynchronous copy)."""
@@ -98,8 +116,31 @@ class StepStaging:
         view = arena.device[start : arena.used]
         return view.view(shape if shape is not None else (n,))
 
+    def reserve(self, dtype: torch.dtype, sizes: list[int]) -> list[FixedField]:
+        """Fields of `sizes` elements at addresses that never change, laid out once per dtype."""
+        assert dtype not in self._fixed, "a dtype's fixed fields are reserved together, once"
+        arena = self._fixed[dtype] = _Arena(dtype, self.device, sum(sizes))
+        starts = np.cumsum([0, *sizes[:-1]])
+        return [FixedField(arena, int(start), size) for start, size in zip(starts, sizes)]
+
+    def stage_fixed(self, field: FixedField, values: np.ndarray, fill: int | float) -> None:
+        """`values` at the front of `field`, the rest of it `fill`; on the device after `flush`."""
+        n = len(values)
+        field.host[:n] = values
+        field.host[n:] = fill
+        dtype = field.arena.host.dtype
+        lo, hi = self._fixed_dirty.get(dtype, (field.start, field.start))
+        self._fixed_dirty[dtype] = (min(lo, field.start), max(hi, field.start + len(field.host)))
+        self.staged_arrays += 1
+
     def flush(self) -> None:
         """One non-blocking copy per dtype of what was staged since the last flush."""
+        for dtype, (lo, hi) in self._fixed_dirty.items():
+            arena = self._fixed[dtype]
+            if arena.device is not arena.host:
+                arena.device[lo:hi].copy_(arena.host[lo:hi], non_blocking=True)
+            self.transfers += 1
+        self._fixed_dirty.clear()
         for arena in [*self._outgrown, *self._arenas.values()]:
             if arena.used > arena.flushed:
                 if arena.device is not arena.host:

@@ -28,6 +28,7 @@ from gpu_worker.kernels.cpu_kernels import (
     require_kernels,
     wants_decode_kernel,
 )
+from gpu_worker.kernels.triton import load_triton_kernels
 from gpu_worker.layers.gguf_layers import weights_left_uninitialised
 from gpu_worker.layers.linear_plan import choose_experts, choose_linear
 from gpu_worker.model.compiled_decode import wants_compile, warm_up
@@ -36,6 +37,7 @@ from gpu_worker.model.model_config import ModelConfig
 from gpu_worker.model.weights import iter_weights, load_config
 from gpu_worker.runtime.batch_invariance import batch_invariance_off_because
 from gpu_worker.runtime.batch_state import BatchState, StepPlan
+from gpu_worker.runtime.decode_graphs import DecodeGraphs
 from gpu_worker.runtime.grammar import GrammarTable
 from gpu_worker.runtime.kv_pool import KVPool, kv_bytes_per_token
 from gpu_worker.runtime.malloc_policy import release_freed_memory
@@ -81,6 +83,20 @@ def resolve_weight_dtype(args: ServerArgs, device: torch.device, dtype: torch.dt
         return args.weight_dtype
     quantized_kernels = device.type == "cpu" and args.linear_weights == "auto" and load_quant_linear() != ""
     return "gguf" if gguf_input and dtype == torch.bfloat16 and quantized_kernels else "bf16"
+
+
+def resolve_attention_backend(args: ServerArgs, device: torch.device) -> str:
+    """`--attention-backend auto`: triton on CUDA, torch elsewhere. The triton backend has its
+    own decode attention, so a `--decode-attention` other than auto beside it is a mistake."""
+    backend = args.attention_backend
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and args.decode_attention != "auto":
+        raise ValueError(
+            f"--decode-attention {args.decode_attention} picks the CPU decode attention of "
+            "--attention-backend torch; the triton backend runs its own"
+        )
+    return backend
 
 
 def kv_pool_tokens(
@@ -139,6 +155,7 @@ class Worker(WorkerLoop):
         )
         self.allocate_kv_and_kernels(args, invariance_off_because)
         self.build_batch_state(args)
+        self.build_decode_graphs(args)
         self.open_sockets(ctx)
 
     def place_on_device(self, ctx: ChildContext) -> None:
@@ -197,15 +214,23 @@ class Worker(WorkerLoop):
         pool_tokens = self.tp.agree_min(kv_pool_tokens(args, self.cfg, self.dtype, self.device, self.plan.num_kv_heads))
         self.num_pages = pool_tokens // args.page_size + 1  # page 0 is the padding page
         self.kv_pool = KVPool(self.cfg, self.num_pages, args.page_size, self.dtype, self.device, self.plan.num_kv_heads)
-        if wants_decode_kernel(args.decode_attention, self.device):
+        self.attention_backend = resolve_attention_backend(args, self.device)
+        if self.attention_backend == "triton":
+            kernels = load_triton_kernels(self.device)
+            self.model.use_decode_kernel(kernels.decode)
+            self.model.use_extend_kernel(kernels.extend)
+            self.model.use_elementwise_kernels(kernels.elementwise)
+        elif wants_decode_kernel(args.decode_attention, self.device):
             kernel = load_decode_kernel()
             if kernel is None and args.decode_attention == "kernel":
                 raise RuntimeError("--decode-attention kernel: the kernel could not be built (see the log above)")
             if kernel is not None:
                 self.model.use_decode_kernel(kernel)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.attention_backend == "torch":
             self.model.use_elementwise_kernels(load_elementwise_kernels())
         off_because = invariance_off_because
+        if off_because is None and self.attention_backend == "triton":
+            off_because = "--attention-backend triton"
         if off_because is None and (self.model.decode_kernel is None or self.model.norm.kernels is None):
             off_because = "the C++ kernels are not built for this CPU"
         self.batch_invariant = off_because is None
@@ -244,6 +269,19 @@ class Worker(WorkerLoop):
             every_query_through_kernel=self.batch_invariant,
         )
 
+    def build_decode_graphs(self, args: ServerArgs) -> None:
+        """Step 6: with the triton backend at tp 1, the decode-graph runner (decode_graphs.py),
+        its buckets captured on CUDA; on CPU it runs the same steps without capture."""
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.attention_backend != "triton" or args.disable_cuda_graph or self.tp.size > 1:
+            return
+        max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+        if max_bs <= 0:
+            return
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_pool, self.state, max_bs)
+        if self.device.type == "cuda":
+            self.decode_graphs.capture()
+
     def load_model(self, model_path: str, quantized: bool) -> LlamaForCausalLM:
         """This rank's part of the model on the device in the worker's dtype, weights from the
         checkpoint (benchmarks/gpu_check.py builds random weights on the device instead)."""
@@ -254,7 +292,11 @@ class Worker(WorkerLoop):
 
     def summary(self) -> str:
         attention = "kernel" if self.model.decode_kernel is not None else "torch"
+        if self.attention_backend == "triton":
+            attention = "triton"
         compiled = "compiled" if self.compiled else "eager"
+        if self.decode_graphs is not None:
+            compiled = "graphs" if self.decode_graphs.graphs else "bucketed"
         invariant = "batch invariant" if self.batch_invariant else "not batch invariant"
         experts = "" if self.experts_kind is None else f", experts {self.experts_kind}"
         return (
@@ -285,14 +327,11 @@ class Worker(WorkerLoop):
     def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
         if plan is None:
             return [], []
-        inputs = self.state.forward_inputs(plan)
-        if plan.pooled_rows:
-            states = self.model.last_layer_states(inputs.input_ids, inputs.positions, self.kv_pool, inputs.meta)
-            logits = self.model.logits(states[inputs.logits_indices])
-            pooled = torch.from_numpy(self.pooler.positions(plan)).to(self.device)
-            self.pooler.pool(plan, self.model.final_hidden_states(states[pooled]))
+        if self.decode_graphs is not None and self.decode_graphs.serves(plan):
+            inputs: StepPlan = plan
+            logits = self.decode_graphs.run(plan)
         else:
-            logits = self.model(inputs.input_ids, inputs.positions, self.kv_pool, inputs.meta, inputs.logits_indices)
+            inputs, logits = self._forward(plan)
         ends = np.cumsum(inputs.num_logits)
         plain = [i for i, s in enumerate(inputs.sampling_slots) if s not in inputs.drafts]
         accepted: list[np.ndarray] = [None] * len(inputs.sampling_slots)  # type: ignore[list-item]
@@ -319,6 +358,18 @@ class Worker(WorkerLoop):
             for slot, toks in zip(inputs.sampling_slots, accepted):
                 self.drafter.note_tokens(slot, toks)
         return accepted, logprobs
+
+    def _forward(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor]:
+        """The plan's inputs and logits, eagerly; rows that pool an embedding are pooled here."""
+        inputs = self.state.forward_inputs(plan)
+        ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
+        if not plan.pooled_rows:
+            return inputs, self.model(ids, positions, self.kv_pool, meta, inputs.logits_indices)
+        states = self.model.last_layer_states(ids, positions, self.kv_pool, meta)
+        logits = self.model.logits(states[inputs.logits_indices])
+        pooled = torch.from_numpy(self.pooler.positions(plan)).to(self.device)
+        self.pooler.pool(plan, self.model.final_hidden_states(states[pooled]))
+        return inputs, logits
 
     def _logit_rows(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """The logits of `rows` (increasing); when they are every row (a decode step), the

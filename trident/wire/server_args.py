@@ -137,11 +137,33 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str,
         Flag(
             MODEL,
-            "decode attention on CPU: a C++ kernel reading the paged KV pool in place (built on first use, "
-            "then cached; auto: the kernel wherever the CPU has the instructions for it) or torch ops",
+            "with --attention-backend torch on CPU, decode attention: a C++ kernel reading the paged KV "
+            "pool in place (built on first use, then cached; auto: the kernel wherever the CPU has the "
+            "instructions for it) or torch ops; not used by the triton backend",
             choices=("auto", "kernel", "torch"),
         ),
     ] = "auto"
+    attention_backend: Annotated[
+        str,
+        Flag(
+            MODEL,
+            "the kernels of attention, the KV write with rotary and the norms: triton "
+            "(gpu_worker/kernels/triton/; on CPU only under TRITON_INTERPRET=1, for tests) or torch "
+            "(torch ops, plus on CPU the C++ kernels --decode-attention picks); auto: triton on CUDA, "
+            "torch elsewhere",
+            choices=("auto", "torch", "triton"),
+        ),
+    ] = "auto"
+    cuda_graph_max_bs: Annotated[
+        int,
+        Flag(
+            MODEL,
+            "with the triton backend, decode steps of up to this many rows replay a graph captured at a "
+            "batch bucket (1, 2, 4, ..., 256; rows padded up to the bucket); on CPU the same runner, "
+            "without capture (gpu_worker/runtime/decode_graphs.py)",
+        ),
+    ] = 256
+    disable_cuda_graph: Annotated[bool, Flag(MODEL, "every decode step eager, rows unpadded (no graph runner)")] = False
     disable_batch_invariance: Annotated[
         bool,
         Flag(
