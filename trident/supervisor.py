@@ -133,7 +133,7 @@ class Launcher:
 
             self.ray = RayExecutor(args, args_file)
         self.placements = Placements(args.dp_size)
-        """Where Ray placed each worker group, or what it lacks to (stays empty without Ray)."""
+        """Where Ray placed each worker group, or what it lacks to place it (empty without Ray)."""
 
     # ------------------------------------------------------------------ start
 
