@@ -41,7 +41,7 @@ import zmq
 
 from trident.child_process import Child, free_port
 from trident.node_watch import NodeWatch
-from trident.ray_events import GroupDied, GroupEvent, GroupPlaced, GroupUnplaced
+from trident.ray_events import GroupDied, GroupEvent, Placements
 from trident.restart_policy import RestartPolicy, Unit
 from trident.wire.cluster import (
     ClusterMessage,
@@ -132,10 +132,8 @@ class Launcher:
             from trident.ray_workers import RayExecutor
 
             self.ray = RayExecutor(args, args_file)
-        self.unplaced: dict[int, str] = {}
-        """Replicas whose worker group Ray cannot place now, and what it lacks (ray only)."""
-        self.rank_nodes: dict[int, list[str]] = {}
-        """The Ray node of each rank of each placed replica (ray only; for the log and /server_info)."""
+        self.placements = Placements(args.dp_size)
+        """Where Ray placed each worker group, or what it lacks to place it (empty without Ray)."""
 
     # ------------------------------------------------------------------ start
 
@@ -236,7 +234,7 @@ class Launcher:
             if time.monotonic() > deadline:
                 names = ", ".join(process_name(r, k, d, self.args.dp_size) for r, k, d in sorted(expected))
                 raise StartupError(f"{names} did not report ready within {self.args.startup_timeout_s:.0f} s")
-            for event in self.ray.drain() if self.ray is not None else []:
+            for event in self._ray_events():
                 if isinstance(event, GroupDied):
                     raise StartupError(event.cause)
                 self._on_ray_event(event)
@@ -289,8 +287,9 @@ class Launcher:
             for child in [c for c in self.children if c.sentinel in events]:
                 if child in self.children:
                     self._on_death(child)
-            for event in self.ray.drain() if self.ray is not None and self.ray.wakeup.fileno() in events else []:
-                self._on_ray_event(event)
+            if self.ray is not None and self.ray.wakeup.fileno() in events:
+                for event in self._ray_events():
+                    self._on_ray_event(event)
             self._start_due()
             if self.gave_up and (self.args.on_give_up == "exit" or not self._has("tokenizer")):
                 return EXIT_GAVE_UP  # nothing is left to answer HTTP, or the operator asked to exit
@@ -359,24 +358,17 @@ class Launcher:
             self.spawn_workers(d)
         self._tell_tokenizer(cause)
 
+    def _ray_events(self) -> list[GroupEvent]:
+        return self.ray.drain() if self.ray is not None else []
+
     def _on_ray_event(self, event: GroupEvent) -> None:
         """A worker group placed, waiting for room, or dead (ray_workers.py)."""
-        d = event.dp_rank
-        if event.generation != self.worker_generations[d]:
+        if event.generation != self.worker_generations[event.dp_rank]:
             return  # from a group already replaced
-        if isinstance(event, GroupPlaced):
-            self.rank_nodes[d] = event.rank_nodes
-            where = "; ".join(f"tp{r} on {node}" for r, node in enumerate(event.rank_nodes))
-            logger.info("replica %d, generation %d, placed by Ray: %s", d, event.generation, where)
-            self.unplaced.pop(d, None)
-            self._tell_tokenizer(f"replica {d} placed by Ray: {where}")
-        elif isinstance(event, GroupUnplaced):
-            if d not in self.unplaced:
-                logger.error("%s; waiting for Ray to place it", event.missing)
-                self.unplaced[d] = event.missing
-                self._tell_tokenizer(event.missing)
-        elif isinstance(event, GroupDied):
-            self._restart_workers(d, event.cause, scheduler_knows=False)
+        if isinstance(event, GroupDied):
+            self._restart_workers(event.dp_rank, event.cause, scheduler_knows=False)
+        elif (cause := self.placements.record(event)) is not None:
+            self._tell_tokenizer(cause)
 
     def _on_death(self, child: Child) -> None:
         child.proc.poll()
@@ -393,7 +385,7 @@ class Launcher:
         placement group, whose actors take their workers with them)."""
         if self.ray is not None:
             self.ray.stop_group(dp_rank)
-            self.rank_nodes.pop(dp_rank, None)
+            self.placements.removed(dp_rank)
         for child in [c for c in self.children if c.role == "worker" and c.dp_rank == dp_rank]:
             if child.proc.poll() is None:
                 child.proc.kill()
@@ -437,12 +429,13 @@ class Launcher:
     def _tell_tokenizer(self, cause: str) -> None:
         """The server's health after a restart, a give-up, a node's loss or return, or a
         worker group Ray cannot place or placed again."""
-        healthy = not self.gave_up and not self.node_watch.missing and not self.unplaced
+        unplaced = self.placements.missing()
+        healthy = not self.gave_up and not self.node_watch.missing and not unplaced
         if not self.gave_up and self.node_watch.missing:
             cause = self.node_watch.describe_missing()
-        elif not self.gave_up and self.unplaced:
-            cause = "; ".join(self.unplaced[d] for d in sorted(self.unplaced))
-        nodes = [self.rank_nodes.get(d, []) for d in range(self.args.dp_size)] if self.ray is not None else []
+        elif not self.gave_up and unplaced:
+            cause = unplaced
+        nodes = self.placements.nodes() if self.ray is not None else []
         if self.to_tokenizer is not None:
             self.to_tokenizer.send(ServerHealth(healthy, self.policy.restarts, cause, rank_nodes=nodes))
 

@@ -8,7 +8,8 @@
 - `torch.ops.trident.amx_linear` (csrc/amx_linear.cpp): a bf16 linear layer for every batch
   size on AMX tiles, where the CPU has AMX-BF16 (its tile pieces in csrc/amx_tiles.h);
 - `torch.ops.trident.fused_moe` (csrc/fused_moe.cpp): a mixture-of-experts layer's routed
-  experts in one op, on AMX tiles, AVX512-BF16 or plain C++ (layers/fused_moe.py packs for it);
+  experts in one op, on AMX tiles, AVX512-BF16 or plain C++ (its block sums in
+  csrc/moe_block_sums.h; layers/fused_moe.py packs for it);
 - the elementwise steps of a layer, one op each (decoder.py, `ElementwiseKernels`):
   `torch.ops.trident.rms_norm` and `.add_rms_norm` (csrc/rms_norm.cpp: RMSNorm in one
   pass, after the residual add; LLaMA's x*w or Gemma's x*(1+w)), `.silu_and_mul` and
@@ -69,7 +70,7 @@ SOURCES = [
         "quant_linear.cpp",
     )
 ]
-# csrc/kernel_common.h and amx_tiles.h are included by the sources: ninja's dependency files rebuild on its edits.
+# The csrc/*.h headers are included by the sources: ninja's dependency files rebuild on their edits.
 COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
 """-fno-trapping-math lets loops calling floorf vectorise (exp_nonpositive in csrc/kernel_common.h;
 without it GCC keeps them scalar); -ffp-contract=off rounds a product before a sum, as
