@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from gpu_worker.kernels.cpu_kernels import load_fused_moe
-from gpu_worker.runtime.huge_pages import huge_page_empty
+from gpu_worker.runtime.huge_pages import in_huge_pages
 
 INTERMEDIATE_ALIGN = 32
 """The packed intermediate width is a multiple of this (the op's k-chunk); zeros pad it."""
@@ -52,13 +52,6 @@ def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
     return runs.reshape(experts, 2 * padded, hidden)
 
 
-def _in_huge_pages(packed: torch.Tensor) -> torch.Tensor:
-    """A copy in 2 MB-page memory (huge_pages.py): a step streams each routed expert's weights,
-    and in 4 KB pages it also walks the page tables every 4 KB of them."""
-    out = huge_page_empty((packed.numel() * packed.element_size(),)).view(packed.dtype).view(packed.shape)
-    return out.copy_(packed)
-
-
 class FusedMoE(nn.Module):
     """The routed experts of one layer, packed for csrc/fused_moe.cpp (CPU, bf16)."""
 
@@ -82,8 +75,8 @@ class FusedMoE(nn.Module):
         if not fused_moe_available():
             raise RuntimeError("the fused MoE op needs the C++ CPU kernels, which did not build here")
         ops = torch.ops.trident
-        packed_gate_up = _in_huge_pages(ops.fused_moe_pack(interleave_gate_up(gate_up)))
-        return cls(packed_gate_up, _in_huge_pages(ops.fused_moe_pack(down)), path)
+        packed_gate_up = in_huge_pages(ops.fused_moe_pack(interleave_gate_up(gate_up)))
+        return cls(packed_gate_up, in_huge_pages(ops.fused_moe_pack(down)), path)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int32, topk_weights [T, k] float32 -> [T, H] bf16."""

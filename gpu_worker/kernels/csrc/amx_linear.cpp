@@ -55,8 +55,9 @@ constexpr int64_t kRowsPerPass = 256;
 // The input tiles of one k-span of a pass (all of k = 2,048 at 256 rows), kept in L2 while every
 // column block is read once.
 constexpr int64_t kSpanInputBytes = int64_t{1} << 20;
-// Column blocks a thread claims at a time (parallel_for_claimed).
-constexpr int64_t kBlocksPerClaim = 1;
+// Claims per thread (parallel_for_claimed): enough to even out the threads' shares, few enough
+// that a claim runs over several column blocks, each prefetching the next.
+constexpr int64_t kClaimsPerThread = 16;
 
 // weight [n, k] bfloat16 -> [ceil(n / 32), ceil(k / 32), 2, 16, 32] bfloat16 (the layout in amx_tiles.h).
 at::Tensor amx_pack_weight(const at::Tensor& weight) {
@@ -119,22 +120,31 @@ void amx_span(const uint16_t* tiles, int64_t rows, const uint16_t* packed, int64
   const int64_t blocks = round_up(n, kBlockColumns) / kBlockColumns, partial_ld = blocks * kBlockColumns;
   const int64_t block_elements = chunks * kBlockChunkElements, row_tile_elements = span_chunks * kTileElements;
   const bool first = first_chunk == 0, last = first_chunk + span_chunks == chunks;
-  trident_kernels::parallel_for_claimed(blocks, kBlocksPerClaim, [&](int64_t begin, int64_t end) {
+  const int64_t span_bytes = span_chunks * kBlockChunkElements * 2;
+  const int64_t passes = round_up(rows, 2 * kTileRows) / (2 * kTileRows);
+  const int64_t per_claim = std::max<int64_t>(1, blocks / (kClaimsPerThread * at::get_num_threads()));
+  trident_kernels::parallel_for_claimed(blocks, per_claim, [&](int64_t begin, int64_t end) {
     const amx::TileConfig config;
     _tile_loadconfig(&config);
     alignas(64) float sums[2 * kTileRows * kBlockColumns];
     for (int64_t block = begin; block < end; ++block) {
       const uint16_t* weights = packed + block * block_elements + first_chunk * kBlockChunkElements;
       const int64_t column0 = block * kBlockColumns, columns = std::min(kBlockColumns, n - column0);
+      // The next block's span is fetched into L2 while this one is summed, a share per row pass.
+      const char* next = block + 1 < end ? reinterpret_cast<const char*>(weights + block_elements) : nullptr;
       for (int64_t row0 = 0; row0 < rows; row0 += 2 * kTileRows) {
         const uint16_t* x_a = tiles + (row0 / kTileRows) * row_tile_elements;
         const int64_t tile_rows = std::min(2 * kTileRows, rows - row0);
         const SumsAt held{partial + row0 * partial_ld + column0, partial_ld};
         const SumsAt from = first ? SumsAt{nullptr, 0} : held, to = last ? SumsAt{sums, kBlockColumns} : held;
+        const int64_t pass = row0 / (2 * kTileRows);
+        const int64_t share_from = pass * span_bytes / passes, share_to = (pass + 1) * span_bytes / passes;
+        const auto* prefetch = next ? reinterpret_cast<const uint16_t*>(next + share_from) : nullptr;
+        const int64_t prefetch_bytes = next ? share_to - share_from : 0;
         if (tile_rows > kTileRows) {
-          amx::block_sums<true>(x_a, x_a + row_tile_elements, weights, span_chunks, from, to);
+          amx::block_sums<true>(x_a, x_a + row_tile_elements, weights, span_chunks, from, to, prefetch, prefetch_bytes);
         } else {
-          amx::block_sums<false>(x_a, nullptr, weights, span_chunks, from, to);
+          amx::block_sums<false>(x_a, nullptr, weights, span_chunks, from, to, prefetch, prefetch_bytes);
         }
         if (last)
           round_block(sums, tile_rows, bias ? bias + column0 : nullptr, columns, out + row0 * n + column0, n);

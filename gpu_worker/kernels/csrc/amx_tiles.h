@@ -129,9 +129,14 @@ struct SumsAt {
 // into spans parks the sums in memory between spans, and they come back with the same bits.
 // x_a / x_b: the first input tile of each 16 rows (packed by pack_input_tile: a tile a chunk,
 // 1 KB apart). The caller loads a TileConfig first.
+// `prefetch_bytes` bytes from `prefetch` (the weights a later call reads) are requested into L2,
+// spread over the chunks: the hardware prefetcher stops at each 4 KB page, and while a block's
+// later rows reread its weights from L2 nothing else would keep memory busy. Prefetches change
+// no sums.
 template <bool kTwoRowTiles>
 void block_sums(const uint16_t* x_a, const uint16_t* x_b, const uint16_t* block, int64_t chunks, SumsAt from,
-                SumsAt to) {
+                SumsAt to, const uint16_t* prefetch = nullptr, int64_t prefetch_bytes = 0) {
+  const char* prefetch_bytes_at = reinterpret_cast<const char*>(prefetch);
   const int64_t from_ld = from.ld * sizeof(float), to_ld = to.ld * sizeof(float);
   const int64_t row_b = kTileRows * from.ld;
   if (from.sums) {
@@ -151,6 +156,9 @@ void block_sums(const uint16_t* x_a, const uint16_t* x_b, const uint16_t* block,
   }
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     const uint16_t* weights = block + chunk * kBlockChunkElements;
+    for (int64_t offset = chunk * prefetch_bytes / chunks / 64 * 64; offset < (chunk + 1) * prefetch_bytes / chunks;
+         offset += 64)
+      _mm_prefetch(prefetch_bytes_at + offset, _MM_HINT_T1);
     _tile_loadd(4, x_a + chunk * kTileElements, 64);
     _tile_loadd(6, weights, 64);
     _tile_loadd(7, weights + kTileElements, 64);
