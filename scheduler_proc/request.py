@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from trident.wire.frontend import SamplingParams
+from trident.wire.logprobs import PromptLogprobs
 
 
 class FinishReason(str, enum.Enum):
@@ -43,9 +44,12 @@ class Req:
         "pending_results",
         "prefix_len",
         "prompt_ids",
+        "prompt_logprobs",
+        "prompt_logprobs_sent",
         "resumed_ids",
         "rid",
         "sampling",
+        "scores_only",
         "slot",
         "stop_ids",
     )
@@ -69,7 +73,10 @@ class Req:
         self.stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else eos_ids)
         """Tokens that end the request once it has min_new_tokens (the model's EOS ids
         unless ignore_eos, plus its own stop ids)."""
-        self.max_output_len = min(sampling.max_new_tokens, context_length - len(prompt_ids))
+        self.scores_only = sampling.max_new_tokens == 0
+        """max_tokens 0: the prompt runs (for its prompt logprobs) and no output is kept; the
+        worker still samples a token at the prompt's end, which is dropped."""
+        self.max_output_len = max(1, min(sampling.max_new_tokens, context_length - len(prompt_ids)))
         """Outputs at which it ends with "length" (its budget, or the context is full)."""
         self.arrival_time = time.monotonic()
 
@@ -85,6 +92,9 @@ class Req:
         self.pages_sent = 0
         """How many of `pages` the worker's page table already holds."""
 
+        self.prompt_logprobs: PromptLogprobs | None = None
+        """Prompt logprobs of the chunks run so far, until they go out with the first output."""
+        self.prompt_logprobs_sent = False
         self.cached_tokens = 0
         """Prompt tokens served from the prefix cache (first admission only)."""
         self.finish_reason: FinishReason | None = None
@@ -103,6 +113,29 @@ class Req:
         self.decoding = False
         self.pending_results = 0
         self.num_retractions += 1
+        self.prompt_logprobs = None  # the resumed prefill scores the prompt again
+
+    def score_start(self) -> int:
+        """The first prompt position this request still scores (prompt logprobs); -1: none."""
+        if self.sampling.prompt_logprobs_from < 0 or self.prompt_logprobs_sent:
+            return -1
+        return max(1, self.sampling.prompt_logprobs_from)
+
+    def reusable_prefix(self) -> int:
+        """Tokens of cached prefix it may take: up to the position before its first scored
+        one, whose logits score that one (prompt_logprobs.py); else any."""
+        first = self.score_start()
+        return len(self.fill_ids) if first < 0 else first - 1
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """What goes out with the first output, once: the prompt logprobs it asked for (an
+        empty list when its prompt has no position from its start on), else None."""
+        first = self.score_start()
+        if first < 0:
+            return None
+        self.prompt_logprobs_sent = True
+        scored, self.prompt_logprobs = self.prompt_logprobs, None
+        return scored if scored is not None else PromptLogprobs(first)
 
     @property
     def finished(self) -> bool:

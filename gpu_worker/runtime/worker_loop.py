@@ -34,6 +34,7 @@ from trident.wire.child import ChildContext
 from trident.wire.cluster import layout_of, signer_of
 from trident.wire.codec import pack_int32
 from trident.wire.control import PROTOCOL_VERSION, WORKER_GENERATION_ENV
+from trident.wire.logprobs import PromptLogprobs
 from trident.wire.transport import (
     PullSocket,
     PushSocket,
@@ -119,9 +120,9 @@ class WorkerLoop:
                     drafts[slot] = draft
         return drafts
 
-    def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
+    def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list, list[PromptLogprobs]]:
         """Runs the plan and advances the batch; returns the accepted tokens of each sampling
-        row, and logprobs."""
+        row, their logprobs, and the prompt logprobs of `plan.scored_chunks`."""
         raise NotImplementedError
 
     def on_reset(self) -> None:
@@ -192,7 +193,7 @@ class WorkerLoop:
         self.last_step_features = step_features(self.state.row_lens_host, plan)
         if self._is_overlapped(desc):
             self._publish_seq_lens_sync(desc.step_id)
-        accepted, logprobs = self.forward_and_sample(plan)
+        accepted, logprobs, prompt_logprobs = self.forward_and_sample(plan)
         if plan is not None:
             self.counters.prefill_tokens_computed += plan.num_prefill_tokens
         self.counters.steps += 1
@@ -216,6 +217,7 @@ class WorkerLoop:
             logprobs=logprobs,
             accept_lens=pack_int32([len(a) for a in accepted]) if self.num_draft_tokens else b"",
             seq_lens=seq_lens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _is_overlapped(self, desc: BatchDescriptor) -> bool:
