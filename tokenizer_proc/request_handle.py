@@ -14,6 +14,7 @@ import msgspec
 
 from tokenizer_proc.detokenizer import RequestDetokenizer
 from trident.wire.frontend import RowExtras, SamplingParams
+from trident.wire.logprobs import PromptLogprobs
 
 if TYPE_CHECKING:
     from tokenizer_proc.request_manager import RequestManager
@@ -32,6 +33,8 @@ class TokenOut(msgspec.Struct):
     error: str = ""
     token_logprobs: list[float] = []
     top_logprobs: list[list[tuple[int, float]]] = []
+    prompt_logprobs: PromptLogprobs | None = None
+    """With the request's first output, when it asked for prompt logprobs."""
 
     @classmethod
     def of_row(cls, rid: str, token_ids: list[int], extras: RowExtras | None) -> TokenOut:
@@ -45,6 +48,7 @@ class TokenOut(msgspec.Struct):
             extras.error,
             extras.token_logprobs,
             extras.top_logprobs,
+            extras.prompt_logprobs,
         )
 
 
@@ -58,14 +62,15 @@ def take_queued(out: TokenOut, queue: asyncio.Queue[TokenOut]) -> TokenOut:
     if queue.empty() or out.finish_reason is not None:
         return out
     token_ids, token_logprobs, top_logprobs = list(out.token_ids), list(out.token_logprobs), list(out.top_logprobs)
-    cached, error, finish = out.cached_tokens, out.error, None
+    cached, error, finish, prompt_logprobs = out.cached_tokens, out.error, None, out.prompt_logprobs
     while finish is None and not queue.empty():
         nxt = queue.get_nowait()
         token_ids += nxt.token_ids
         token_logprobs += nxt.token_logprobs
         top_logprobs += nxt.top_logprobs
         cached, error, finish = max(cached, nxt.cached_tokens), nxt.error or error, nxt.finish_reason
-    return TokenOut(out.rid, token_ids, finish, cached, error, token_logprobs, top_logprobs)
+        prompt_logprobs = prompt_logprobs or nxt.prompt_logprobs
+    return TokenOut(out.rid, token_ids, finish, cached, error, token_logprobs, top_logprobs, prompt_logprobs)
 
 
 @dataclass
@@ -86,6 +91,8 @@ class GenerationOutput:
     """Cumulative."""
     cached_tokens: int
     error: str = ""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Once, with the first output, when the request asked for prompt logprobs."""
 
 
 @dataclass
@@ -103,6 +110,8 @@ class OpenRequest:
     created: float = field(default_factory=time.monotonic)
     scheduler_done: bool = False
     """The scheduler finished it, or was already told to abort it: no AbortReq is due."""
+    prompt_logprobs_received: bool = False
+    """Its prompt logprobs arrived: a resubmission asks for none again."""
 
 
 class RequestHandle:
@@ -154,6 +163,7 @@ class RequestHandle:
                     completion_tokens=len(req.generated),
                     cached_tokens=req.cached_tokens,
                     error=out.error,
+                    prompt_logprobs=out.prompt_logprobs,
                 )
                 if finish is not None:
                     if metrics is not None:

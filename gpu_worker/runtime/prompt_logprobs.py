@@ -26,7 +26,7 @@ def score_prompt_chunks(logits: torch.Tensor, chunks: list[tuple[int, np.ndarray
         ranks: list[int] = []
         top: list[list[tuple[int, float]]] = []
         for begin in range(0, len(targets), ROWS_PER_BLOCK):
-            block_targets = torch.as_tensor(targets[begin : begin + ROWS_PER_BLOCK], dtype=torch.int64)
+            block_targets = torch.from_numpy(targets[begin : begin + ROWS_PER_BLOCK].astype(np.int64))
             block = logits[row + begin : row + begin + len(block_targets)]
             logprobs = torch.log_softmax(block.float(), dim=-1)
             chosen = logprobs.gather(-1, block_targets.to(logprobs.device)[:, None])
