@@ -212,9 +212,10 @@ def test_a_worker_killed_mid_prefill_and_mid_decode_still_returns_every_prompt_l
     """Two requests decode and two long prompts are still in their 8-token chunks when the
     worker is SIGKILLed: all four come back with each prompt logprob once, as transformers'."""
     short = [encode(hf_reference, t) for t in ("The three primary colors are", "To make a cup of tea, first")]
-    long = [encode(hf_reference, (TEXT + " ") * 3 + suffix) for suffix in ("Today", "Tomorrow")]
+    long = [encode(hf_reference, (TEXT + " ") * 6 + suffix) for suffix in ("Today", "Tomorrow")]
     client = chunked_server.client(timeout=300)
     restarts_before = chunked_server.counter("trident_restarts_total")
+    resumed_before = chunked_server.scheduler_stats().get("resumed_requests", 0)
     results: dict[int, object] = {}
 
     def run(i: int, ids: list[int], max_tokens: int) -> None:
@@ -235,6 +236,8 @@ def test_a_worker_killed_mid_prefill_and_mid_decode_still_returns_every_prompt_l
     for t in threads:
         t.join(300)
     assert wait_until(lambda: chunked_server.counter("trident_restarts_total") == restarts_before + 1, 30)
+    # All four were running when the worker died, and went back as prefills.
+    assert wait_until(lambda: chunked_server.scheduler_stats()["resumed_requests"] >= resumed_before + 4, 10)
     for i, ids in enumerate(short + long):
         entries = results[i].choices[0].model_extra["prompt_logprobs"]
         assert len(entries) == len(ids) and entries[0] is None
