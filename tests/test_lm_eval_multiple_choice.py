@@ -33,20 +33,31 @@ metric_list:
 
 def transformers_accuracy(hf_reference, docs: list[dict]) -> float:
     """The task's accuracy by transformers' float32 log_softmax: each choice scored by the sum
-    of its tokens' logprobs after the question, split into tokens as lm-eval splits them."""
+    of its tokens' logprobs after the question, split into tokens as lm-eval splits them. One
+    right-padded forward for every choice of every item (causal: padding after a sequence
+    changes none of its logits)."""
     tok, model = hf_reference
-    right = 0
+    seqs, context_lens = [], []
     for doc in docs:
         context = f"Question: {doc['question']}\nAnswer:"
-        scores = []
+        n_context = len(tok(context, add_special_tokens=False).input_ids)
         for choice in doc["choices"]:
-            whole = tok(context + " " + choice, add_special_tokens=False).input_ids
-            n_context = len(tok(context, add_special_tokens=False).input_ids)
-            with torch.no_grad():
-                logits = model(torch.tensor([whole])).logits[0].float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            scores.append(sum(logprobs[p - 1, whole[p]].item() for p in range(n_context, len(whole))))
-        right += max(range(len(scores)), key=scores.__getitem__) == doc["answer"]
+            seqs.append(tok(context + " " + choice, add_special_tokens=False).input_ids)
+            context_lens.append(n_context)
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids, attention_mask=mask).logits.float(), dim=-1)
+    scores = [
+        sum(logprobs[i, p - 1, seq[p]].item() for p in range(n, len(seq)))
+        for i, (seq, n) in enumerate(zip(seqs, context_lens))
+    ]
+    right, at = 0, 0
+    for doc in docs:
+        mine = scores[at : at + len(doc["choices"])]
+        at += len(mine)
+        right += max(range(len(mine)), key=mine.__getitem__) == doc["answer"]
     return right / len(docs)
 
 
@@ -62,7 +73,7 @@ def test_lm_eval_local_completions_accuracy_equals_transformers_float32(smollm2_
     hf_reference[0].save_pretrained(tokenizer)  # lm-eval splits context and choice with it
     model_args = (
         f"model=smollm2-135m,base_url={smollm2_server.base_url}/v1/completions,"
-        f"tokenizer_backend=huggingface,tokenizer={tokenizer},num_concurrent=4,max_retries=1"
+        f"tokenizer_backend=huggingface,tokenizer={tokenizer},num_concurrent=8,max_retries=1"
     )
     results = lm_eval.simple_evaluate(
         model="local-completions",
