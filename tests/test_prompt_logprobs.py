@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import openai
 import pytest
 import torch
 
@@ -106,6 +107,19 @@ def test_lm_eval_style_echo_with_one_generated_token_puts_it_after_the_prompt(sm
     assert out.choices[0].text.startswith(hf_reference[0].decode(ids))
 
 
+def test_a_streamed_echo_sends_the_prompt_with_its_logprobs_first(smollm2_server, hf_reference):
+    ids = encode(hf_reference, "The three primary colors are")
+    stream = smollm2_server.client().completions.create(
+        model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=2, temperature=0, stream=True
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[0].text == hf_reference[0].decode(ids)
+    first = chunks[0].logprobs
+    assert len(first.token_logprobs) == len(ids) and first.token_logprobs[0] is None
+    assert all(v is not None for v in first.token_logprobs[1:])
+    assert sum(len(c.logprobs.tokens) for c in chunks[1:] if c.logprobs) == 2
+
+
 def test_vllm_prompt_logprobs_give_each_prompt_token_its_logprob_rank_and_top(smollm2_server, hf_reference):
     ids = encode(hf_reference, "Once upon a time, in a small village, there lived")
     ref = reference_logprobs(hf_reference, ids)
@@ -135,6 +149,10 @@ def test_chat_prompt_logprobs_cover_the_templated_prompt(smollm2_server):
     entries = out.model_extra["prompt_logprobs"]
     assert len(entries) == out.usage.prompt_tokens and entries[0] is None
     assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in entries[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):  # no place for them in a stream
+        smollm2_server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True, extra_body={"prompt_logprobs": 0}
+        )
 
 
 def test_sglang_generate_returns_input_logprobs_from_logprob_start_len(smollm2_server, hf_reference):

@@ -306,6 +306,8 @@ def render_chat(
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     st = get_state(request)
     check_model(body.model, st.limits)
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError("prompt_logprobs is not supported on a streamed chat completion.", param="prompt_logprobs")
     plan = plan_of(body)
     grammar = request_constraint(body, forced_call_spec(plan) if plan.forced else None)
     prompt_text, prompt_ids = render_chat(st, body.messages, plan, body.chat_template_kwargs)
