@@ -79,7 +79,7 @@ def test_lm_eval_local_completions_accuracy_equals_transformers_float32(smollm2_
         model="local-completions",
         model_args=model_args,
         tasks=[TASK],
-        task_manager=TaskManager(include_path=str(tasks)),
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),  # no scan of its own tasks
         batch_size=1,
     )
     served = results["results"][TASK]["acc,none"]
