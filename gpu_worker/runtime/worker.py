@@ -42,11 +42,13 @@ from gpu_worker.runtime.malloc_policy import release_freed_memory
 from gpu_worker.runtime.ngram_drafter import NgramDrafter
 from gpu_worker.runtime.parallel import ShardPlan, TPGroup, dist_address
 from gpu_worker.runtime.pooling import Pooler
+from gpu_worker.runtime.prompt_logprobs import score_prompt_chunks
 from gpu_worker.runtime.sampler import SamplingTable, sample
 from gpu_worker.runtime.worker_loop import WorkerLoop
 from trident.wire.backend import BatchDescriptor
 from trident.wire.child import ChildContext
 from trident.wire.cluster import layout_of
+from trident.wire.logprobs import PromptLogprobs
 from trident.wire.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -273,9 +275,9 @@ class Worker(WorkerLoop):
     def draft_tokens(self, slot: int) -> np.ndarray:
         return self.drafter.propose(slot)
 
-    def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
+    def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list, list[PromptLogprobs]]:
         if plan is None:
-            return [], []
+            return [], [], []
         inputs = self.state.forward_inputs(plan)
         if plan.pooled_rows:
             states = self.model.last_layer_states(inputs.input_ids, inputs.positions, self.kv_pool, inputs.meta)
@@ -285,6 +287,12 @@ class Worker(WorkerLoop):
         else:
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_pool, inputs.meta, inputs.logits_indices)
         ends = np.cumsum(inputs.num_logits)
+        prompt_logprobs = []
+        if inputs.scored_chunks:
+            prompt_logprobs = score_prompt_chunks(
+                logits[int(ends[-1]) if len(ends) else 0 :],
+                [(start, t, self.sampling.params[s].prompt_top_logprobs) for s, start, t in inputs.scored_chunks],
+            )
         plain = [i for i, s in enumerate(inputs.sampling_slots) if s not in inputs.drafts]
         accepted: list[np.ndarray] = [None] * len(inputs.sampling_slots)  # type: ignore[list-item]
         logprobs: list = []
@@ -309,7 +317,7 @@ class Worker(WorkerLoop):
         if self.drafter:
             for slot, toks in zip(inputs.sampling_slots, accepted):
                 self.drafter.note_tokens(slot, toks)
-        return accepted, logprobs
+        return accepted, logprobs, prompt_logprobs
 
     def _logit_rows(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """The logits of `rows` (increasing); when they are every row (a decode step), the
