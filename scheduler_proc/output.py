@@ -45,7 +45,7 @@ def row_extras(row: int, req: Req, logprobs: RowLogprobs | None = None) -> RowEx
         cached,
         [logprobs.token_logprob] if logprobs is not None else [],
         [logprobs.top] if logprobs is not None else [],
-        prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
