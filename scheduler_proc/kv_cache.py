@@ -45,9 +45,10 @@ class KVCacheManager:
         return self.allocator.alloc(n)
 
     def match_prefix(self, req: Req) -> None:
-        """Takes the longest cached prefix of req.fill_ids (leaving at least one token to run)."""
+        """Takes the longest cached prefix of req.fill_ids (leaving at least one token to run,
+        and no more than the request may reuse: `Req.reusable_prefix`)."""
         pages, matched = self.radix.match_prefix(req.fill_ids)
-        max_match = ((len(req.fill_ids) - 1) // self.page_size) * self.page_size
+        max_match = (min(len(req.fill_ids) - 1, req.reusable_prefix()) // self.page_size) * self.page_size
         if matched > max_match:
             matched = max_match
             pages = pages[: matched // self.page_size]

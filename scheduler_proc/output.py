@@ -32,16 +32,20 @@ def append_token(req: Req, token: int) -> None:
 
 def row_extras(row: int, req: Req, logprobs: RowLogprobs | None = None) -> RowExtras | None:
     """What row `row` (request `req`, its tokens just appended) needs beyond its tokens."""
-    first = req.cached_tokens if len(req.output_ids) <= 1 else 0
-    if req.finish_reason is None and not first and logprobs is None:
+    first = len(req.output_ids) <= 1
+    cached = req.cached_tokens if first else 0
+    ended_early = req.finish_reason in (FinishReason.ABORT, FinishReason.ERROR)
+    prompt_logprobs = req.take_prompt_logprobs() if first and not ended_early else None
+    if req.finish_reason is None and not cached and logprobs is None and prompt_logprobs is None:
         return None
     return RowExtras(
         row,
         req.finish_reason.value if req.finish_reason is not None else None,
         req.error,
-        first,
+        cached,
         [logprobs.token_logprob] if logprobs is not None else [],
         [logprobs.top] if logprobs is not None else [],
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -112,14 +116,15 @@ def take_step_embeddings(reqs: list[Req], result: StepResult) -> StepOutputs:
     return StepOutputs(TokenOutBatch(rids, token_counts=pack_int32([0] * len(rids)), extras=extras), 0, finished)
 
 
-def take_step_tokens(reqs: list[Req], result: StepResult) -> StepOutputs:
+def take_step_tokens(reqs: list[Req], result: StepResult, row_by_row: bool = False) -> StepOutputs:
     """Adds each sampling row's tokens of `result` to its request (rows in `reqs` order)
     and returns what the step produced.
 
     A row whose request finished before its token arrived (overlap ran one step past the
     finish, or it was aborted) is dropped; accepted drafts past a stop are dropped too.
-    `result` has passed `result_mismatch` (the worker link refuses any that does not fit)."""
-    if result.accept_lens or result.logprobs:
+    `result` has passed `result_mismatch` (the worker link refuses any that does not fit).
+    `row_by_row`: some row's first output carries prompt logprobs or is dropped (max_tokens 0)."""
+    if result.accept_lens or result.logprobs or row_by_row:
         return _take_general(reqs, result)
     tokens = unpack_int32(result.next_token_ids)
     rids: list[str] = []
@@ -169,8 +174,11 @@ def _take_general(reqs: list[Req], result: StepResult) -> StepOutputs:
             append_token(req, token)
             if req.finish_reason is not None:
                 break
+        if req.prefill_only:  # its prompt ran; the token sampled after it is not kept
+            del req.output_ids[before:]
+            req.finish_reason = FinishReason.LENGTH
         new = req.output_ids[before:]
-        lp = result.logprobs[i] if result.logprobs else None
+        lp = result.logprobs[i] if result.logprobs and not req.prefill_only else None
         extra = row_extras(len(rids), req, lp)
         if extra is not None:
             extras.append(extra)

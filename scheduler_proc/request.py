@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from trident.wire.frontend import SamplingParams
+from trident.wire.logprobs import PromptLogprobs
 
 
 class FinishReason(str, enum.Enum):
@@ -42,8 +43,11 @@ class Req:
         "pages",
         "pages_sent",
         "pending_results",
+        "prefill_only",
         "prefix_len",
         "prompt_ids",
+        "prompt_logprobs",
+        "prompt_logprobs_sent",
         "resumed_ids",
         "rid",
         "sampling",
@@ -71,12 +75,19 @@ class Req:
         self.stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else eos_ids)
         """Tokens that end the request once it has min_new_tokens (the model's EOS ids
         unless ignore_eos, plus its own stop ids)."""
-        self.max_output_len = min(sampling.max_new_tokens, context_length - len(prompt_ids))
-        """Outputs at which it ends with "length" (its budget, or the context is full)."""
+        self.max_output_len = max(1, min(sampling.max_new_tokens, context_length - len(prompt_ids)))
+        """Outputs at which it ends with "length" (its budget, or the context is full; at
+        least the one token every sampling row gets)."""
         self.arrival_time = time.monotonic()
         self.embedding = embedding
-        """An `EmbedReq`: a prefill that samples nothing; the step that runs its last chunk
-        returns its pooled vector, its one output, and it finishes with that."""
+        """An `EmbedReq`: the worker pools its prompt's final hidden states and samples
+        nothing; the pooled vector is its one output."""
+        self.prefill_only = embedding or sampling.max_new_tokens == 0
+        """Its prefill is all it runs: it ends with the result of the step that runs its last
+        prompt chunk, and leaves the batch before any decode step. Two kinds: an embedding request (its vector) and a
+        max_tokens 0 request, which scores its prompt (its prompt logprobs go out with the
+        token the worker samples after the prompt, as for any row; output.py drops that
+        token)."""
 
         # KV state, valid while the request is in the running batch
         self.slot: int | None = None
@@ -90,6 +101,9 @@ class Req:
         self.pages_sent = 0
         """How many of `pages` the worker's page table already holds."""
 
+        self.prompt_logprobs: PromptLogprobs | None = None
+        """Prompt logprobs of the chunks run so far, until they go out with the first output."""
+        self.prompt_logprobs_sent = False
         self.cached_tokens = 0
         """Prompt tokens served from the prefix cache (first admission only)."""
         self.finish_reason: FinishReason | None = None
@@ -108,6 +122,29 @@ class Req:
         self.decoding = False
         self.pending_results = 0
         self.num_retractions += 1
+        self.prompt_logprobs = None  # the resumed prefill scores the prompt again
+
+    def score_start(self) -> int:
+        """The first prompt position this request still scores (prompt logprobs); -1: none."""
+        if self.sampling.prompt_logprobs_from < 0 or self.prompt_logprobs_sent:
+            return -1
+        return max(1, self.sampling.prompt_logprobs_from)
+
+    def reusable_prefix(self) -> int:
+        """Tokens of cached prefix it may take: up to the position before its first scored
+        one, whose logits score that one (prompt_logprobs.py); else any."""
+        first = self.score_start()
+        return len(self.fill_ids) if first < 0 else first - 1
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """What goes out with the first output, once: the prompt logprobs it asked for (an
+        empty list when its prompt has no position from its start on), else None."""
+        first = self.score_start()
+        if first < 0:
+            return None
+        self.prompt_logprobs_sent = True
+        scored, self.prompt_logprobs = self.prompt_logprobs, None
+        return scored if scored is not None else PromptLogprobs(first)
 
     @property
     def finished(self) -> bool:
@@ -126,8 +163,8 @@ class Req:
         at least one): no later step can add to it. With overlap, the next step is built
         before those results arrive; without this, it would carry the row one step past
         its finish, a whole forward for a one-token request before its answer goes out.
-        An embedding request ends with its one result, its vector."""
-        if self.embedding:
+        A `prefill_only` request ends with the result of its last prompt chunk."""
+        if self.prefill_only:
             return self.pending_results > 0
         return len(self.output_ids) + self.pending_results >= self.max_output_len
 

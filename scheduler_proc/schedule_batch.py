@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from scheduler_proc.prompt_logprobs import chunk_scoring
 from scheduler_proc.request import Req
 from trident.wire.backend import AddedRequest, BatchDescriptor, ExtendChunk, ForwardMode, PageAppends
 from trident.wire.codec import pack_int32
@@ -49,6 +50,13 @@ class ScheduleBatch:
         self.pooling_reqs: list[Req] = []
         """Embedding rows whose last prompt chunk runs in the step being built, in batch
         order: each gets its vector from the step; reset by build_descriptor."""
+        self.scoring_reqs: list[Req] = []
+        """Requests whose chunk in the step being built scores prompt tokens, in chunk
+        order; a new list after build_descriptor."""
+        self.first_outputs_row_by_row = False
+        """A prompt ending in the step being built wants its first output taken row by row
+        (it carries prompt logprobs, or its token is dropped: `Req.prefill_only`); reset by
+        build_descriptor."""
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -101,13 +109,19 @@ class ScheduleBatch:
             req = self.reqs[index]
             start = self.seq_len(index)
             is_last = start + n == len(req.fill_ids)
-            self._extends.append(ExtendChunk(req.slot, pack_int32(req.fill_ids[start : start + n]), is_last))
+            score_from, targets = chunk_scoring(req, start, n)
+            chunk = ExtendChunk(req.slot, pack_int32(req.fill_ids[start : start + n]), is_last, score_from, targets)
+            self._extends.append(chunk)
+            if targets:
+                self.scoring_reqs.append(req)
             self.seq_lens_cpu[index] += n
             self.step_increments[index] += n
             if req.embedding:  # samples nothing, never decodes: its vector is due
                 if is_last:
                     self.pooling_reqs.append(req)
                 continue
+            if is_last and (req.score_start() >= 0 or req.prefill_only):
+                self.first_outputs_row_by_row = True
             # The worker starts decoding this row right after the step; so does the mirror.
             req.decoding = is_last
             self.sampling_mask[index] = is_last
@@ -184,7 +198,7 @@ class ScheduleBatch:
             seq_lens_sum=self.seq_lens_sum,
         )
         self._removed_slots, self._added, self._extends = [], [], []
-        self.pooling_reqs = []
+        self.pooling_reqs, self.scoring_reqs, self.first_outputs_row_by_row = [], [], False
         self._decode_rows = 0
         self.step_increments = np.zeros(len(self.reqs), dtype=np.int64)
         self.sampling_mask = np.zeros(len(self.reqs), dtype=bool)

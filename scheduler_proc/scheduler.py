@@ -18,6 +18,7 @@ from scheduler_proc.io import SchedulerIO
 from scheduler_proc.kv_cache import KVCacheManager
 from scheduler_proc.output import finished_alone, take_step_embeddings, take_step_tokens
 from scheduler_proc.prefill import PrefillPlanner, WaitingQueue
+from scheduler_proc.prompt_logprobs import take_prompt_logprobs
 from scheduler_proc.request import FinishReason, Req
 from scheduler_proc.schedule_batch import ScheduleBatch, check_seq_lens
 from scheduler_proc.stats import SchedulerCounters
@@ -263,6 +264,7 @@ class Scheduler:
         for req in sampling + pooling:
             req.pending_results += 1
         increments = self.batch.step_increments.copy()
+        scoring, row_by_row = self.batch.scoring_reqs, self.batch.first_outputs_row_by_row
         desc = self.batch.build_descriptor(self.next_step_id)
         self.next_step_id += 1
         return Step(
@@ -271,8 +273,10 @@ class Scheduler:
             rows,
             self.batch.seq_lens_cpu.copy(),
             increments,
-            build_s=time.perf_counter() - t0,
             pooling_reqs=pooling,
+            scoring_reqs=scoring,
+            row_by_row=row_by_row,
+            build_s=time.perf_counter() - t0,
         )
 
     def decoding_rows(self) -> np.ndarray:
@@ -403,7 +407,8 @@ class Scheduler:
             if self.args.disable_overlap:  # the CPU mirror is authoritative: correct it here
                 self.batch.add_accepted_drafts(step.sampling_rows, counts.astype(np.int64) - 1)
                 self.trim_draft_pages()
-        outputs = take_step_tokens(step.sampling_reqs, result)
+        take_prompt_logprobs(step.scoring_reqs, result)
+        outputs = take_step_tokens(step.sampling_reqs, result, step.row_by_row)
         embedded = take_step_embeddings(step.pooling_reqs, result)
         for req in outputs.finished + embedded.finished:
             # No slot: it left the batch before this result (retracted into the queue, or

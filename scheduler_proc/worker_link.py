@@ -22,6 +22,7 @@ import numpy as np
 
 from scheduler_proc.io import SchedulerIO
 from scheduler_proc.output import embeddings_mismatch, result_mismatch
+from scheduler_proc.prompt_logprobs import scoring_mismatch
 from scheduler_proc.request import Req
 from scheduler_proc.stats import SchedulerCounters
 from trident.wire.backend import BatchDescriptor, SeqLensSync, StepResult, WorkerError, WorkerReady
@@ -47,11 +48,15 @@ class Step:
     """The mirror after this step (one token per decoding row), for --check-seq-lens."""
     increments: np.ndarray
     """What this step adds to each row as built (chunk length, or 1 per decoding row)."""
-    build_s: float = 0.0
-    """Scheduler CPU time spent building this step."""
     pooling_reqs: list[Req] = field(default_factory=list)
     """Embedding requests whose last prompt chunk runs in this step, in batch order: the
     step's `StepResult.embeddings` holds their vectors."""
+    scoring_reqs: list[Req] = field(default_factory=list)
+    """Requests whose chunk scores prompt tokens, in the descriptor's chunk order."""
+    row_by_row: bool = False
+    """Its results are taken row by row (`ScheduleBatch.first_outputs_row_by_row`)."""
+    build_s: float = 0.0
+    """Scheduler CPU time spent building this step."""
     sent_at: float = field(default_factory=time.perf_counter)
 
 
@@ -102,9 +107,11 @@ class WorkerLink:
         A worker answers in order, so a result naming a later step was not sent by it."""
         if result.step_id != step.descriptor.step_id:
             return f"it names step {result.step_id} while step {step.descriptor.step_id} is the oldest in flight"
-        return result_mismatch(
-            len(step.sampling_reqs), len(step.expected_seq_lens), result, self.max_tokens_per_row
-        ) or embeddings_mismatch(len(step.pooling_reqs), result)
+        return (
+            result_mismatch(len(step.sampling_reqs), len(step.expected_seq_lens), result, self.max_tokens_per_row)
+            or embeddings_mismatch(len(step.pooling_reqs), result)
+            or scoring_mismatch(step.descriptor.extends, result)
+        )
 
     def wait_seq_lens_sync(self, step: Step) -> SeqLensSync:
         """The worker's seq_lens as `step` started (published before its forward)."""

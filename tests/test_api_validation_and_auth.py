@@ -39,7 +39,6 @@ BAD_INPUTS = [
     case("/v1/completions", {**C, "repetition_penalty": 3}, "repetition_penalty", id="repetition_penalty-above-2"),
     case("/v1/completions", {**C, "n": 0}, "n", id="n-zero"),
     case("/v1/completions", {**C, "n": 17}, "n", id="n-above-16"),
-    case("/v1/completions", {**C, "max_tokens": 0}, "max_tokens", id="max_tokens-zero"),
     case("/v1/completions", {**C, "max_tokens": -5}, "max_tokens", id="max_tokens-negative"),
     case("/v1/completions", {**C, "min_tokens": -1}, "min_tokens", id="min_tokens-negative"),
     case("/v1/completions", {**C, "min_tokens": 5}, "min_tokens", id="min_tokens-above-max_tokens"),
@@ -71,9 +70,9 @@ BAD_INPUTS = [
     ),
     case(
         "/generate",
-        {**GEN, "sampling_params": {"max_new_tokens": 0}},
+        {**GEN, "sampling_params": {"max_new_tokens": -1}},
         "sampling_params",
-        id="generate-max_new_tokens-zero",
+        id="generate-max_new_tokens-negative",
     ),
     # wrong type, per parameter
     case("/v1/completions", {**C, "temperature": "hot"}, "temperature", id="temperature-string"),

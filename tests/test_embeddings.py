@@ -76,7 +76,7 @@ def test_embedding_frames_are_plain_msgpack_and_vectors_must_split_into_rows():
 
 def plan_of(chunks: list[PooledChunk]) -> StepPlan:
     empty = np.zeros(0, dtype=np.int64)
-    return StepPlan([], [], {}, empty, empty, [], 0, empty, [], [], [], chunks)
+    return StepPlan([], [], {}, empty, empty, [], 0, empty, [], [], [], chunks, [])
 
 
 @pytest.mark.parametrize("mode", ["last", "mean"])

@@ -212,7 +212,7 @@ def test_stop_token_text_is_excluded(tok):
         ({"prompt": "x", "top_p": 1.5}, "top_p"),
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "n": 17}, "n"),
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "temperature": "hot"}, "temperature"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),

@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse
 
 from tokenizer_proc.errors import APIError, error_response
 from tokenizer_proc.openai_api import CLIENT_CLOSED, EventStreamResponse
-from tokenizer_proc.protocol import AbortRequest, GenerateRequest
+from tokenizer_proc.prompt_logprobs_format import sglang_entry, sglang_input_logprobs
+from tokenizer_proc.protocol import AbortRequest, GenerateRequest, NativeLogprobs
 from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.sampling import check_prompt_ids, native_sampling_params
 from tokenizer_proc.serving import (
@@ -30,7 +31,7 @@ from tokenizer_proc.serving import (
     stream_error_event,
 )
 from tokenizer_proc.state import get_state
-from tokenizer_proc.tokenization import encode_text
+from tokenizer_proc.tokenization import TokenStrings, encode_text
 from trident.wire.frontend import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,14 +41,38 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 FLUSH_TIMEOUT_S = 30.0
 
 
-def _meta(rid: str, r: ChoiceResult) -> dict[str, Any]:
-    return {
+def _meta(rid: str, r: ChoiceResult, logprobs: LogprobMeta | None = None) -> dict[str, Any]:
+    meta = {
         "id": rid,
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
         "cached_tokens": r.cached_tokens,
         "finish_reason": r.finish_reason,
     }
+    if logprobs is not None:
+        meta.update(logprobs.fields(r))
+    return meta
+
+
+class LogprobMeta:
+    """SGLang's logprob fields of meta_info, for a request with `return_logprob`."""
+
+    def __init__(self, body: NativeLogprobs, strings: TokenStrings, prompt_ids: list[int]) -> None:
+        self.strings = strings if body.return_text_in_logprobs else None
+        self.prompt_ids = prompt_ids
+        self.start = body.logprob_start_len
+
+    def fields(self, r: ChoiceResult) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "output_token_logprobs": [
+                sglang_entry(self.strings, t, lp) for t, lp in zip(r.token_ids, r.token_logprobs)
+            ],
+            "output_top_logprobs": [[sglang_entry(self.strings, t, lp) for t, lp in top] for top in r.top_logprobs],
+        }
+        if self.start >= 0:
+            tokens, tops = sglang_input_logprobs(self.strings, self.prompt_ids, r.prompt_logprobs, self.start)
+            out["input_token_logprobs"], out["input_top_logprobs"] = tokens, tops
+        return out
 
 
 @router.post("/generate", response_model=None)
@@ -65,7 +90,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     limits = st.limits
     check_prompt_ids(ids, limits, param)
     sp = body.sampling_params
-    params = native_sampling_params(sp, len(ids), limits, param)
+    params = native_sampling_params(sp, len(ids), limits, param, body)
+    logprob_meta = LogprobMeta(body, st.strings, ids) if body.return_logprob else None
     rid = body.rid or st.manager.new_rid("gen")
     handles = await st.manager.submit(
         ids,
@@ -76,15 +102,18 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         stream=bool(body.stream),
     )
     if body.stream:
-        return EventStreamResponse(_stream_generate(handles, rid), handles)
+        return EventStreamResponse(_stream_generate(handles, rid, logprob_meta), handles)
     try:
         (result,) = await collect(request, handles)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse({"text": result.text, "output_ids": result.token_ids, "meta_info": _meta(rid, result)})
+    meta = _meta(rid, result, logprob_meta)
+    return JSONResponse({"text": result.text, "output_ids": result.token_ids, "meta_info": meta})
 
 
-async def _stream_generate(handles: Sequence[RequestHandle], rid: str) -> AsyncIterator[bytes]:
+async def _stream_generate(
+    handles: Sequence[RequestHandle], rid: str, logprob_meta: LogprobMeta | None
+) -> AsyncIterator[bytes]:
     result = ChoiceResult(0)
     async for out in merge_outputs(handles):
         result.add(out)
@@ -92,7 +121,8 @@ async def _stream_generate(handles: Sequence[RequestHandle], rid: str) -> AsyncI
             yield stream_error_event(f"generation failed: {out.error or 'unknown error'}")
             break
         if out.text or out.token_ids or out.finish_reason is not None:
-            yield sse({"text": result.text, "output_ids": result.token_ids, "meta_info": _meta(rid, result)})
+            meta = _meta(rid, result, logprob_meta)
+            yield sse({"text": result.text, "output_ids": result.token_ids, "meta_info": meta})
     yield SSE_DONE
 
 

@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from tokenizer_proc import openai_format as fmt
 from tokenizer_proc.chat_output import ChoiceOutput, choice_output
 from tokenizer_proc.errors import APIError
+from tokenizer_proc.prompt_logprobs_format import vllm_prompt_logprobs
 from tokenizer_proc.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -95,8 +96,29 @@ def sampling_request(
     logprobs: bool,
     top_logprobs: int,
     grammar: GrammarSpec | None,
+    echo_logprobs: int | None = None,
 ) -> SamplingRequest:
-    return SamplingRequest(body.knobs(), max_tokens, logprobs, top_logprobs, body.logit_bias, grammar)
+    """`echo_logprobs`: the top logprobs an echoed prompt shows (completions' echo with logprobs)."""
+    prompt_tops = [k for k in (echo_logprobs, body.prompt_logprobs) if k is not None]
+    return SamplingRequest(
+        body.knobs(),
+        max_tokens,
+        logprobs,
+        top_logprobs,
+        body.logit_bias,
+        grammar,
+        prompt_logprobs_from=0 if prompt_tops else -1,
+        prompt_top_logprobs=max(prompt_tops, default=0),
+    )
+
+
+def prompt_logprobs_of(
+    st: FrontendState, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], r: ChoiceResult
+) -> list[Any] | None:
+    """vLLM's `prompt_logprobs` of a choice, when the request asked for them."""
+    if body.prompt_logprobs is None:
+        return None
+    return vllm_prompt_logprobs(st.strings, prompt_ids, r.prompt_logprobs, body.prompt_logprobs)
 
 
 async def submit_choices(
@@ -168,7 +190,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     max_tokens = body.max_tokens
     if max_tokens is None:  # a prompt that fills the context still gets resolve_max_tokens' 400
         max_tokens = max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, st.limits.context_length - len(prompt_ids)))
-    sreq = sampling_request(body, max_tokens, want_lp, body.logprobs or 0, request_constraint(body))
+    echo_lp = body.logprobs if body.echo else None
+    sreq = sampling_request(body, max_tokens, want_lp, body.logprobs or 0, request_constraint(body), echo_lp)
     cid = f"cmpl-{uuid.uuid4().hex}"
     handles = await submit_choices(st, prompt_ids, body, sreq, cid, "max_tokens")
     created = int(time.time())
@@ -189,10 +212,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         logprobs = None
         if want_lp:
             builder = fmt.CompletionLogprobs(st.strings)
-            logprobs = builder.prompt_part(prompt_ids) if echo_text is not None else None
+            logprobs = builder.prompt_part(prompt_ids, r.prompt_logprobs, body.logprobs) if body.echo else None
             part = builder.part(r.token_ids, r.token_logprobs, r.top_logprobs)
             logprobs = fmt.merge_completion_logprobs(logprobs, part)
-        choices.append(fmt.completion_choice(r.index, (echo_text or "") + r.text, logprobs, r.finish_reason))
+        prompt_lps = prompt_logprobs_of(st, body, prompt_ids, r)
+        text = (echo_text or "") + r.text
+        choices.append(fmt.completion_choice(r.index, text, logprobs, r.finish_reason, prompt_lps))
     usage = usage_of(results, len(prompt_ids))
     return JSONResponse(fmt.completion_body(cid, created, model, choices, usage))
 
@@ -212,21 +237,38 @@ async def _stream_completion(
     builders = [fmt.CompletionLogprobs(st.strings) for _ in handles]
     results = [ChoiceResult(i) for i in range(len(handles))]
 
-    def chunk(index: int, text: str, logprobs: dict | None, finish: str | None) -> bytes:
-        obj = fmt.completion_body(cid, created, model, [fmt.completion_choice(index, text, logprobs, finish)], None)
+    def chunk(
+        index: int, text: str, logprobs: dict | None, finish: str | None, prompt_lps: list | None = None
+    ) -> bytes:
+        choice = fmt.completion_choice(index, text, logprobs, finish, prompt_lps)
+        obj = fmt.completion_body(cid, created, model, [choice], None)
         if include_usage:
             obj["usage"] = None
         return sse(obj)
 
-    if echo_text is not None:
-        for i, builder in enumerate(builders):
-            yield chunk(i, echo_text, builder.prompt_part(prompt_ids) if want_lp else None, None)
+    # Prompt logprobs come with a choice's first output: what shows them waits for it.
+    waits_for_prompt = (echo_text is not None and want_lp) or body.prompt_logprobs is not None
+    if echo_text is not None and not waits_for_prompt:
+        for i in range(len(handles)):
+            yield chunk(i, echo_text, None, None)
+    started: set[int] = set()
     async for out in merge_outputs(handles):
+        first = out.index not in started
+        started.add(out.index)
         results[out.index].add(out)
         if out.finish_reason == "error":
             yield stream_error_event(f"generation failed: {out.error or 'unknown error'}")
             yield SSE_DONE
             return
+        if waits_for_prompt and first:
+            r = results[out.index]
+            echoed = echo_text if echo_text is not None else ""
+            lp = (
+                builders[out.index].prompt_part(prompt_ids, r.prompt_logprobs, body.logprobs)
+                if body.echo and want_lp
+                else None
+            )
+            yield chunk(out.index, echoed, lp, None, prompt_logprobs_of(st, body, prompt_ids, r))
         lp = None
         if want_lp and out.token_ids:
             lp = builders[out.index].part(out.token_ids, out.token_logprobs, out.top_logprobs)
@@ -265,6 +307,8 @@ def render_chat(
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     st = get_state(request)
     check_model(body.model, st.limits)
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError("prompt_logprobs is not supported on a streamed chat completion.", param="prompt_logprobs")
     plan = plan_of(body)
     forced = forced_call_spec(plan, st.tool_format, body.parallel_tool_calls) if plan.forced else None
     grammar = request_constraint(body, forced)
@@ -298,7 +342,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         )
         choices.append(fmt.chat_choice(r.index, output.message(), logprobs, output.finish_reason))
     usage = usage_of(results, len(prompt_ids))
-    return JSONResponse(fmt.chat_body(cid, created, model, choices, usage))
+    response = fmt.chat_body(cid, created, model, choices, usage)
+    if body.prompt_logprobs is not None:  # vLLM's place for them in a chat response: the top level
+        response["prompt_logprobs"] = prompt_logprobs_of(st, body, prompt_ids, results[0])
+    return JSONResponse(response)
 
 
 async def _stream_chat(

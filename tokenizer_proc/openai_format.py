@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tokenizer_proc.prompt_logprobs_format import echo_entries
 from tokenizer_proc.tokenization import TokenStrings
+from trident.wire.logprobs import PromptLogprobs
 
 
 def client_finish_reason(reason: str | None) -> str | None:
@@ -27,15 +29,15 @@ class CompletionLogprobs:
         self._strings = strings
         self._offset = text_offset
 
-    def prompt_part(self, prompt_ids: Sequence[int]) -> dict[str, Any]:
-        """The echoed prompt: its tokens, with no logprobs (prompt logprobs are not computed)."""
+    def prompt_part(self, prompt_ids: Sequence[int], scored: PromptLogprobs | None, k: int) -> dict[str, Any]:
+        """The echoed prompt: its tokens, each with its logprob and top k (none for the first)."""
         tokens = [self._strings.text(t) for t in prompt_ids]
-        offsets = self._advance(tokens)
+        logprobs, tops = echo_entries(self._strings, prompt_ids, scored, k)
         return {
             "tokens": tokens,
-            "token_logprobs": [None] * len(tokens),
-            "top_logprobs": [None] * len(tokens),
-            "text_offset": offsets,
+            "token_logprobs": logprobs,
+            "top_logprobs": tops,
+            "text_offset": self._advance(tokens),
         }
 
     def part(
@@ -105,8 +107,18 @@ def completion_body(
     return body
 
 
-def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
+def completion_choice(
+    index: int,
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish: str | None,
+    prompt_logprobs: list[Any] | None = None,
+) -> dict[str, Any]:
+    """One choice; `prompt_logprobs` (vLLM's field) only when the request asked for it."""
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice
 
 
 def chat_body(

@@ -26,11 +26,22 @@ MAX_STOP_STRINGS = 4
 MAX_N = 16
 MAX_LOGPROBS = 20
 
-RESOLVED_FIELDS = frozenset({"max_new_tokens", "logprobs", "top_logprobs", "logit_bias", "grammar"})
+RESOLVED_FIELDS = frozenset(
+    {
+        "max_new_tokens",
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "grammar",
+        "prompt_logprobs_from",
+        "prompt_top_logprobs",
+    }
+)
 """`SamplingParams` fields no request takes under their own name: `sampling` resolves each
 from the endpoint's own fields (max_tokens and the context left; completions' logprobs
 count or chat's logprobs/top_logprobs; logit_bias's JSON map; response_format, regex,
-ebnf, json_schema or a forced tool call). Every other field is a knob, taken as is."""
+ebnf, json_schema or a forced tool call; echo with logprobs, vLLM's prompt_logprobs or
+SGLang's logprob_start_len). Every other field is a knob, taken as is."""
 
 OPENAI_NAMES = {"min_new_tokens": "min_tokens"}
 """Knobs the OpenAI routes name as vLLM does; /generate and the Engine take SGLang's names,
@@ -174,6 +185,8 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's extra field: the logprob of every prompt token, with this many top logprobs."""
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -183,8 +196,9 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `prompt`: a string, a list of one string, or token ids."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    max_tokens: int | None = Field(None, ge=1)
-    """None (the default) means COMPLETION_DEFAULT_MAX_TOKENS, or the rest of the context if less."""
+    max_tokens: int | None = Field(None, ge=0)
+    """None (the default) means COMPLETION_DEFAULT_MAX_TOKENS, or the rest of the context if
+    less; 0 runs the prompt only (its logprobs with echo or prompt_logprobs: lm-eval's scoring)."""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -289,11 +303,24 @@ class ChatCompletionRequest(_SamplingFields):
 class NativeSamplingParams(_StopStrings, _Constraints, _NativeKnobs):
     """`sampling_params` of the SGLang-style POST /generate (and of the offline Engine)."""
 
-    max_new_tokens: int | None = Field(128, ge=1)
+    max_new_tokens: int | None = Field(128, ge=0)
+    """0 runs the prompt only (for its logprobs: `return_logprob` with `logprob_start_len`)."""
     skip_special_tokens: bool = True
 
 
-class GenerateRequest(_Strict):
+class NativeLogprobs(_Strict):
+    """SGLang's logprob fields of POST /generate."""
+
+    return_logprob: bool = False
+    """meta_info gets output_token_logprobs, and input_token_logprobs from logprob_start_len on."""
+    logprob_start_len: int = Field(-1, ge=-1)
+    """The first prompt position with an input logprob; -1: none (SGLang's default)."""
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    return_text_in_logprobs: bool = False
+    """Each logprob entry's third item is its token's text (else null)."""
+
+
+class GenerateRequest(NativeLogprobs):
     """POST /generate: exactly one of `text` and `input_ids`."""
 
     text: StrictStr | None = None

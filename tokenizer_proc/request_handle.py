@@ -14,6 +14,7 @@ import msgspec
 
 from tokenizer_proc.detokenizer import RequestDetokenizer
 from trident.wire.frontend import RowExtras, SamplingParams
+from trident.wire.logprobs import PromptLogprobs
 
 if TYPE_CHECKING:
     from tokenizer_proc.request_manager import RequestManager
@@ -34,6 +35,8 @@ class TokenOut(msgspec.Struct):
     top_logprobs: list[list[tuple[int, float]]] = []
     embedding: bytes = b""
     """An embedding request's vector (`RowExtras.embedding`), with its finish."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """With the request's first output, when it asked for prompt logprobs."""
 
     @classmethod
     def of_row(cls, rid: str, token_ids: list[int], extras: RowExtras | None) -> TokenOut:
@@ -48,6 +51,7 @@ class TokenOut(msgspec.Struct):
             extras.token_logprobs,
             extras.top_logprobs,
             extras.embedding,
+            extras.prompt_logprobs,
         )
 
 
@@ -61,7 +65,8 @@ def take_queued(out: TokenOut, queue: asyncio.Queue[TokenOut]) -> TokenOut:
     if queue.empty() or out.finish_reason is not None:
         return out
     token_ids, token_logprobs, top_logprobs = list(out.token_ids), list(out.token_logprobs), list(out.top_logprobs)
-    cached, error, finish, embedding = out.cached_tokens, out.error, None, out.embedding
+    cached, error, finish = out.cached_tokens, out.error, None
+    embedding, prompt_logprobs = out.embedding, out.prompt_logprobs
     while finish is None and not queue.empty():
         nxt = queue.get_nowait()
         token_ids += nxt.token_ids
@@ -69,7 +74,8 @@ def take_queued(out: TokenOut, queue: asyncio.Queue[TokenOut]) -> TokenOut:
         top_logprobs += nxt.top_logprobs
         cached, error, finish = max(cached, nxt.cached_tokens), nxt.error or error, nxt.finish_reason
         embedding = nxt.embedding or embedding
-    return TokenOut(out.rid, token_ids, finish, cached, error, token_logprobs, top_logprobs, embedding)
+        prompt_logprobs = prompt_logprobs or nxt.prompt_logprobs
+    return TokenOut(out.rid, token_ids, finish, cached, error, token_logprobs, top_logprobs, embedding, prompt_logprobs)
 
 
 @dataclass
@@ -92,6 +98,8 @@ class GenerationOutput:
     error: str = ""
     embedding: bytes = b""
     """An embedding request's vector, little-endian float32 (with its finish)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Once, with the first output, when the request asked for prompt logprobs."""
 
 
 @dataclass
@@ -111,6 +119,8 @@ class OpenRequest:
     """The scheduler finished it, or was already told to abort it: no AbortReq is due."""
     embedding: bool = False
     """An /v1/embeddings input (`EmbedReq`): it samples nothing, `sampling` is unused."""
+    prompt_logprobs_received: bool = False
+    """Its prompt logprobs arrived: a resubmission asks for none again."""
 
 
 class RequestHandle:
@@ -163,6 +173,7 @@ class RequestHandle:
                     cached_tokens=req.cached_tokens,
                     error=out.error,
                     embedding=out.embedding,
+                    prompt_logprobs=out.prompt_logprobs,
                 )
                 if finish is not None:
                     if metrics is not None:

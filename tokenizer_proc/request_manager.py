@@ -313,6 +313,7 @@ class RequestManager:
             for rid, token_ids, extras in msg.rows():
                 req = self._open.get(rid)
                 if req is not None:  # else: aborted or finished here already; drop it
+                    req.prompt_logprobs_received |= extras is not None and extras.prompt_logprobs is not None
                     req.queue.put_nowait(TokenOut.of_row(rid, token_ids, extras))
         elif isinstance(msg, SchedulerStats):
             if self._valid_replica(msg.dp_rank):
@@ -352,6 +353,7 @@ class RequestManager:
         Each goes back as a prefill of its prompt plus the tokens it already produced, with
         its budget reduced by those, so the client sees latency, not an error. The produced
         tokens also go as `resumed_ids`: they count towards min_new_tokens and its grammar.
+        Prompt logprobs that already arrived are not asked for again.
         """
         check_protocol_version("the restarted scheduler", info.protocol_version)
         self.replicas.infos[info.dp_rank] = info
@@ -363,7 +365,10 @@ class RequestManager:
                 self.metrics.resumed_requests.inc()
                 continue
             produced = len(req.generated)
-            sp = msgspec.structs.replace(req.sampling, max_new_tokens=max(1, req.sampling.max_new_tokens - produced))
+            budget = req.sampling.max_new_tokens
+            sp = msgspec.structs.replace(req.sampling, max_new_tokens=max(min(1, budget), budget - produced))
+            if req.prompt_logprobs_received:
+                sp = msgspec.structs.replace(sp, prompt_logprobs_from=-1, prompt_top_logprobs=0)
             ids, resumed = pack_int32(req.prompt_ids + req.generated), pack_int32(req.generated)
             self._send_soon(req.replica, GenerateReq(req.rid, ids, sp, resumed, info.boot_id))
             self.metrics.resumed_requests.inc()

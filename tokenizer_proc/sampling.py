@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from tokenizer_proc.errors import APIError
-from tokenizer_proc.protocol import MAX_LOGPROBS, NativeSamplingParams
+from tokenizer_proc.protocol import MAX_LOGPROBS, NativeLogprobs, NativeSamplingParams
 from tokenizer_proc.structured import logit_bias_pairs, sglang_constraint
 from trident.wire.frontend import GrammarSpec, SamplingParams
 
@@ -44,6 +44,9 @@ class SamplingRequest:
     """As the client sent it: {"token id": bias}."""
     grammar: GrammarSpec | None = None
     """Already parsed (tokenizer_proc/structured.py)."""
+    prompt_logprobs_from: int = -1
+    """The first prompt position whose logprob is returned; -1: none."""
+    prompt_top_logprobs: int = 0
 
 
 def check_model(requested: str | None, limits: ModelLimits) -> None:
@@ -81,8 +84,8 @@ def resolve_max_tokens(
         )
     if max_tokens is None:
         return ctx - prompt_len
-    if max_tokens < 1:
-        raise APIError(f"{param} must be at least 1, got {max_tokens}.", param=param)
+    if max_tokens < 0:
+        raise APIError(f"{param} must be at least 0, got {max_tokens}.", param=param)
     if prompt_len + max_tokens > ctx:
         raise APIError(
             f"This model's maximum context length is {ctx} tokens. However, you requested "
@@ -108,8 +111,15 @@ def build_sampling_params(
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs if req.logprobs else 0,
         grammar=req.grammar,
+        prompt_logprobs_from=req.prompt_logprobs_from,
+        prompt_top_logprobs=req.prompt_top_logprobs if req.prompt_logprobs_from >= 0 else 0,
         **{**req.knobs, "stop_token_ids": list(req.knobs.get("stop_token_ids") or ())},
     )
+    if req.prompt_logprobs_from >= prompt_len:
+        raise APIError(
+            f"The prompt logprobs start at position {req.prompt_logprobs_from}, past the prompt's {prompt_len} tokens.",
+            param="logprob_start_len",
+        )
     if params.min_new_tokens > max_new:
         raise APIError(
             f"min_tokens ({params.min_new_tokens}) must not exceed max_tokens ({max_new}).", param="min_tokens"
@@ -124,17 +134,27 @@ def build_sampling_params(
 
 
 def native_sampling_params(
-    sp: NativeSamplingParams, prompt_len: int, limits: ModelLimits, prompt_param: str = "text"
+    sp: NativeSamplingParams,
+    prompt_len: int,
+    limits: ModelLimits,
+    prompt_param: str = "text",
+    logprobs: NativeLogprobs | None = None,
 ) -> SamplingParams:
-    """SGLang-style `sampling_params` (POST /generate, the offline `Engine`) -> the wire struct."""
+    """SGLang-style `sampling_params` (POST /generate, the offline `Engine`) -> the wire struct,
+    with /generate's logprob fields (`logprobs`) when given."""
     max_new = sp.max_new_tokens
     if "max_new_tokens" not in sp.model_fields_set and max_new is not None:
         max_new = max(1, min(max_new, limits.context_length - prompt_len))  # a default never causes a 400
+    want = logprobs is not None and logprobs.return_logprob
     sreq = SamplingRequest(
         sp.knobs(),
         max_tokens=max_new,
+        logprobs=want,
+        top_logprobs=logprobs.top_logprobs_num if want else 0,
         logit_bias=sp.logit_bias,
         grammar=sglang_constraint(sp.regex, sp.ebnf, sp.json_schema),
+        prompt_logprobs_from=logprobs.logprob_start_len if want else -1,
+        prompt_top_logprobs=logprobs.top_logprobs_num if want else 0,
     )
     return build_sampling_params(sreq, prompt_len, limits, "sampling_params.max_new_tokens", prompt_param)
 

@@ -22,6 +22,7 @@ from fastapi import Request
 
 from tokenizer_proc.errors import SERVER_ERROR, SERVER_UNAVAILABLE, APIError
 from tokenizer_proc.request_handle import GenerationOutput, RequestHandle
+from trident.wire.logprobs import PromptLogprobs
 
 SSE_DONE = b"data: [DONE]\n\n"
 _END = object()
@@ -90,6 +91,7 @@ class ChoiceResult:
     cached_tokens: int = 0
     error: str = ""
     embedding: bytes = b""
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, out: GenerationOutput) -> None:
         self.text += out.text
@@ -99,6 +101,7 @@ class ChoiceResult:
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.error = out.error

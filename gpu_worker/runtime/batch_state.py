@@ -112,10 +112,15 @@ class StepPlan:
     """Prefilling rows: (flat offset, q_len, prefix, slot)."""
     logit_positions: list[int]
     """Flat-batch indices whose logits are needed: the last token of each sampling row,
-    and every position of a row verifying drafts."""
+    and every position of a row verifying drafts; then the positions that score prompt
+    tokens (`scored_chunks`), after all of those."""
     pooled_rows: list[PooledChunk]
     """The chunks of embedding rows (`BatchState.pooled`), in batch order: what pooling.py
     reads the final hidden states of."""
+    scored_chunks: list[tuple[int, int, np.ndarray]]
+    """(slot, prompt position of the first target, int32 prompt tokens it scores) of each
+    chunk with score targets, in the descriptor's order; their logits are the last rows,
+    in that order."""
 
 
 @dataclass
@@ -173,6 +178,9 @@ class BatchState:
         runner's attention reads its rows: an input of fixed shape and address)."""
         self._pending_pages: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         """Page appends applied to page_table and not yet to token_table."""
+        self.prompt_scores: dict[int, tuple[int, np.ndarray]] = {}
+        """This step's chunks that score prompt tokens: slot -> (score_from, targets), in
+        the descriptor's order; set by `apply`."""
         self.num_pages = np.iinfo(np.int32).max
         """Pages of the KV pool, which page ids must index; the worker loop sets it once the
         pool is sized (until then only the int32 range of the wire bounds them)."""
@@ -266,6 +274,12 @@ class BatchState:
                 raise DescriptorOutOfRange("a prompt chunk names a slot not in the batch, or one twice")
             _within("chunk length", chunk_lens, 1, capacity + 1)
             _within("prompt token", unpack_int32(b"".join(c.token_ids for c in desc.extends)), 0, vocab)
+            _within("scored prompt token", unpack_int32(b"".join(c.score_targets for c in desc.extends)), 0, vocab)
+            for c, n in zip(desc.extends, chunk_lens.tolist()):
+                if c.score_targets and (c.score_from < 0 or c.score_from + len(c.score_targets) // 4 > n):
+                    raise DescriptorOutOfRange(
+                        f"a chunk of {n} tokens scores {len(c.score_targets) // 4} from {c.score_from}"
+                    )
             lens[chunk_slots] += chunk_lens
             decoding[chunk_slots] = False
         lens[decoding] += 1
@@ -295,6 +309,9 @@ class BatchState:
             self.page_table[slots, cols] = ids
             if self.token_table is not None:
                 self._pending_pages.append((np.asarray(slots), np.asarray(cols), np.asarray(ids)))
+        self.prompt_scores = {
+            c.slot: (c.score_from, unpack_int32(c.score_targets)) for c in desc.extends if c.score_targets
+        }
         return {c.slot: (unpack_int32(c.token_ids), c.is_last) for c in desc.extends}
 
     def build_forward(
@@ -319,6 +336,7 @@ class BatchState:
         extend_rows: list[tuple[int, int, int, int]] = []
         logits_idx: list[int] = []
         pooled_rows: list[PooledChunk] = []
+        score_offsets: dict[int, int] = {}
         offset = num_prefill = 0
         for slot in self.order:
             if slot in chunks:
@@ -327,6 +345,8 @@ class BatchState:
                 host_ids.append(tokens.astype(np.int64))
                 extend_rows.append((offset, n, int(self.row_lens_host[slot]), slot))
                 num_prefill += n
+                if slot in self.prompt_scores:
+                    score_offsets[slot] = offset + self.prompt_scores[slot][0]
                 if self.pooled[slot]:
                     pooled_rows.append(PooledChunk(offset, n, int(self.row_lens_host[slot]), slot, is_last))
                 elif is_last:
@@ -349,6 +369,13 @@ class BatchState:
             offset += n
         if not slots:
             return None
+        scored = [
+            (slot, int(self.row_lens_host[slot]) + score_from + 1, targets)
+            for slot, (score_from, targets) in self.prompt_scores.items()
+            if slot in score_offsets
+        ]
+        for slot, _, targets in scored:
+            logits_idx.extend(range(score_offsets[slot], score_offsets[slot] + len(targets)))
         return StepPlan(
             sampling_slots=sampling_slots,
             num_logits=num_logits,
@@ -362,6 +389,7 @@ class BatchState:
             extend_rows=extend_rows,
             logit_positions=logits_idx,
             pooled_rows=pooled_rows,
+            scored_chunks=scored,
         )
 
     def forward_inputs(self, plan: StepPlan) -> ForwardInputs:

@@ -44,11 +44,13 @@ from gpu_worker.runtime.malloc_policy import release_freed_memory
 from gpu_worker.runtime.ngram_drafter import NgramDrafter
 from gpu_worker.runtime.parallel import ShardPlan, TPGroup, dist_address
 from gpu_worker.runtime.pooling import Pooler
+from gpu_worker.runtime.prompt_logprobs import score_prompt_chunks
 from gpu_worker.runtime.sampler import SamplingTable, sample
 from gpu_worker.runtime.worker_loop import WorkerLoop
 from trident.wire.backend import BatchDescriptor
 from trident.wire.child import ChildContext
 from trident.wire.cluster import layout_of
+from trident.wire.logprobs import PromptLogprobs
 from trident.wire.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -324,15 +326,21 @@ class Worker(WorkerLoop):
     def draft_tokens(self, slot: int) -> np.ndarray:
         return self.drafter.propose(slot)
 
-    def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
+    def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list, list[PromptLogprobs]]:
         if plan is None:
-            return [], []
+            return [], [], []
         if self.decode_graphs is not None and self.decode_graphs.serves(plan):
             inputs: StepPlan = plan
             logits = self.decode_graphs.run(plan)
         else:
             inputs, logits = self._forward(plan)
         ends = np.cumsum(inputs.num_logits)
+        prompt_logprobs = []
+        if inputs.scored_chunks:
+            prompt_logprobs = score_prompt_chunks(
+                logits[int(ends[-1]) if len(ends) else 0 :],
+                [(start, t, self.sampling.params[s].prompt_top_logprobs) for s, start, t in inputs.scored_chunks],
+            )
         plain = [i for i, s in enumerate(inputs.sampling_slots) if s not in inputs.drafts]
         accepted: list[np.ndarray] = [None] * len(inputs.sampling_slots)  # type: ignore[list-item]
         logprobs: list = []
@@ -357,7 +365,7 @@ class Worker(WorkerLoop):
         if self.drafter:
             for slot, toks in zip(inputs.sampling_slots, accepted):
                 self.drafter.note_tokens(slot, toks)
-        return accepted, logprobs
+        return accepted, logprobs, prompt_logprobs
 
     def _forward(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor]:
         """The plan's inputs and logits, eagerly; rows that pool an embedding are pooled here."""

@@ -35,6 +35,7 @@ from trident.wire.child import ChildContext
 from trident.wire.cluster import layout_of, signer_of
 from trident.wire.codec import pack_int32
 from trident.wire.control import PROTOCOL_VERSION, WORKER_GENERATION_ENV
+from trident.wire.logprobs import PromptLogprobs
 from trident.wire.transport import (
     PullSocket,
     PushSocket,
@@ -126,9 +127,10 @@ class WorkerLoop:
                     drafts[slot] = draft
         return drafts
 
-    def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
+    def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list, list[PromptLogprobs]]:
         """Runs the plan and advances the batch; returns the accepted tokens of each sampling
-        row, and logprobs. The embedding rows' final hidden states go to `pooler`."""
+        row, their logprobs, and the prompt logprobs of `plan.scored_chunks`. The embedding
+        rows' final hidden states go to `pooler`."""
         raise NotImplementedError
 
     def on_reset(self) -> None:
@@ -199,7 +201,7 @@ class WorkerLoop:
         self.last_step_features = step_features(self.state.row_lens_host, plan)
         if self._is_overlapped(desc):
             self._publish_seq_lens_sync(desc.step_id)
-        accepted, logprobs = self.forward_and_sample(plan)
+        accepted, logprobs, prompt_logprobs = self.forward_and_sample(plan)
         if plan is not None:
             self.counters.prefill_tokens_computed += plan.num_prefill_tokens
         self.counters.steps += 1
@@ -224,6 +226,7 @@ class WorkerLoop:
             accept_lens=pack_int32([len(a) for a in accepted]) if self.num_draft_tokens else b"",
             seq_lens=seq_lens,
             embeddings=self.pooler.take(),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _is_overlapped(self, desc: BatchDescriptor) -> bool:

@@ -52,6 +52,7 @@ from gpu_worker.sim.sibling_cpu import SiblingCpu
 from gpu_worker.sim.step_profile import StepProfile
 from trident.wire.backend import BatchDescriptor, StepResult, WorkerError
 from trident.wire.child import ChildContext
+from trident.wire.logprobs import PromptLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,14 @@ class SimulatedWorker(WorkerLoop):
             self.others_cpu.mark()
         return super().step(desc)
 
-    def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list]:
+    def forward_and_sample(self, plan: StepPlan | None) -> tuple[list[np.ndarray], list, list[PromptLogprobs]]:
         accepted: list[np.ndarray] = []
+        # Placeholders, as its tokens are: a certain prediction of each scored prompt token.
+        scored = (
+            []
+            if plan is None
+            else [PromptLogprobs(start, [0.0] * len(t), [1] * len(t)) for _, start, t in plan.scored_chunks]
+        )
         if plan is not None:
             accepted = self._pseudo_tokens(plan)
             if plan.pooled_rows:
@@ -127,7 +134,7 @@ class SimulatedWorker(WorkerLoop):
         self._sleep_until(self.step_started + alone)
         if self.others_cpu is not None and self.last_step_features[0]:
             self._stretch_for_other_processes(alone)
-        return accepted, []
+        return accepted, [], scored
 
     def _stretch_for_other_processes(self, alone: float) -> None:
         """Extends the step by what the other processes' CPU during it (the front end's, a

@@ -22,6 +22,7 @@ import numpy as np
 
 from trident.wire.codec import pack_int32
 from trident.wire.frontend import SamplingParams
+from trident.wire.logprobs import PromptLogprobs
 
 
 class ForwardMode(enum.IntEnum):
@@ -59,6 +60,13 @@ class ExtendChunk(msgspec.Struct, array_like=True):
     """int32 token ids."""
     is_last: bool
     """The prompt ends with this chunk: sample the first output token, start decoding."""
+    score_from: int = -1
+    """Index in token_ids of the first position whose logits score the prompt token after
+    it (prompt logprobs, trident/wire/logprobs.py); -1: this chunk scores nothing."""
+    score_targets: bytes = b""
+    """int32 prompt tokens scored, one per position from score_from on: token_ids[score_from
+    + 1:], then, for a chunk that is not the last, the first token of the row's next chunk
+    (the scheduler holds the whole prompt, the worker only this chunk)."""
 
 
 class PageAppends(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -232,6 +240,8 @@ class StepResult(msgspec.Struct, array_like=True, tag="result"):
     """int32 device seq_lens of the batch rows after the step (only with --check-seq-lens)."""
     embeddings: Embeddings | None = None
     """The vectors of the embedding rows whose prompt ended this step; None when none did."""
+    prompt_logprobs: list[PromptLogprobs] = []
+    """One per `ExtendChunk` with score targets, in the descriptor's order."""
 
 
 class SeqLensSync(msgspec.Struct, array_like=True, tag="seq_lens_sync"):

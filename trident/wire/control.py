@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bump whenever any struct in wire/ changes shape."""
 
 WORKER_GENERATION_ENV = "TRIDENT_WORKER_GENERATION"

@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
+from trident.wire.logprobs import PromptLogprobs
+
 
 class GrammarSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """A decoding constraint as the client gave it, not compiled: written by the tokenizer
@@ -82,6 +84,13 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     grammar: GrammarSpec | None = None
     """The constraint every sampled token must keep (structured outputs, forced tool
     calls); None: unconstrained. Travels with the request, so a resumed request has it."""
+    prompt_logprobs_from: int = -1
+    """Resolved by the tokenizer: the first prompt position whose token's logprob the request
+    returns (echo with logprobs, vLLM's prompt_logprobs, SGLang's logprob_start_len); -1:
+    none. Position 0 is never scored (nothing precedes it), so scoring starts at max(1, this).
+    The scheduler reuses no cached prefix past the position before it (scheduler_proc/prefill.py)."""
+    prompt_top_logprobs: int = 0
+    """Top logprobs returned per scored prompt position."""
 
     def drafts_allowed(self) -> bool:
         """Speculative drafts are verified by exact argmax match of the raw logits, so only
@@ -180,6 +189,8 @@ class RowExtras(msgspec.Struct, array_like=True, omit_defaults=True):
     embedding: bytes = b""
     """An embedding request's pooled, L2-normalized vector, little-endian float32: its only
     output, sent with its finish (the worker's `StepResult.embeddings`)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Every prompt logprob the request asked for, sent once, with its first output."""
 
 
 class TokenOutBatch(msgspec.Struct, array_like=True, omit_defaults=True, tag="tokens"):
