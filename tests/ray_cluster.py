@@ -39,14 +39,23 @@ def ray_flags(cluster) -> list[str]:
 def worker_processes() -> dict[str, psutil.Process]:
     """The workers of this test process's clusters by title (`trident::worker[tp1]`): under
     the raylets this process started, not under the launcher."""
-    found = {}
+    return dict(_titled_workers())
+
+
+def worker_pids() -> set[int]:
+    """The pids of this test process's clusters' workers (titles repeat across replicas)."""
+    return {p.pid for _, p in _titled_workers()}
+
+
+def _titled_workers() -> list[tuple[str, psutil.Process]]:
+    found = []
     for p in psutil.Process(os.getpid()).children(recursive=True):
         try:
             title = " ".join(p.cmdline()).strip()
         except psutil.NoSuchProcess:
             continue
         if title.startswith("trident::worker"):
-            found[title] = p
+            found.append((title, p))
     return found
 
 
