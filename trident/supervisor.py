@@ -14,14 +14,15 @@ never polls with sleeps. What a death costs:
 
 restart_policy.py decides what a death costs: a process that served for a while is
 restarted at once, one that dies before or soon after it is ready waits (backoff) and
-counts against the budget. Past the budget the supervisor gives up: the tokenizer fails
-open requests with a clear error, then (`--on-give-up exit`, the default) the launcher
-exits with EXIT_GAVE_UP so that systemd, Kubernetes or a shell loop starts it afresh, or
-(`stay`) it stays up answering 503.
+counts against the budget; restart_queue.py holds the restarts waiting out their backoff.
+Past the budget the supervisor gives up: the tokenizer fails open requests with a clear
+error, then (`--on-give-up exit`, the default) the launcher exits with EXIT_GAVE_UP so that
+systemd, Kubernetes or a shell loop starts it afresh, or (`stay`) it stays up answering 503.
 
-Across nodes, node_watch.py notices a node whose launcher went silent: while it is missing
-no worker group is started (its ranks cannot come), the tokenizer answers 503 naming it,
-and when its launcher says hello again every group is started anew.
+Across nodes, node 0 talks to the other nodes' launchers through node_link.py, and
+node_watch.py notices a node whose launcher went silent: while it is missing no worker
+group is started (its ranks cannot come), the tokenizer answers 503 naming it, and when its
+launcher says hello again every group is started anew.
 
 With --distributed-executor ray, Ray places each worker group (ray_workers.py) and reports
 its death, which costs what a worker's death costs here; a group Ray cannot place yet
@@ -40,18 +41,11 @@ from typing import TYPE_CHECKING
 import zmq
 
 from trident.child_process import Child, free_port
-from trident.node_watch import NodeWatch
+from trident.node_link import NodeLink, NodeRejoined
 from trident.ray_events import GroupDied, GroupEvent, Placements
-from trident.restart_policy import RestartPolicy, Unit
-from trident.wire.cluster import (
-    ClusterMessage,
-    NodeHello,
-    StartWorkerGroup,
-    StopNode,
-    WorkerGroupDied,
-    layout_of,
-    signer_of,
-)
+from trident.restart_policy import RestartPolicy
+from trident.restart_queue import RestartQueue
+from trident.wire.cluster import StartWorkerGroup, StopNode, WorkerGroupDied, layout_of, signer_of
 from trident.wire.control import (
     WORKER_GENERATION_ENV,
     LauncherMessage,
@@ -66,11 +60,9 @@ from trident.wire.server_args import ServerArgs
 from trident.wire.transport import (
     ENDPOINT_LAUNCHER,
     ENDPOINT_TOKENIZER_IN,
-    PeerSender,
     PullSocket,
     PushSocket,
     endpoint,
-    node_peer_id,
     scheduler_in_endpoint,
 )
 
@@ -113,14 +105,10 @@ class Launcher:
                 for d in range(args.dp_size)
             ]
         self.to_tokenizer: PushSocket | None = None
-        self.nodes: PeerSender | None = None
+        self.nodes: NodeLink | None = None
         """Node 0's line to the other nodes' launchers (multi-node only)."""
         self.policy = RestartPolicy(args.max_restarts, args.restart_window_s)
-        self.pending_starts: dict[Unit, tuple[float, Callable[[], None]]] = {}
-        """Restarts waiting out their backoff: when each is due, and what starts it."""
-        self.gave_up = False
-        """The restart budget ran out: nothing is restarted any more."""
-        self.node_watch = NodeWatch(args.nnodes)
+        self.restarts = RestartQueue(self.policy, args.on_give_up, self._tell_tokenizer)
         self.worker_generations = [0] * args.dp_size
         self.stop_requested: Callable[[], bool] = lambda: False
         """Set by launch.py to its signal flag: a start-up wait gives up when it turns true."""
@@ -159,7 +147,8 @@ class Launcher:
             store_port = self.next_store_port(dp_rank)
             self.worker_generations[dp_rank] += 1
             told = StartWorkerGroup(dp_rank, self.worker_generations[dp_rank], store_port)
-            self.tell_nodes(told)
+            if self.nodes is not None:
+                self.nodes.tell(told)
         if self.ray is not None:
             self.policy.started(("worker", dp_rank))
             self.ray.start_group(dp_rank, told.generation)
@@ -192,34 +181,10 @@ class Launcher:
 
     def wait_for_nodes(self) -> None:
         """Node 0: bind the signed control port and wait until every other node says hello."""
-        self.nodes = PeerSender(
-            self.zmq_ctx, self.layout.control_address(), signer_of(self.args), ClusterMessage, "launcher.nodes"
-        )
-        waiting = set(range(1, self.args.nnodes))
-        logger.info("waiting for nodes %s on %s", sorted(waiting), self.layout.control_address())
-        deadline = time.monotonic() + self.args.startup_timeout_s
-        while waiting:
-            self._check_not_stopped()
-            if time.monotonic() > deadline:
-                raise StartupError(
-                    f"nodes {sorted(waiting)} did not connect within {self.args.startup_timeout_s:.0f} s"
-                )
-            if not self.nodes.sock.poll(200):
-                continue
-            for _, msg in self.nodes.recv_nowait():
-                if isinstance(msg, NodeHello):
-                    check_protocol_version(f"node {msg.node_rank}", msg.protocol_version)
-                    if msg.node_rank in waiting:
-                        logger.info("node %d connected (launcher pid %d)", msg.node_rank, msg.pid)
-                    self.node_watch.hello(msg.node_rank, msg.pid)
-                    waiting.discard(msg.node_rank)
-
-    def tell_nodes(self, msg: StartWorkerGroup | StopNode) -> None:
-        if self.nodes is None:
-            return
-        for node in range(1, self.args.nnodes):
-            if not self.nodes.send(node_peer_id(node), msg):
-                logger.error("node %d is not connected: it missed %s", node, type(msg).__name__)
+        self.nodes = NodeLink(self.zmq_ctx, self.args, self.layout)
+        silent = self.nodes.wait_for_hellos(self.args.startup_timeout_s, self._check_not_stopped)
+        if silent:
+            raise StartupError(f"nodes {sorted(silent)} did not connect within {self.args.startup_timeout_s:.0f} s")
 
     def wait_ready(self, expected: set[tuple[str, int, int]]) -> None:
         deadline = time.monotonic() + self.args.startup_timeout_s
@@ -270,7 +235,7 @@ class Launcher:
                 poller.register(self.signal_wakeup, zmq.POLLIN)
             if self.ray is not None:
                 poller.register(self.ray.wakeup, zmq.POLLIN)
-            events = dict(poller.poll(self._poll_ms()))
+            events = dict(poller.poll(self.restarts.poll_ms()))
             if stop_requested():
                 break  # children dying now are being stopped, not failing
             # zmq's poller keys a plain socket's events by its file descriptor.
@@ -280,9 +245,9 @@ class Launcher:
                 for msg in self.control.recv_nowait():
                     self._on_control(msg)
             if self.nodes is not None:
-                for peer, msg in self.nodes.recv_nowait() if self.nodes.sock in events else []:
-                    self._on_node_message(peer, msg)
-                for node in self.node_watch.newly_missing():
+                for heard in self.nodes.receive() if self.nodes.sock in events else []:
+                    self._on_node_message(heard)
+                for node in self.nodes.watch.newly_missing():
                     self._on_node_missing(node)
             for child in [c for c in self.children if c.sentinel in events]:
                 if child in self.children:
@@ -290,24 +255,10 @@ class Launcher:
             if self.ray is not None and self.ray.wakeup.fileno() in events:
                 for event in self._ray_events():
                     self._on_ray_event(event)
-            self._start_due()
-            if self.gave_up and (self.args.on_give_up == "exit" or not self._has("tokenizer")):
+            self.restarts.start_due()
+            if self.restarts.gave_up and (self.args.on_give_up == "exit" or not self._has("tokenizer")):
                 return EXIT_GAVE_UP  # nothing is left to answer HTTP, or the operator asked to exit
         return 0
-
-    def _poll_ms(self) -> int:
-        """Until the next backoff ends, at most half a second (node silence is checked as often)."""
-        due = min((at for at, _ in self.pending_starts.values()), default=None)
-        if due is None:
-            return 500
-        return max(0, min(500, int((due - time.monotonic()) * 1000) + 1))
-
-    def _start_due(self) -> None:
-        now = time.monotonic()
-        for unit, (at, start) in list(self.pending_starts.items()):
-            if at <= now and not self.gave_up:
-                del self.pending_starts[unit]
-                start()
 
     def _has(self, role: str) -> bool:
         return any(c.role == role for c in self.children)
@@ -321,25 +272,23 @@ class Launcher:
             logger.error("scheduler of replica %d asks for a worker restart: %s", msg.dp_rank, msg.reason)
             self._restart_workers(msg.dp_rank, msg.reason, scheduler_knows=True)
 
-    def _on_node_message(self, peer: bytes, msg) -> None:
-        if isinstance(msg, NodeHello):
-            if node_peer_id(msg.node_rank) != peer:
-                return  # one node speaking for another: a misconfigured --node-rank
-            was_missing = msg.node_rank in self.node_watch.missing
-            if self.node_watch.hello(msg.node_rank, msg.pid):
-                self._on_node_rejoined(msg.node_rank, was_missing)
-        elif isinstance(msg, WorkerGroupDied):
-            self.node_watch.heard(msg.node_rank)
+    def _missing_nodes(self) -> set[int]:
+        return self.nodes.watch.missing if self.nodes is not None else set()
+
+    def _on_node_message(self, msg: NodeRejoined | WorkerGroupDied) -> None:
+        if isinstance(msg, NodeRejoined):
+            self._on_node_rejoined(msg.node, msg.was_missing)
+        else:
             if msg.generation != self.worker_generations[msg.dp_rank]:
                 return  # a rank of a group already being replaced, dying with its peers
             self._restart_workers(msg.dp_rank, f"node {msg.node_rank}: {msg.cause}", scheduler_knows=False)
 
     def _on_node_missing(self, node: int) -> None:
         """Stop every group (each spans all nodes) and answer 503 until the node is back."""
-        cause = self.node_watch.describe_missing()
+        cause = self.nodes.watch.describe_missing()
         logger.error("%s: stopping the worker groups until it rejoins", cause)
         for d in range(self.args.dp_size):
-            self.pending_starts.pop(("worker", d), None)
+            self.restarts.cancel(("worker", d))
             self.stop_workers(d)
             self.to_schedulers[d].send(WorkerGroupLost(cause, self.worker_generations[d]))
         self._tell_tokenizer(cause)
@@ -349,10 +298,10 @@ class Launcher:
         so every group starts anew, once no node is missing any more."""
         cause = f"node {node} rejoined" if was_missing else f"node {node}'s launcher restarted"
         logger.warning("%s", cause)
-        if self.node_watch.missing or self.gave_up:
+        if self._missing_nodes() or self.restarts.gave_up:
             return
         for d in range(self.args.dp_size):
-            self.pending_starts.pop(("worker", d), None)
+            self.restarts.cancel(("worker", d))
             self.stop_workers(d)
             self.to_schedulers[d].send(WorkerGroupLost(cause, self.worker_generations[d]))
             self.spawn_workers(d)
@@ -378,7 +327,7 @@ class Launcher:
             self._restart_workers(child.dp_rank, cause, scheduler_knows=False)
             return
         self._forget(child)
-        self._restart((child.role, child.dp_rank), cause, lambda: self.spawn(child.role, 0, child.dp_rank))
+        self.restarts.restart((child.role, child.dp_rank), cause, lambda: self.spawn(child.role, 0, child.dp_rank))
 
     def stop_workers(self, dp_rank: int) -> None:
         """SIGKILL this node's ranks of one replica and wait for them (with Ray: remove its
@@ -395,45 +344,21 @@ class Launcher:
     def _restart_workers(self, dp_rank: int, cause: str, scheduler_knows: bool) -> None:
         lost = self.worker_generations[dp_rank]  # before the restart below counts a new one
         self.stop_workers(dp_rank)
-        if self.node_watch.missing:
+        if self._missing_nodes():
             return  # the group cannot form without the missing node; its rejoin starts it
-        if self._restart(("worker", dp_rank), cause, lambda: self.spawn_workers(dp_rank)) and not scheduler_knows:
+        restarting = self.restarts.restart(("worker", dp_rank), cause, lambda: self.spawn_workers(dp_rank))
+        if restarting and not scheduler_knows:
             self.to_schedulers[dp_rank].send(WorkerGroupLost(cause, lost))
-
-    def _restart(self, unit: Unit, cause: str, start: Callable[[], None]) -> bool:
-        """Starts `unit` again now or after its backoff, or gives up; False when it will not restart."""
-        if self.gave_up:
-            return False
-        if unit in self.pending_starts:
-            return True  # already waiting out its backoff
-        decision = self.policy.on_death(unit)
-        if not decision.restart:
-            self._give_up(cause, decision.why)
-            return False
-        wait = f", in {decision.delay_s:.1f} s" if decision.delay_s else ""
-        logger.warning("restarting after: %s (restart %d: %s%s)", cause, self.policy.restarts, decision.why, wait)
-        self._tell_tokenizer(cause)
-        if decision.delay_s:
-            self.pending_starts[unit] = (time.monotonic() + decision.delay_s, start)
-        else:
-            start()
-        return True
-
-    def _give_up(self, cause: str, why: str) -> None:
-        self.gave_up = True
-        self.pending_starts.clear()
-        then = "exiting" if self.args.on_give_up == "exit" else "staying up, answering 503"
-        logger.error("giving up restarting after %s (%s); %s", cause, why, then)
-        self._tell_tokenizer(f"gave up restarting after {cause} ({why})")
 
     def _tell_tokenizer(self, cause: str) -> None:
         """The server's health after a restart, a give-up, a node's loss or return, or a
         worker group Ray cannot place or placed again."""
         unplaced = self.placements.missing()
-        healthy = not self.gave_up and not self.node_watch.missing and not unplaced
-        if not self.gave_up and self.node_watch.missing:
-            cause = self.node_watch.describe_missing()
-        elif not self.gave_up and unplaced:
+        gave_up, missing = self.restarts.gave_up, self._missing_nodes()
+        healthy = not gave_up and not missing and not unplaced
+        if not gave_up and missing:
+            cause = self.nodes.watch.describe_missing()
+        elif not gave_up and unplaced:
             cause = unplaced
         nodes = self.placements.nodes() if self.ray is not None else []
         if self.to_tokenizer is not None:
@@ -447,7 +372,8 @@ class Launcher:
 
     def stop_all(self) -> None:
         """The tokenizer first (it drains open requests), then everything else."""
-        self.tell_nodes(StopNode("node 0 is stopping"))
+        if self.nodes is not None:
+            self.nodes.tell(StopNode("node 0 is stopping"))
         order = sorted(self.children, key=lambda c: c.role != "tokenizer")
         for child in order:
             if child.proc.poll() is None:
