@@ -1,4 +1,4 @@
-"""A decoder layer's elementwise steps on CPU: decoder.py's torch ops against the C++ ops
+"""A decoder layer's elementwise steps on CPU: decoder_layer.py's torch ops against the C++ ops
 (cpu_kernels.ElementwiseKernels), per call, at decode and prefill row counts.
 
     python benchmarks/bench_cpu_elementwise.py [--rows 1,32,2048] [--calls 300] [--dtype bfloat16]
@@ -26,7 +26,8 @@ import torch.nn.functional as F  # noqa: E402
 from bench_cpu_linear import seconds_per_call  # noqa: E402
 
 from gpu_worker.kernels.cpu_kernels import load_elementwise_kernels  # noqa: E402
-from gpu_worker.model.decoder import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
+from gpu_worker.model.decoder_layer import RMSNorm, apply_rotary  # noqa: E402
+from gpu_worker.model.rope import RotaryEmbedding  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
 

@@ -1,5 +1,5 @@
 """The C++ elementwise ops of a decoder layer (csrc/rms_norm.cpp, csrc/layer_elementwise.cpp)
-compute what decoder.py's torch ops do, rounding where they round, for every dtype and any
+compute what decoder_layer.py's torch ops do, rounding where they round, for every dtype and any
 number of rows; the model uses them in eager steps and the torch ops when compiled."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.kernels.cpu_kernels import ElementwiseKernels, load_elementwise_kernels
-from gpu_worker.model.decoder import RMSNorm, RotaryEmbedding, apply_rotary
+from gpu_worker.model.decoder_layer import RMSNorm, apply_rotary
+from gpu_worker.model.rope import RotaryEmbedding
 from gpu_worker.runtime.kv_pool import write_kv
 
 pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
@@ -145,7 +146,7 @@ def test_rotary_write_kv_gives_the_rotary_q_and_writes_what_write_kv_writes(kern
         torch.zeros(pool, 2, kv_heads, dim, dtype=dtype),
     )
     got_cache.copy_(want_cache)
-    # The decode step's torch path (decoder.py): one rotary over q and k, then write_kv.
+    # The decode step's torch path (decoder_layer.py): one rotary over q and k, then write_kv.
     qk = kernels.rotary(qkv[:, : (heads + kv_heads) * dim].view(-1, heads + kv_heads, dim), *tables)
     write_kv(want_cache, loc, qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim))
     q = kernels.rotary_write_kv(qkv, *tables, got_cache, loc, heads, kv_heads)

@@ -20,7 +20,7 @@ from gpu_worker.kernels.triton.extend_attention import TritonExtendAttention  # 
 from gpu_worker.kernels.triton.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from gpu_worker.kernels.triton.rotary_write_kv import rotary_write_kv  # noqa: E402
 from gpu_worker.model.attention import shifted_causal_mask, windowed_causal_mask  # noqa: E402
-from gpu_worker.model.decoder import RMSNorm, apply_rotary  # noqa: E402
+from gpu_worker.model.decoder_layer import RMSNorm, apply_rotary  # noqa: E402
 from gpu_worker.model.rope import RotaryEmbedding  # noqa: E402
 from gpu_worker.runtime.kv_pool import write_kv  # noqa: E402
 

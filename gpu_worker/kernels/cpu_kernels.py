@@ -10,7 +10,7 @@
 - `torch.ops.trident.fused_moe` (csrc/fused_moe.cpp): a mixture-of-experts layer's routed
   experts in one op, on AMX tiles, AVX512-BF16 or plain C++ (its block sums in
   csrc/moe_block_sums.h; layers/fused_moe.py packs for it);
-- the elementwise steps of a layer, one op each (decoder.py, `ElementwiseKernels`):
+- the elementwise steps of a layer, one op each (decoder_layer.py, `ElementwiseKernels`):
   `torch.ops.trident.rms_norm` and `.add_rms_norm` (csrc/rms_norm.cpp: RMSNorm in one
   pass, after the residual add; LLaMA's x*w or Gemma's x*(1+w)), `.silu_and_mul` and
   `.gelu_tanh_and_mul` (SwiGLU, GeGLU), `.rotary` and `.rotary_write_kv`
@@ -98,8 +98,8 @@ class Bf16LinearKernel:
 
 @dataclass(frozen=True)
 class ElementwiseKernels:
-    """The C++ ops for the elementwise steps of a decoder layer; decoder.py runs them in eager
-    steps (compiled graphs fuse the torch ops themselves)."""
+    """The C++ ops for the elementwise steps of a decoder layer; decoder_layer.py runs them
+    in eager steps (compiled graphs fuse the torch ops themselves)."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]
     """(x, weight, eps, unit_offset) -> RMSNorm(x), in the reference's rounding order;

@@ -6,7 +6,7 @@ topk_ids, topk_weights)` computes, for each token t,
     out[t] = sum over slots j = 0..k-1, in that order, of
              topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t),   e = topk_ids[t, j]
 
-Where it rounds, as the dense bf16 MLP (decoder.py's MLP: a bf16 gate_up projection, then
+Where it rounds, as the dense bf16 MLP (decoder_layer.py's MLP: a bf16 gate_up projection, then
 silu_and_mul) does:
 - gate_e x_t and up_e x_t: summed in float32, rounded to bf16;
 - silu(gate) rounded to bf16, times up, rounded to bf16: the activation the down projection reads;

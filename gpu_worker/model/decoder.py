@@ -1,16 +1,15 @@
-"""The decoder of every family we serve, in plain torch, reading and writing the paged KV pool.
+"""The decoder model of every family we serve (`LlamaForCausalLM`): the embedding, the
+layers (decoder_layer.py), the final norm and the LM head, tied or separate, and the steps
+that swap kernels and linear layers in after the load.
 
-RMSNorm, rotary embeddings (half-split, as Hugging Face checkpoints store q/k),
-grouped-query attention, a gated MLP, tied or separate LM head; q/k/v and gate/up are
-fused into one matmul each. What a family switches on (Gemma's (1 + w) norms and four
-norms a layer, GeGLU, q/k norms, biases, embedding scale, a rope and a sliding window per
-layer) is described in families.py and read here from `cfg.quirks` and `ModelConfig`. Attention itself lives in
-`attention.py`; this file only says what a layer does. On CPU, plain decode steps run the
-same ops from one flat loop (`flat_decode.py`): keep the two in step (a test compares them).
+The forward runs each step one of three ways: plain decode steps on CPU through one flat
+loop (`flat_decode.py`), or through one compiled layer (`compiled_decode.py`, --compile),
+and every other step through the modules, the reference the other two must match. A
+family's embedding scale and final logit softcap are applied here (families.py).
 
-Under tensor parallelism (`parallel.py`) every module is built with this rank's slice
-(`ShardPlan`) and `load_weights` copies only that slice out of the full checkpoint tensors;
-the all-reduces and the logits all-gather go through `TPGroup`, the identity at tp 1.
+Under tensor parallelism (`parallel.py`) the model is built with this rank's slice
+(`ShardPlan`) and `load_weights` (weight_loading.py) copies only that slice out of the full
+checkpoint tensors; the logits all-gather goes through `TPGroup`, the identity at tp 1.
 """
 
 from __future__ import annotations
@@ -20,193 +19,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.kernels.cpu_kernels import DecodeKernel, ElementwiseKernels
-from gpu_worker.layers.gguf_layers import QuantizedParts, narrow, pad_rows, stacked_linear
+from gpu_worker.layers.gguf_layers import QuantizedParts, stacked_linear
 from gpu_worker.layers.linear_plan import MakeLinear, replace_linear_layers
 from gpu_worker.layers.moe_experts import Expert, MakeFusedExperts, MoeExperts
-from gpu_worker.model.attention import AttentionMetadata, ExtendKernel, StraddlingHeadsKernel, paged_attention
+from gpu_worker.model.attention import AttentionMetadata, ExtendKernel, StraddlingHeadsKernel
 from gpu_worker.model.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
+from gpu_worker.model.decoder_layer import MLP, Attention, DecoderLayer, RMSNorm
 from gpu_worker.model.flat_decode import FlatDecodeLoop
 from gpu_worker.model.model_config import ModelConfig
-from gpu_worker.model.moe_checkpoint import per_expert_weights
 from gpu_worker.model.rope import RotaryEmbedding
 from gpu_worker.model.sparse_moe import SparseMoeBlock
-from gpu_worker.runtime.kv_pool import KVPool, write_kv
+from gpu_worker.model.weight_loading import load_checkpoint_weights
+from gpu_worker.runtime.kv_pool import KVPool
 from gpu_worker.runtime.parallel import ShardPlan, TPGroup
-
-__all__ = ["LlamaForCausalLM", "RMSNorm", "RotaryEmbedding", "apply_rotary"]
-
-
-def eager_kernels(kernels: ElementwiseKernels | None) -> ElementwiseKernels | None:
-    """The C++ elementwise ops, unless a graph is being compiled: inductor fuses the torch
-    ops with their neighbours itself."""
-    return None if kernels is None or torch.compiler.is_compiling() else kernels
-
-
-class RMSNorm(nn.Module):
-    """Normalised in float32, then cast, then scaled by the weight (the reference's order);
-    F.rms_norm is one fused kernel where the reference spells out six ops, and the C++ op
-    (csrc/rms_norm.cpp) does all of it in one pass."""
-
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
-        self.eps = eps
-        self.unit_offset = unit_offset
-        """Scale by (1 + weight), multiplied in float32 before the cast (Gemma's order)."""
-        self.kernels: ElementwiseKernels | None = None
-        """The C++ ops (cpu_kernels.py), set by the model on CPU; None: torch ops."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels := eager_kernels(self.kernels):
-            return kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
-        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
-        if self.unit_offset:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
-
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, norm(x + delta)): a residual add and the next sublayer's input."""
-        if kernels := eager_kernels(self.kernels):
-            return kernels.add_rms_norm(x, delta, self.weight, self.eps, self.unit_offset)
-        x = x + delta
-        return x, self(x)
-
-
-def apply_rotary(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, over [tokens, heads, dim]; the same products and sum
-    as the reference, so the same bits, in four ops instead of ten. The halves are swapped
-    by a cat, not `roll`: the same result, far cheaper on CPU at decode sizes."""
-    cos, signed_sin = rotary
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
-
-
-class Attention(nn.Module):
-    """This rank's query heads and the KV heads they read; o_proj is row-parallel."""
-
-    def __init__(self, cfg: ModelConfig, layer_id: int, plan: ShardPlan, tp: TPGroup) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        self.tp = tp
-        self.num_heads = plan.num_heads
-        self.num_kv_heads = plan.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * cfg.head_dim
-        self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.window = cfg.window_of(layer_id)
-        """Keys a query sees, counting itself (0: all): the layer's sliding window."""
-        self.scale = cfg.attention_scale
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        unit_offset = cfg.quirks.norm_unit_offset
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, unit_offset) if cfg.quirks.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, unit_offset) if cfg.quirks.qk_norm else None
-        kv_map = None if plan.uniform_gqa else torch.tensor(plan.kv_of_head, dtype=torch.int64)
-        self.register_buffer("kv_head_map", kv_map, persistent=False)
-        self.decode_kernel: DecodeKernel | None = None
-        """The C++ decode attention op (cpu_kernels.py), set by the model; None: torch."""
-        self.extend_kernel: ExtendKernel | None = None
-        """The Triton prompt-chunk attention (--attention-backend triton); None: SDPA."""
-        self.kernels: ElementwiseKernels | None = None
-        """The C++ rotary (cpu_kernels.py), set by the model on CPU; None: torch ops."""
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """kv_cache: this layer's tensor of the pool (kv_pool.py)."""
-        qkv = self.qkv_proj(x)
-        kernels = eager_kernels(self.kernels)
-        if kernels is not None and meta.reads_pool_only():
-            # Attention reads K/V from the pool only: one op norms q and k (where the family
-            # does), rotates q and writes the new K/V there, where the lines below take ~10
-            # ops a layer.
-            q = kernels.rotary_write_kv(
-                qkv, *rotary, kv_cache, meta.out_cache_loc, self.num_heads, self.num_kv_heads, *self.qk_norm_args()
-            )
-            k = v = None
-        else:
-            qkv = self.norm_qk(qkv)
-            # q and k sit side by side in qkv: one rotary over both heads at once.
-            qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = kernels.rotary(qk, *rotary) if kernels else apply_rotary(qk, rotary)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-            write_kv(kv_cache, meta.out_cache_loc, k, v)
-        out = paged_attention(
-            q, k, v, kv_cache, meta, self.kv_head_map, self.decode_kernel, self.window, self.scale, self.extend_kernel
-        )
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
-
-    def qk_norm_args(self) -> tuple[torch.Tensor, torch.Tensor, float, bool] | tuple[()]:
-        """rotary_write_kv's trailing arguments: the q and k norms, if the family has them."""
-        if self.q_norm is None or self.k_norm is None:
-            return ()
-        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset
-
-    def norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv with each q and k head RMS-normalised (Qwen3, Gemma 3), before the rotary;
-        unchanged where the family has no q/k norm."""
-        if self.q_norm is None or self.k_norm is None:
-            return qkv
-        tokens = qkv.shape[0]
-        q = self.q_norm(qkv[:, : self.q_size].reshape(-1, self.head_dim)).view(tokens, self.q_size)
-        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, self.head_dim))
-        return torch.cat((q, k.view(tokens, self.kv_size), qkv[:, self.q_size + self.kv_size :]), dim=-1)
-
-
-class MLP(nn.Module):
-    """This rank's slice of gate and of up (column-parallel); down_proj is row-parallel."""
-
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, tp: TPGroup) -> None:
-        super().__init__()
-        self.tp = tp
-        self.intermediate_size = plan.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
-        self.activation = cfg.activation
-        """"silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
-        self.kernels: ElementwiseKernels | None = None
-        """The C++ gated activations (cpu_kernels.py), set by the model on CPU; None: torch ops."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.activate(self.gate_up_proj(x))))
-
-    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """activation(gate) * up."""
-        gelu = self.activation == "gelu_tanh"
-        if kernels := eager_kernels(self.kernels):
-            return kernels.gelu_tanh_and_mul(gate_up) if gelu else kernels.silu_and_mul(gate_up)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
-
-
-class DecoderLayer(nn.Module):
-    """LLaMA: x += attn(input_norm(x)); x += mlp(post_attention_norm(x)). With the family's
-    sandwich norms (Gemma 3): x += post_attention_norm(attn(input_norm(x)));
-    x += post_feedforward_norm(mlp(pre_feedforward_norm(x)))."""
-
-    def __init__(self, cfg: ModelConfig, layer_id: int, plan: ShardPlan, tp: TPGroup) -> None:
-        super().__init__()
-        eps, unit_offset = cfg.rms_norm_eps, cfg.quirks.norm_unit_offset
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset)
-        self.self_attn = Attention(cfg, layer_id, plan, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset)
-        self.mlp = SparseMoeBlock(cfg, plan, tp) if cfg.is_sparse(layer_id) else MLP(cfg, plan, tp)
-        sandwich = cfg.quirks.sandwich_norms
-        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset) if sandwich else None
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset) if sandwich else None
-
-    def forward(self, x, rotary, kv_cache, meta):
-        attn = self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
-        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
-            x, h = self.post_attention_layernorm.add_and_norm(x, attn)
-            return x + self.mlp(h)
-        x, h = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(attn))
-        return x + self.post_feedforward_layernorm(self.mlp(h))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -396,108 +221,6 @@ class LlamaForCausalLM(nn.Module):
         self._flat_decode = None
 
     def load_weights(self, weights) -> None:
-        """Takes (name, tensor) pairs in Hugging Face names (full, unsharded tensors); fuses
-        q/k/v and gate/up and keeps only this rank's slice of each sharded weight."""
-        if self.cfg.quirks.fused_checkpoint:
-            weights = split_fused_weights(weights, self.cfg)
-        if self.cfg.moe is not None:
-            weights = per_expert_weights(weights)
-        params = dict(self.named_parameters())
-        plan, hd = self.plan, self.cfg.head_dim
-        q, kv = plan.num_heads * hd, plan.num_kv_heads * hd
-        heads = (plan.heads[0] * hd, q)
-        kv_heads = (plan.kv_heads[0] * hd, kv)
-        # checkpoint name -> (fused target, row offset in the target, (start, length) in the source)
-        attention = {
-            "q_proj": ("qkv_proj", 0, heads),
-            "k_proj": ("qkv_proj", q, kv_heads),
-            "v_proj": ("qkv_proj", q + kv, kv_heads),
-        }
-        vocab = (plan.vocab[0], plan.vocab[1] - plan.vocab[0])
-        loaded: set[str] = set()
-        dense: set[str] = set()
-        for name, tensor in weights:
-            # Gemma 3's multimodal checkpoints hold the decoder under language_model.
-            name = name.removeprefix("model.").removeprefix("language_model.").removeprefix("model.")
-            if (
-                "rotary_emb" in name
-                or (name == "lm_head.weight" and self.lm_head is None)
-                or name.startswith(("vision_tower.", "multi_modal_projector."))
-            ):
-                continue
-            parts = name.split(".")
-            offset = 0
-            inter_slice = self._intermediate_slice(name)
-            fused = attention | {
-                "gate_proj": ("gate_up_proj", 0, inter_slice),
-                "up_proj": ("gate_up_proj", inter_slice[1], inter_slice),
-            }
-            row_parallel = {"o_proj": heads, "down_proj": inter_slice}  # sliced along the input dim
-            if len(parts) >= 2 and parts[-2] in fused:
-                target, offset, (start, length) = fused[parts[-2]]
-                name = ".".join(parts[:-2] + [target, parts[-1]])
-                tensor = narrow(tensor, 0, start, length)
-                dst = None if name in self.quantized_parts else params[name].data.narrow(0, offset, length)
-            elif len(parts) >= 2 and parts[-2] in row_parallel and parts[-1] == "bias" and name in params:
-                # The all-reduce sums the ranks' outputs: one rank adds the bias.
-                tensor = tensor if plan.rank == 0 else torch.zeros_like(tensor)
-                dst = params[name].data
-            elif len(parts) >= 2 and parts[-2] in row_parallel and name in params:
-                tensor = narrow(tensor, 1, *row_parallel[parts[-2]])
-                dst = params[name].data
-            elif name in ("embed_tokens.weight", "lm_head.weight") and not isinstance(tensor, torch.Tensor):
-                tensor, dst = pad_rows(narrow(tensor, 0, *vocab), plan.vocab_rows), None
-            elif name in ("embed_tokens.weight", "lm_head.weight") and name in params:
-                tensor = tensor.narrow(0, *vocab)
-                dst = params[name].data.narrow(0, 0, vocab[1])  # rows past the vocabulary stay zero
-                params[name].data.zero_()
-            elif name in params:
-                dst = params[name].data
-            else:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            if isinstance(tensor, torch.Tensor):
-                if name in self.quantized_parts:
-                    raise ValueError(f"{name}: its parts mix quantized and dense formats; use --weight-dtype bf16")
-                dst.copy_(tensor.to(dst.dtype))
-                dense.add(name)
-            else:
-                if name in dense:
-                    raise ValueError(f"{name}: its parts mix quantized and dense formats; use --weight-dtype bf16")
-                self.quantized_parts.add(name, offset, tensor)
-                params[name].data = torch.empty(0)  # never written: no dense copy (gguf_layers.py)
-            loaded.add(name)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
-
-    def _intermediate_slice(self, name: str) -> tuple[int, int]:
-        """(start, length) of this rank's share of the intermediate dimension of the MLP or
-        expert that weight `name` belongs to."""
-        plan = self.plan
-        if ".experts." in name:
-            start, end = plan.expert_intermediate
-        elif ".shared_expert." in name:
-            start, end = plan.shared_intermediate
-        else:
-            start, end = plan.intermediate
-        return start, end - start
-
-
-def split_fused_weights(weights, cfg: ModelConfig):
-    """Phi-3's fused qkv_proj and gate_up_proj tensors as the q/k/v and gate/up tensors
-    load_weights slices and fuses for this rank."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    splits = {
-        "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
-        "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)),
-    }
-    for name, tensor in weights:
-        parts = name.split(".")
-        if len(parts) < 2 or parts[-2] not in splits:
-            yield name, tensor
-            continue
-        sizes = splits[parts[-2]]
-        if tensor.shape[0] != sum(size for _, size in sizes):
-            raise ValueError(f"{name}: {tensor.shape[0]} rows, the config gives {sum(s for _, s in sizes)}")
-        for (part, _), piece in zip(sizes, tensor.split([size for _, size in sizes]), strict=True):
-            yield ".".join([*parts[:-2], part, parts[-1]]), piece
+        """(name, tensor) pairs in Hugging Face names, full and unsharded, into this rank's
+        slice of the modules (weight_loading.py)."""
+        load_checkpoint_weights(self, weights)

@@ -1,7 +1,7 @@
 """Every model family we serve, as how it differs from the plain LLaMA decoder.
 
-The decoder (decoder.py) is one: RMSNorm, rotary attention with grouped KV heads, a gated
-MLP, a final norm and an LM head. A family only switches parts of it on or off; the values
+The decoder (decoder.py, its layer in decoder_layer.py) is one: RMSNorm, rotary attention
+with grouped KV heads, a gated MLP, a final norm and an LM head. A family only switches parts of it on or off; the values
 that vary per checkpoint (rope bases and scaling, windows per layer, the attention scale,
 biases) are read into `ModelConfig` (model_config.py) from config.json or a GGUF header.
 

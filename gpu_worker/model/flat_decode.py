@@ -9,7 +9,7 @@ the ops directly. The residual add at the end of a layer goes into the next laye
 norm (`add_rms_norm`), one op fewer per layer. The family's parts (q/k norms, GeGLU,
 sandwich norms, a rope and a window per layer) travel in the tuple.
 
-The ops and their order are the module path's (decoder.py), so the results are the same
+The ops and their order are the module path's (decoder_layer.py), so the results are the same
 bits; tests/test_flat_decode.py checks the logits of both paths for equality.
 
 When: a plain decode step (every row one query, no prompt chunk) on a model with the C++
@@ -19,17 +19,15 @@ elementwise ops (cpu_kernels.py), at tp 1, not compiled. Anything else runs the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from gpu_worker.kernels.cpu_kernels import DecodeKernel, ElementwiseKernels
 from gpu_worker.model.attention import AttentionMetadata, paged_attention
+from gpu_worker.model.decoder_layer import DecoderLayer
 from gpu_worker.model.sparse_moe import SparseMoeBlock
-
-if TYPE_CHECKING:
-    from gpu_worker.model.decoder import DecoderLayer
 
 RowsLinear = Callable[[torch.Tensor], torch.Tensor]
 """x [rows, in] -> x @ weight.T + bias [rows, out]: a linear layer as a plain function."""

@@ -3,7 +3,7 @@
 One file per kernel: decode attention (decode_attention.py), a prompt chunk's attention
 (extend_attention.py), the KV write with rotary (rotary_write_kv.py), RMSNorm fused with the
 residual add (rms_norm.py). They plug in where the C++ CPU kernels do (cpu_kernels.py's
-`DecodeKernel` and `ElementwiseKernels`), so decoder.py and flat_decode.py run them unchanged.
+`DecodeKernel` and `ElementwiseKernels`), so decoder_layer.py and flat_decode.py run them unchanged.
 
 They compile for a GPU, and run on CPU tensors under the Triton interpreter
 (`TRITON_INTERPRET=1`, set before triton is imported): how the tests prove them on a machine
@@ -58,7 +58,7 @@ def load_triton_kernels(device: torch.device) -> TritonKernels:
     from gpu_worker.kernels.triton.extend_attention import TritonExtendAttention
     from gpu_worker.kernels.triton.rms_norm import add_rms_norm, rms_norm
     from gpu_worker.kernels.triton.rotary_write_kv import rotary_write_kv
-    from gpu_worker.model.decoder import apply_rotary
+    from gpu_worker.model.decoder_layer import apply_rotary
 
     # Under the interpreter every program runs in turn on the host, each op at a cost: fewer,
     # larger programs (two splits still exercise the merge).

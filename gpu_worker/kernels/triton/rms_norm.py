@@ -1,6 +1,6 @@
 """RMSNorm, alone or fused with the residual add before it: one program per row (on the GPU).
 
-The reference's rounding order (decoder.py, `RMSNorm`): the sum x + delta rounded to the
+The reference's rounding order (decoder_layer.py, `RMSNorm`): the sum x + delta rounded to the
 model's dtype (it is the residual stream), normalised in float32, cast, then scaled by the
 weight in the dtype (LLaMA) or by (1 + weight) in float32 before the cast (Gemma).
 """

@@ -5,7 +5,7 @@ One program per token takes its query and key heads as one [heads + kv_heads, di
 it rotates the query heads into the output, and the key heads, which it writes with the
 values to the pool at loc[token].
 A token whose loc is negative (a padding row of a CUDA-graph bucket) writes nothing, so a
-padded row never touches the pool. The rounding follows decoder.py's `apply_rotary`:
+padded row never touches the pool. The rounding follows decoder_layer.py's `apply_rotary`:
 x * cos and rotate_half(x) * signed_sin each rounded to the dtype, then their sum.
 """
 
