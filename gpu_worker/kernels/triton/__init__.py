@@ -1,9 +1,10 @@
 """The Triton kernels of `--attention-backend triton`: the CUDA path's attention, KV write and norms.
 
 One file per kernel: decode attention (decode_attention.py), a prompt chunk's attention
-(extend_attention.py), the KV write with rotary (rotary_write_kv.py), RMSNorm fused with the
-residual add (rms_norm.py). They plug in where the C++ CPU kernels do (cpu_kernels.py's
-`DecodeKernel` and `ElementwiseKernels`), so decoder_layer.py and flat_decode.py run them unchanged.
+(extend_attention.py), both over one inner step (online_softmax.py), the KV write with
+rotary (rotary_write_kv.py), RMSNorm fused with the residual add (rms_norm.py). They plug
+in where the C++ CPU kernels do (cpu_kernels.py's `DecodeKernel` and `ElementwiseKernels`),
+so decoder_layer.py and flat_decode.py run them unchanged.
 
 They compile for a GPU, and run on CPU tensors under the Triton interpreter
 (`TRITON_INTERPRET=1`, set before triton is imported): how the tests prove them on a machine

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels.triton.dot_precision import dot_precision
+from gpu_worker.kernels.triton.online_softmax import attend_key_block
 
 
 @triton.jit
@@ -72,22 +73,29 @@ def _decode_split(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    tokens = Table + table_row * stride_table
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        token = tl.load(Table + table_row * stride_table + n, mask=n_ok, other=0).to(tl.int64)
-        kv_ptr = KV + token[:, None] * stride_kv_token + kv_head * stride_kv_head + d[None, :]
-        kv_ok = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_ptr, mask=kv_ok, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        scores = tl.where(n_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        v = tl.load(kv_ptr + stride_kv_kv, mask=kv_ok, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        total = total * alpha + tl.sum(p, 1)
-        m = m_new
+        m, total, acc = attend_key_block(
+            q,
+            m,
+            total,
+            acc,
+            KV,
+            tokens,
+            n,
+            n_ok,
+            n_ok[None, :],
+            d,
+            d_ok,
+            kv_head,
+            scale,
+            stride_kv_token,
+            stride_kv_kv,
+            stride_kv_head,
+            DOT_PRECISION,
+        )
 
     empty = total == 0.0
     out = acc / tl.where(empty, 1.0, total)[:, None]

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from gpu_worker.kernels.triton.dot_precision import dot_precision
+from gpu_worker.kernels.triton.online_softmax import attend_key_block
 
 
 @triton.jit
@@ -60,22 +61,27 @@ def _extend(
     for start in range(lo, last_seen, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < last_seen
-        token = tl.load(KvIndices + n, mask=n_ok, other=0).to(tl.int64)
-        kv_ptr = KV + token[:, None] * stride_kv_token + kv_head * stride_kv_head + d[None, :]
-        kv_ok = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_ptr, mask=kv_ok, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         seen = n_ok[None, :] & (n[None, :] <= position[:, None])
         seen = seen & ((window <= 0) | (n[None, :] > position[:, None] - window))
-        scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query with no key in this block yet
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        v = tl.load(kv_ptr + stride_kv_kv, mask=kv_ok, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        total = total * alpha + tl.sum(p, 1)
-        m = m_new
+        m, total, acc = attend_key_block(
+            q,
+            m,
+            total,
+            acc,
+            KV,
+            KvIndices,
+            n,
+            n_ok,
+            seen,
+            d,
+            d_ok,
+            kv_head,
+            scale,
+            stride_kv_token,
+            stride_kv_kv,
+            stride_kv_head,
+            DOT_PRECISION,
+        )
 
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     out_ptr = Out + i[:, None].to(tl.int64) * stride_out_token + head * stride_out_head + d[None, :]
