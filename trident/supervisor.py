@@ -109,6 +109,7 @@ class Launcher:
         """Node 0's line to the other nodes' launchers (multi-node only)."""
         self.policy = RestartPolicy(args.max_restarts, args.restart_window_s)
         self.restarts = RestartQueue(self.policy, args.on_give_up, self._tell_tokenizer)
+        """Every restart goes through it: now, after its backoff, or not at all once it gave up."""
         self.worker_generations = [0] * args.dp_size
         self.stop_requested: Callable[[], bool] = lambda: False
         """Set by launch.py to its signal flag: a start-up wait gives up when it turns true."""
@@ -288,9 +289,7 @@ class Launcher:
         cause = self.nodes.watch.describe_missing()
         logger.error("%s: stopping the worker groups until it rejoins", cause)
         for d in range(self.args.dp_size):
-            self.restarts.cancel(("worker", d))
-            self.stop_workers(d)
-            self.to_schedulers[d].send(WorkerGroupLost(cause, self.worker_generations[d]))
+            self._drop_worker_group(d, cause)
         self._tell_tokenizer(cause)
 
     def _on_node_rejoined(self, node: int, was_missing: bool) -> None:
@@ -301,11 +300,16 @@ class Launcher:
         if self._missing_nodes() or self.restarts.gave_up:
             return
         for d in range(self.args.dp_size):
-            self.restarts.cancel(("worker", d))
-            self.stop_workers(d)
-            self.to_schedulers[d].send(WorkerGroupLost(cause, self.worker_generations[d]))
+            self._drop_worker_group(d, cause)
             self.spawn_workers(d)
         self._tell_tokenizer(cause)
+
+    def _drop_worker_group(self, dp_rank: int, cause: str) -> None:
+        """Stops replica `dp_rank`'s group outside the restart policy (a node left or came
+        back): no restart of it waits any more, and its scheduler requeues what it ran."""
+        self.restarts.cancel(("worker", dp_rank))
+        self.stop_workers(dp_rank)
+        self.to_schedulers[dp_rank].send(WorkerGroupLost(cause, self.worker_generations[dp_rank]))
 
     def _ray_events(self) -> list[GroupEvent]:
         return self.ray.drain() if self.ray is not None else []
