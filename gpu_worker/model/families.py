@@ -1,9 +1,10 @@
 """Every model family we serve, as how it differs from the plain LLaMA decoder.
 
 The decoder (decoder.py, its layer in decoder_layer.py) is one: RMSNorm, rotary attention
-with grouped KV heads, a gated MLP, a final norm and an LM head. A family only switches parts of it on or off; the values
-that vary per checkpoint (rope bases and scaling, windows per layer, the attention scale,
-biases) are read into `ModelConfig` (model_config.py) from config.json or a GGUF header.
+with grouped KV heads, a gated MLP, a final norm and an LM head. A family only switches
+parts of it on or off; the values that vary per checkpoint (rope bases and scaling, windows
+per layer, the attention scale, biases) are read into `ModelConfig` (model_config.py) from
+config.json or a GGUF header.
 
 | family  | norm        | act       | q/k norm | bias   | emb*sqrt(h) | 4 norms | window      | checkpoint   |
 |---------|-------------|-----------|----------|--------|-------------|---------|-------------|--------------|
