@@ -68,7 +68,9 @@ class FusedQuantMoE(nn.Module):
             raise RuntimeError("the fused GGUF MoE op needs the C++ quantized kernels, which do not run here")
         experts, (hidden, inter) = len(down), down[0].shape
         if any(w.shape != (2 * inter, hidden) for w in gate_up) or any(w.shape != (hidden, inter) for w in down):
-            raise ValueError(f"expert weights of several shapes: want gate_up [{2 * inter}, {hidden}], down {down[0].shape}")
+            raise ValueError(
+                f"expert weights of several shapes: want gate_up [{2 * inter}, {hidden}], down {down[0].shape}"
+            )
         stacked_down = quant_linear(concat_rows(down), None)  # first: it checks that I is a multiple of 32
         runs = gate_up_in_runs(experts, inter)
         return cls(quant_linear(concat_rows(gate_up).map_rows(lambda a: a[runs]), None), stacked_down, path)
