@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from gpu_worker.kernels.cpu_kernels import load_quant_linear
+from gpu_worker.kernels.cpu_kernels import load_elementwise_kernels, load_quant_linear
 from gpu_worker.layers.fused_moe_gguf import FusedQuantMoE
 from gpu_worker.layers.linear_plan import fused_quantized_experts
 from gpu_worker.layers.quant_linear import QuantLinear
@@ -86,12 +86,17 @@ def test_a_moe_gguf_in_its_own_formats_is_within_int8_activations_of_transformer
     if not path.endswith(tuple(f"{arch}.gguf" for arch in QUANTIZED_ARCHS)):
         pytest.skip("a float32 file: nothing to serve quantized")
     models = []
-    ours = prompt_logits(path, ids, torch.float32, quantized=True, prepare=models.append)
+
+    def on_our_kernels(model) -> None:  # SwiGLU and the norms on the C++ ops, as the worker runs them on CPU
+        model.use_elementwise_kernels(load_elementwise_kernels())
+        models.append(model)
+
+    ours = prompt_logits(path, ids, torch.float32, quantized=True, prepare=on_our_kernels)
     expert = models[0].layers[0].mlp.experts[0]
     assert isinstance(expert.gate_up_proj, QuantLinear) and isinstance(expert.down_proj, QuantLinear)
     if load_quant_linear():
         fused = prompt_logits(
-            path, ids, torch.float32, quantized=True, experts=fused_quantized_experts, prepare=models.append
+            path, ids, torch.float32, quantized=True, experts=fused_quantized_experts, prepare=on_our_kernels
         )
         assert isinstance(models[1].layers[0].mlp.experts.fused, FusedQuantMoE)
         assert torch.equal(fused, ours)
