@@ -153,7 +153,20 @@ def _fused_moe_fake(x, topk_ids, topk_weights, gate_up, down, path="auto"):
     return torch.empty_like(x)
 
 
-def _fused_moe_gguf_fake(x, topk_ids, topk_weights, gate_up, *args, **kwargs):
+def _fused_moe_gguf_fake(
+    x,
+    topk_ids,
+    topk_weights,
+    gate_up,
+    gate_up_layout,
+    gate_up_block,
+    gate_up_half_scales,
+    down,
+    down_layout,
+    down_block,
+    down_half_scales,
+    path="auto",
+):
     return torch.empty_like(x)
 
 
