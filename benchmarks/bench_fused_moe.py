@@ -41,8 +41,8 @@ from gpu_worker.kernels.cpu_kernels import load_elementwise_kernels, load_fused_
 from gpu_worker.layers.fused_moe import FusedMoE  # noqa: E402
 from gpu_worker.layers.fused_moe_gguf import FusedQuantMoE  # noqa: E402
 from gpu_worker.layers.gguf_layers import quant_linear  # noqa: E402
-from gpu_worker.layers.gguf_repack import I8Weights, QuantWeights, U4Weights  # noqa: E402
 from gpu_worker.layers.moe_experts import MoeExperts  # noqa: E402
+from tests.test_fused_moe_gguf import random_quant_weights  # noqa: E402
 
 BF16_BYTES = 2
 GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q5_0", "Q6_K")
@@ -62,19 +62,6 @@ def torch_loop(
         y = F.linear(F.silu(gate) * up, down[e])
         out.index_add_(0, tokens, y.float() * weights[tokens, slots, None])
     return out.bfloat16()
-
-
-def random_quant_weights(fmt: str, n: int, k: int, rng: np.random.Generator) -> QuantWeights:
-    """n x k random codes and scales as `fmt` stores them (gguf_repack.py's table)."""
-    fp16 = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
-    if fmt in ("Q4_0", "Q4_K"):
-        scales = rng.uniform(0.01, 0.03, (n, k // 32)).astype(np.float32)
-        mins = -8 * fp16(scales) if fmt == "Q4_0" else -rng.uniform(0, 0.2, (n, k // 32)).astype(np.float32)
-        return U4Weights(rng.integers(0, 16, (n, k), dtype=np.uint8), fp16(scales) if fmt == "Q4_0" else scales, mins)
-    block, bits = {"Q8_0": (32, 8), "Q5_0": (32, 5), "Q6_K": (16, 6)}[fmt]
-    scales = rng.uniform(0.1, 0.3, (n, k // block)).astype(np.float32) / 2 ** (bits - 1)
-    codes = rng.integers(-(2 ** (bits - 1)), 2 ** (bits - 1), (n, k), dtype=np.int8)
-    return I8Weights(codes, fp16(scales) if fmt != "Q6_K" else scales, block, bits)
 
 
 Layer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

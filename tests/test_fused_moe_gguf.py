@@ -37,8 +37,9 @@ BF16_U = 2.0**-8
 F32_U = 2.0**-24
 
 
-def _weights(fmt: str, n: int, k: int, rng: np.random.Generator) -> QuantWeights:
-    """n x k weights with the codes and scales `fmt` ships (gguf_repack.py's table)."""
+def random_quant_weights(fmt: str, n: int, k: int, rng: np.random.Generator) -> QuantWeights:
+    """n x k random codes and scales as `fmt` stores them (gguf_repack.py's table); the
+    benchmark (benchmarks/bench_fused_moe.py --gguf) draws its experts with it too."""
     fp16 = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
     if fmt in ("Q4_0", "Q4_K"):
         scales = rng.uniform(0.01, 0.03, (n, k // 32)).astype(np.float32)
@@ -52,8 +53,8 @@ def _weights(fmt: str, n: int, k: int, rng: np.random.Generator) -> QuantWeights
 
 def _experts(gate_up_fmt: str, down_fmt: str, seed: int = 0) -> tuple[list[QuantWeights], list[QuantWeights]]:
     rng = np.random.default_rng(seed)
-    gate_up = [_weights(gate_up_fmt, 2 * INTER, HIDDEN, rng) for _ in range(EXPERTS)]
-    return gate_up, [_weights(down_fmt, HIDDEN, INTER, rng) for _ in range(EXPERTS)]
+    gate_up = [random_quant_weights(gate_up_fmt, 2 * INTER, HIDDEN, rng) for _ in range(EXPERTS)]
+    return gate_up, [random_quant_weights(down_fmt, HIDDEN, INTER, rng) for _ in range(EXPERTS)]
 
 
 def _routing(tokens: int, k: int, dtype: torch.dtype, seed: int = 1):
@@ -175,4 +176,6 @@ def test_no_tokens_is_empty_and_bad_inputs_are_clear_errors():
         fused(x, ids.long(), weights)
     gate_up, down = _experts("Q4_0", "Q8_0")
     with pytest.raises(ValueError, match="different layouts"):
-        FusedQuantMoE.from_weights(gate_up[:-1] + [_weights("Q8_0", 2 * INTER, HIDDEN, np.random.default_rng())], down)
+        FusedQuantMoE.from_weights(
+            gate_up[:-1] + [random_quant_weights("Q8_0", 2 * INTER, HIDDEN, np.random.default_rng())], down
+        )
