@@ -369,11 +369,12 @@ def record_workload(tmp_path, seed: int, num_prompts: int, max_new_tokens: int, 
 
 
 def prompt_logits(
-    path: str, ids: torch.Tensor, dtype: torch.dtype, prepare=None, quantized: bool = False
+    path: str, ids: torch.Tensor, dtype: torch.dtype, prepare=None, quantized: bool = False, experts=None
 ) -> torch.Tensor:
     """Next-token logits at every position of one prompt through the worker's own model
     (weights loaded and cast to `dtype`; `prepare(model)` then, e.g. to quantize or pack;
-    `quantized`: a GGUF's weights in its own formats, `--weight-dtype gguf`)."""
+    `quantized`: a GGUF's weights in its own formats, `--weight-dtype gguf`; `experts(model)`
+    before those go in: an ExpertsPlan's install step, linear_plan.py)."""
     import torch
 
     from gpu_worker.model.attention import AttentionMetadata, ExtendRow
@@ -386,6 +387,8 @@ def prompt_logits(
     model.load_weights(iter_weights(path, cfg, quantized))
     model = model.to(dtype=dtype).eval()
     model.rope.to(dtype=torch.float32)
+    if experts is not None:
+        experts(model)
     if quantized:
         model.install_quantized_weights()
     if prepare is not None:

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from gpu_worker.kernels.cpu_kernels import load_quant_linear
 from gpu_worker.layers.fused_moe import fused_moe_available
 from gpu_worker.model.attention import AttentionMetadata, DecodeGroup, ExtendRow, QueryKeys, shifted_causal_mask
 from tests.family_models import FAMILY_CHECKPOINTS, MOE_CHECKPOINTS, WINDOW, make_family_checkpoint, write_moe_gguf
@@ -237,13 +238,16 @@ def test_every_family_is_batch_invariant(family, tmp_path):
 
 
 def test_a_moe_gguf_in_its_own_formats_is_batch_invariant(tmp_path):
-    """Qwen3-MoE as a qwen3moe GGUF on the default worker: the experts as QuantLinear
-    layers, the float32 router on our bf16 kernel."""
+    """Qwen3-MoE as a qwen3moe GGUF on the default worker: the experts on the fused op for
+    quantized experts (each expert's QuantLinear layers where our quantized kernels do not
+    run), the float32 router on our bf16 kernel."""
     checkpoint = make_family_checkpoint(str(tmp_path / "ckpt"), "qwen3_moe_gguf")
     path = write_moe_gguf(checkpoint, str(tmp_path / "qwen3moe.gguf"), "qwen3moe")
     prompt = random_prompt(torch.Generator().manual_seed(6), 3 * WINDOW)
     for worker in default_worker(path):
-        assert worker.batch_invariant and worker.weight_dtype == "gguf" and worker.experts_kind == "torch"
+        assert worker.batch_invariant and worker.weight_dtype == "gguf"
+        quant_path = load_quant_linear()
+        assert worker.experts_kind == (f"fused-gguf-{quant_path.replace('_', '-')}" if quant_path else "torch")
         assert chunking_differences(Sequences(worker), prompt) == []
         assert decode_batch_differences(Sequences(worker), prompt, torch.Generator().manual_seed(7)) == []
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.kernels.cpu_kernels import load_amx_linear, load_fused_moe, load_vnni_linear, load_widening_bf16_linear
+from gpu_worker.kernels.cpu_kernels import (
+    load_amx_linear,
+    load_fused_moe,
+    load_quant_linear,
+    load_vnni_linear,
+    load_widening_bf16_linear,
+)
 from gpu_worker.layers.fused_moe import fused_moe_available
 from gpu_worker.layers.linear_plan import LinearPlan, choose_experts, choose_linear
 from gpu_worker.layers.packed_linear import Bf16KernelLinear, PackedLinear
@@ -78,11 +84,17 @@ def test_a_cpu_with_amx_takes_the_amx_kernel_with_batch_invariance_off_too(tmp_p
 
 
 def test_experts_keep_their_own_linear_layers_wherever_the_fused_op_does_not_apply_and_say_why():
-    gguf = choose_experts("gguf", CPU, torch.bfloat16)
-    assert gguf.kind == "torch" and "quantized" in gguf.reason and "bf16 only" in gguf.reason
     assert "int8" in choose_experts("int8", CPU, torch.bfloat16).reason
+    assert "cuda" in choose_experts("gguf", torch.device("cuda"), torch.bfloat16).reason
     assert choose_experts("bf16", CPU, torch.float32).kind == "torch"
     assert "cuda" in choose_experts("bf16", torch.device("cuda"), torch.bfloat16).reason
+
+
+@pytest.mark.skipif(not load_quant_linear(), reason="the quantized kernels do not run on this CPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_ggufs_quantized_experts_on_cpu_take_the_fused_op_for_them_in_quant_linears_path(dtype):
+    plan = choose_experts("gguf", CPU, dtype)
+    assert plan.kind == f"fused-gguf-{load_quant_linear().replace('_', '-')}" and "GGUF" in plan.reason
 
 
 @pytest.mark.skipif(not fused_moe_available(), reason="the fused MoE op's kernels do not build on this CPU")

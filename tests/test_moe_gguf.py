@@ -11,9 +11,10 @@ quantizer leaves them. The expert sizes are those transformers' GGUF reader assu
 
 - Dequantized at load (`--weight-dtype bf16`, here in float32), the logits equal
   transformers' float32 model of the file to float32 rounding, and so do the greedy tokens.
-- Served in the file's own formats (`--weight-dtype gguf`: each expert a QuantLinear, int8
-  activations), the logits stay within bounds set just over what was measured, as
-  tests/test_fast_path_vs_transformers.py does for the packaged GGUFs.
+- Served in the file's own formats (`--weight-dtype gguf`: int8 activations), the logits stay
+  within bounds set just over what was measured, as tests/test_fast_path_vs_transformers.py
+  does for the packaged GGUFs: with each expert a QuantLinear, and on the fused op for
+  quantized experts (fused_moe_gguf.py), whose float32 logits are those bits.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import os
 import pytest
 import torch
 
+from gpu_worker.kernels.cpu_kernels import load_elementwise_kernels, load_quant_linear
+from gpu_worker.layers.fused_moe_gguf import FusedQuantMoE
+from gpu_worker.layers.linear_plan import fused_quantized_experts
 from gpu_worker.layers.quant_linear import QuantLinear
 from gpu_worker.model.model_check import check_model
 from tests.family_models import QUANTIZED_ARCHS, make_family_checkpoint, write_moe_gguf
@@ -81,10 +85,21 @@ def test_a_moe_gguf_in_its_own_formats_is_within_int8_activations_of_transformer
     path, ids, ref = moe_gguf
     if not path.endswith(tuple(f"{arch}.gguf" for arch in QUANTIZED_ARCHS)):
         pytest.skip("a float32 file: nothing to serve quantized")
-    layers = []
-    ours = prompt_logits(path, ids, torch.float32, quantized=True, prepare=lambda model: layers.append(model.layers))
-    expert = layers[0][0].mlp.experts[0]
+    models = []
+
+    def on_our_kernels(model) -> None:  # SwiGLU and the norms on the C++ ops, as the worker runs them on CPU
+        model.use_elementwise_kernels(load_elementwise_kernels())
+        models.append(model)
+
+    ours = prompt_logits(path, ids, torch.float32, quantized=True, prepare=on_our_kernels)
+    expert = models[0].layers[0].mlp.experts[0]
     assert isinstance(expert.gate_up_proj, QuantLinear) and isinstance(expert.down_proj, QuantLinear)
+    if load_quant_linear():
+        fused = prompt_logits(
+            path, ids, torch.float32, quantized=True, experts=fused_quantized_experts, prepare=on_our_kernels
+        )
+        assert isinstance(models[1].layers[0].mlp.experts.fused, FusedQuantMoE)
+        assert torch.equal(fused, ours)
     errors = (ours - ref).abs().amax(dim=-1)
     differ = ours.argmax(-1) != ref.argmax(-1)
     top2 = ref.topk(2, dim=-1).values

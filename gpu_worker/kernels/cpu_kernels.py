@@ -9,8 +9,15 @@
   size on AMX tiles, where the CPU has AMX-BF16 (its tile pieces in csrc/amx_tiles.h);
 - `torch.ops.trident.fused_moe` (csrc/fused_moe.cpp): a mixture-of-experts layer's routed
   experts in one op, on AMX tiles, AVX512-BF16 or plain C++ (its block sums in
+<<<<<<< HEAD
   csrc/moe_block_sums.h; layers/fused_moe.py packs for it);
 - the elementwise steps of a layer, one op each (decoder_layer.py, `ElementwiseKernels`):
+=======
+  csrc/moe_block_sums.h; layers/fused_moe.py packs for it), and `.fused_moe_gguf`
+  (csrc/fused_moe_gguf.cpp) the same on a GGUF's quantized experts, on quant_linear's tiles
+  (layers/fused_moe_gguf.py packs for it);
+- the elementwise steps of a layer, one op each (decoder.py, `ElementwiseKernels`):
+>>>>>>> moegguf
   `torch.ops.trident.rms_norm` and `.add_rms_norm` (csrc/rms_norm.cpp: RMSNorm in one
   pass, after the residual add; LLaMA's x*w or Gemma's x*(1+w)), `.silu_and_mul` and
   `.gelu_tanh_and_mul` (SwiGLU, GeGLU), `.rotary` and `.rotary_write_kv`
@@ -63,6 +70,7 @@ SOURCES = [
         "vnni_linear.cpp",
         "amx_linear.cpp",
         "fused_moe.cpp",
+        "fused_moe_gguf.cpp",
         "widening_bf16_linear.cpp",
         "rms_norm.cpp",
         "layer_elementwise.cpp",
@@ -147,6 +155,23 @@ def _fused_moe_pack_fake(weights):
 
 
 def _fused_moe_fake(x, topk_ids, topk_weights, gate_up, down, path="auto"):
+    return torch.empty_like(x)
+
+
+def _fused_moe_gguf_fake(
+    x,
+    topk_ids,
+    topk_weights,
+    gate_up,
+    gate_up_layout,
+    gate_up_block,
+    gate_up_half_scales,
+    down,
+    down_layout,
+    down_block,
+    down_half_scales,
+    path="auto",
+):
     return torch.empty_like(x)
 
 
@@ -325,6 +350,7 @@ def _build() -> bool:
     torch.library.register_fake("trident::amx_linear")(_bf16_linear_fake)
     torch.library.register_fake("trident::fused_moe_pack")(_fused_moe_pack_fake)
     torch.library.register_fake("trident::fused_moe")(_fused_moe_fake)
+    torch.library.register_fake("trident::fused_moe_gguf")(_fused_moe_gguf_fake)
     torch.library.register_fake("trident::widening_pack_weight")(_widening_pack_weight_fake)
     torch.library.register_fake("trident::widening_bf16_linear")(_bf16_linear_fake)
     torch.library.register_fake("trident::greedy_argmax")(_greedy_argmax_fake)

@@ -73,9 +73,9 @@ class QuantizedParts:
     def __bool__(self) -> bool:
         return bool(self.parts)
 
-    def pop_stacked(self, name: str, rows: int) -> list[QuantWeights]:
+    def stacked(self, name: str, rows: int) -> list[QuantWeights]:
         """The target's parts in row order, checked to cover its `rows` rows exactly."""
-        parts = sorted(self.parts.pop(name), key=lambda p: p[0])
+        parts = sorted(self.parts[name], key=lambda p: p[0])
         expected = 0
         for offset, weights in parts:
             if offset != expected:
@@ -84,6 +84,16 @@ class QuantizedParts:
         if expected != rows:
             raise ValueError(f"{name}: {expected} quantized rows, the layer has {rows}")
         return [weights for _, weights in parts]
+
+    def pop_stacked(self, name: str, rows: int) -> list[QuantWeights]:
+        """`stacked`, and the target's parts no longer kept here."""
+        parts = self.stacked(name, rows)
+        self.discard(name)
+        return parts
+
+    def discard(self, name: str) -> None:
+        """The target's parts no longer kept here (another layer took them)."""
+        del self.parts[name]
 
 
 def quant_linear(weights: QuantWeights, bias: torch.Tensor | None) -> nn.Module:

@@ -27,6 +27,9 @@ A mixture-of-experts model's routed experts get their path first (`choose_expert
 - `fused-amx` / `fused-avx512-bf16` / `fused-portable`: the fused C++ op (fused_moe.py) on
   CPU with bf16 weights, in the op's best path for the CPU; batch invariant, with or
   without batch invariance asked for;
+- `fused-gguf-avx512-vnni` / `fused-gguf-avx2`: a GGUF's experts in their quantized formats
+  on the fused op for them (fused_moe_gguf.py), on CPU, in quant_linear's path for the CPU;
+  batch invariant as well (a layer whose experts it cannot take stays on `torch`, logged);
 - `torch`: each expert's own linear layers (moe_experts.py), which the linear plan then
   swaps like any other: a GGUF's quantized formats, int8, float32, or a GPU.
 """
@@ -49,6 +52,7 @@ from gpu_worker.kernels.cpu_kernels import (
     load_widening_bf16_linear,
 )
 from gpu_worker.layers.fused_moe import FusedMoE, fused_moe_available
+from gpu_worker.layers.fused_moe_gguf import FusedQuantMoE, fused_quant_moe_path
 from gpu_worker.layers.int8_weights import Int8Linear
 from gpu_worker.layers.int8_weights import check_supported as check_int8_supported
 from gpu_worker.layers.packed_linear import Bf16KernelLinear, PackedLinear
@@ -204,7 +208,8 @@ class ExpertsPlan:
     """The path of a mixture-of-experts model's routed experts, why, and how to install it."""
 
     kind: str
-    """"fused-amx", "fused-avx512-bf16", "fused-portable" or "torch"; the ready line names it."""
+    """"fused-amx", "fused-avx512-bf16", "fused-portable", "fused-gguf-avx512-vnni",
+    "fused-gguf-avx2" or "torch"; the ready line names it."""
     reason: str
     """Why this path, in a sentence for the load log."""
     install: Callable[[LlamaForCausalLM], None]
@@ -219,15 +224,26 @@ def fused_experts(model: LlamaForCausalLM) -> None:
     model.use_fused_experts(FusedMoE.from_weights)
 
 
+def fused_quantized_experts(model: LlamaForCausalLM) -> None:
+    """The install step of the fused op on a GGUF's quantized experts: every sparse layer's
+    experts, as the load kept them aside, packed for it (before install_quantized_weights)."""
+    for left in model.use_fused_quantized_experts(FusedQuantMoE.from_weights):
+        logger.warning("experts left on their own linear layers: %s", left)
+
+
 def choose_experts(weight_dtype: str, device: torch.device, dtype: torch.dtype) -> ExpertsPlan:
     """The routed experts' path for weights in `weight_dtype` (resolved), activations in
-    `dtype` on `device`: the fused op where its bf16 weights are, else each expert's own
-    linear layers, which `choose_linear`'s plan then swaps. Under tensor parallelism each
+    `dtype` on `device`: the fused op where its bf16 weights are, or a GGUF's quantized
+    experts on the fused op for them, else each expert's own linear layers, which
+    `choose_linear`'s plan then swaps. Under tensor parallelism each
     rank's experts are its slice of the intermediate dimension, which the op pads itself."""
     if device.type != "cpu":
         why = f"the fused op is for CPU, not {device.type}"
+    elif weight_dtype == "gguf" and not fused_quant_moe_path():
+        why = "the fused op for quantized experts needs our quantized kernels, which do not run here"
     elif weight_dtype == "gguf":
-        why = "they keep the GGUF's quantized formats, and the fused op is bf16 only"
+        reason = "the fused op on the GGUF's formats: each expert's weights read once a step, one summation order"
+        return ExpertsPlan(f"fused-gguf-{fused_quant_moe_path().replace('_', '-')}", reason, fused_quantized_experts)
     elif weight_dtype != "bf16" or dtype != torch.bfloat16:
         what = "int8 weights" if weight_dtype == "int8" else f"{dtype} activations"
         why = f"{what}, and the fused op is bf16 only"

@@ -13,7 +13,9 @@ accumulated in float32. Two implementations share this contract:
   Each slot's output is then weighted and the k slots summed in slot order, so a token's
   output does not depend on which other tokens share its experts.
 - a fused kernel (`FusedExperts`, csrc), installed with `MoeExperts.use_fused`: the stacked
-  weights go to its constructor and the per-expert layers are dropped.
+  bf16 weights go to its constructor and the per-expert layers are dropped; or, for a GGUF's
+  quantized experts (fused_moe_gguf.py), built by the model from the parts its load kept
+  aside and handed over with `MoeExperts.use_fused_kernel`.
 
 Under tensor parallelism every rank holds a slice of each expert's intermediate dimension
 (gate/up rows, down columns); the caller all-reduces the sum (model/sparse_moe.py).
@@ -22,13 +24,16 @@ Under tensor parallelism every rank holds a slice of each expert's intermediate 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.kernels.cpu_kernels import ElementwiseKernels
+
+if TYPE_CHECKING:
+    from gpu_worker.layers.gguf_repack import QuantWeights
 
 
 class FusedExperts(Protocol):
@@ -39,6 +44,8 @@ class FusedExperts(Protocol):
 
 MakeFusedExperts = Callable[[torch.Tensor, torch.Tensor], FusedExperts]
 """(gate_up [E, 2I, H], down [E, H, I]) -> the kernel: gate rows then up rows per expert."""
+MakeFusedQuantExperts = Callable[[list["QuantWeights"], list["QuantWeights"]], FusedExperts]
+"""(per expert gate_up [2I, H] and down [H, I], in a GGUF's quantized formats) -> the kernel."""
 
 
 def swiglu(gate_up: torch.Tensor, kernels: ElementwiseKernels | None) -> torch.Tensor:
@@ -78,10 +85,14 @@ class MoeExperts(nn.ModuleList):
         experts = list(self)
         gate_up = torch.stack([e.gate_up_proj.weight.data for e in experts])
         down = torch.stack([e.down_proj.weight.data for e in experts])
+        self.use_fused_kernel(make(gate_up, down))
+
+    def use_fused_kernel(self, kernel: FusedExperts) -> None:
+        """Every expert through `kernel`, built from their weights; the per-expert layers go."""
         del self[:]
         # Kept out of the list's children (a kernel that is an nn.Module would otherwise
         # register as one): the children are the experts by index.
-        object.__setattr__(self, "fused", make(gate_up, down))
+        object.__setattr__(self, "fused", kernel)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids int [T, k], topk_weights float32 [T, k] -> [T, H] in x's dtype."""

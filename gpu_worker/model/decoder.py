@@ -20,8 +20,9 @@ from torch import nn
 
 from gpu_worker.kernels.cpu_kernels import DecodeKernel, ElementwiseKernels
 from gpu_worker.layers.gguf_layers import QuantizedParts, stacked_linear
+from gpu_worker.layers.gguf_repack import concat_rows
 from gpu_worker.layers.linear_plan import MakeLinear, replace_linear_layers
-from gpu_worker.layers.moe_experts import Expert, MakeFusedExperts, MoeExperts
+from gpu_worker.layers.moe_experts import Expert, MakeFusedExperts, MakeFusedQuantExperts, MoeExperts
 from gpu_worker.model.attention import AttentionMetadata, ExtendKernel, StraddlingHeadsKernel
 from gpu_worker.model.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
 from gpu_worker.model.decoder_layer import MLP, Attention, DecoderLayer, RMSNorm
@@ -202,6 +203,34 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, MoeExperts):
                 module.use_fused(make)
         self._flat_decode = None
+
+    def use_fused_quantized_experts(self, make: MakeFusedQuantExperts) -> list[str]:
+        """Every sparse layer's experts still in the file's quantized formats through the fused
+        kernel `make(gate_up, down)` builds from each expert's weights (gate_up: its gate rows,
+        then its up rows); call before install_quantized_weights, which then leaves them be.
+        Returns the layers left on their experts' own layers, each with why (a format that was
+        dequantized at load; gate and up in two layouts)."""
+        parts, left = self.quantized_parts, []
+        for path, module in self.named_modules():
+            if not isinstance(module, MoeExperts):
+                continue
+            hidden, inter = module[0].down_proj.out_features, module[0].down_proj.in_features
+            names = [(f"{path}.{e}.gate_up_proj.weight", f"{path}.{e}.down_proj.weight") for e in range(len(module))]
+            if not all(gate_up in parts and down in parts for gate_up, down in names):
+                left.append(f"{path}: experts dequantized at load")
+                continue
+            try:
+                gate_up = [concat_rows(parts.stacked(name, 2 * inter)) for name, _ in names]
+                kernel = make(gate_up, [concat_rows(parts.stacked(name, hidden)) for _, name in names])
+            except ValueError as e:
+                left.append(f"{path}: {e}")
+                continue
+            for gate_up_name, down_name in names:
+                parts.discard(gate_up_name)
+                parts.discard(down_name)
+            module.use_fused_kernel(kernel)
+        self._flat_decode = None
+        return left
 
     def replace_router_layers(self, make: MakeLinear) -> None:
         """`make(weight, bias)` for each dense linear layer left in a sparse layer's MLP (its

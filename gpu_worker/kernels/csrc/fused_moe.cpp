@@ -45,6 +45,7 @@
 #include "amx_tiles.h"
 #include "kernel_common.h"
 #include "moe_block_sums.h"
+#include "moe_routing.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -64,14 +65,13 @@ using trident_kernels::Bf16Bits;
 using trident_kernels::round_to;
 using trident_kernels::widen;
 using trident_kernels::moe::for_each_item;
+using trident_kernels::moe::group_by_expert;
+using trident_kernels::moe::Groups;
+using trident_kernels::moe::kTokensPerPass;
 using trident_kernels::moe::Kernel;
 using trident_kernels::moe::kernel_for;
 using trident_kernels::moe::Path;
 
-// Tokens of one pass: their inputs, activations and float32 scratch ([tokens, k, hidden]) stay
-// bounded for long prompt chunks; a decode step is one pass, so each expert's weights are read
-// once.
-constexpr int64_t kTokensPerPass = 256;
 // Intermediate columns a gate_up block yields (16 gate and 16 up columns).
 constexpr int64_t kActivationColumns = kBlockColumns / 2;
 // Input elements a task of the packing region copies at least: a decode step's few tiles are
@@ -125,42 +125,6 @@ at::Tensor fused_moe_pack(const at::Tensor& weights) {
     }
   });
   return packed;
-}
-
-// A pass's (token, slot) pairs grouped by expert: the experts that have any, ascending, and for
-// each its pairs (token * k + slot within the pass, ascending) and its first row tile.
-struct Groups {
-  std::vector<int64_t> experts;
-  std::vector<int64_t> first_pair;  // per expert, and one past the last
-  std::vector<int64_t> pairs;
-  std::vector<int64_t> first_tile;  // per expert, and one past the last
-  std::vector<int64_t> tile_group;  // per row tile: its index in `experts`
-};
-
-Groups group_by_expert(const int32_t* ids, int64_t pairs, int64_t experts) {
-  std::vector<int64_t> counts(experts + 1, 0);
-  for (int64_t p = 0; p < pairs; ++p) {
-    TORCH_CHECK(ids[p] >= 0 && ids[p] < experts, "fused_moe: expert id ", ids[p], " outside [0, ", experts, ")");
-    ++counts[ids[p] + 1];
-  }
-  Groups g;
-  std::vector<int64_t> group_of(experts, -1);
-  g.first_pair.push_back(0);
-  g.first_tile.push_back(0);
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t count = counts[e + 1];
-    if (count == 0) continue;
-    group_of[e] = static_cast<int64_t>(g.experts.size());
-    g.experts.push_back(e);
-    g.first_pair.push_back(g.first_pair.back() + count);
-    const int64_t tiles = round_up(count, kTileRows) / kTileRows;
-    g.tile_group.insert(g.tile_group.end(), tiles, group_of[e]);
-    g.first_tile.push_back(g.first_tile.back() + tiles);
-  }
-  g.pairs.resize(pairs);
-  std::vector<int64_t> next(g.first_pair.begin(), g.first_pair.end() - 1);
-  for (int64_t p = 0; p < pairs; ++p) g.pairs[next[group_of[ids[p]]]++] = p;
-  return g;
 }
 
 struct Shapes {
@@ -241,18 +205,7 @@ void moe_pass(const Kernel& kernel, const Shapes& s, const uint16_t* x, const in
     }
   });
 
-  at::parallel_for(0, tokens, trident_kernels::rows_per_task(s.k * s.hidden), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* rows = scratch + t * s.k * s.hidden;
-      uint16_t* o = out + t * s.hidden;
-#pragma omp simd
-      for (int64_t h = 0; h < s.hidden; ++h) {
-        float sum = 0.f;
-        for (int64_t j = 0; j < s.k; ++j) sum = sum + weights[t * s.k + j] * rows[j * s.hidden + h];
-        o[h] = round_to<Bf16Bits>(sum).bits;
-      }
-    }
-  });
+  trident_kernels::moe::sum_slots(scratch, weights, tokens, s.k, s.hidden, reinterpret_cast<Bf16Bits*>(out));
 }
 
 // x [T, H] bf16; topk_ids [T, k] int32; topk_weights [T, k] float32; gate_up and down packed by

@@ -9,6 +9,7 @@
 #include "kernel_common.h"
 
 #include <cstdint>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -88,6 +89,20 @@ void quantize_rows(const storage_t* x, int64_t rows, int64_t k, int8_t* q, float
       sum16[2 * i + 1] = second;
     }
   });
+}
+
+// Quantizes x [rows, k] into `buffer` (resized to fit, so that a caller may keep one across
+// calls) and returns the rows as the kernels read them.
+template <typename storage_t>
+QuantizedRows quantize_into(std::vector<int32_t>& buffer, const storage_t* x, int64_t rows, int64_t k) {
+  const int64_t scale_count = rows * (k / kActivationBlock), sum_count = rows * (k / 16);
+  buffer.resize(static_cast<size_t>(2 * scale_count + sum_count + (rows * k + 3) / 4));
+  float* scale = reinterpret_cast<float*>(buffer.data());
+  float* sum32 = scale + scale_count;
+  int32_t* sum16 = buffer.data() + 2 * scale_count;
+  int8_t* codes = reinterpret_cast<int8_t*>(sum16 + sum_count);
+  quantize_rows(x, rows, k, codes, scale, sum16, sum32);
+  return {codes, scale, sum16, sum32, k};
 }
 
 #endif  // __AVX2__
