@@ -76,5 +76,6 @@ def test_frontend_cpu_bench_measures_each_process_against_a_simulated_worker(tmp
     assert run["output_tokens"] == 8 * 12
     # 8 requests of 12 tokens, 4 at a time: at least two waves of 12 decode steps.
     assert run["steps"] >= 2 * 12
-    assert set(run["cpu_ms_per_step"]) == {"tokenizer", "scheduler", "worker", "client"}
-    assert all(ms > 0 for ms in run["cpu_ms_per_step"].values())
+    assert set(run["cpu_ms_per_step"]) == {"tokenizer", "scheduler", "worker", "launcher", "client"}
+    # The launcher only watches its children: over so short a run it may not use a clock tick.
+    assert all(ms > 0 for role, ms in run["cpu_ms_per_step"].items() if role != "launcher")

@@ -149,7 +149,7 @@ class RequestHandle:
                         metrics.observe_prefill(len(req.prompt_ids), out.cached_tokens)
                     else:
                         metrics.itl.observe(now - last)
-                    metrics.generation_tokens.inc(len(out.token_ids))
+                    metrics.count_generated(len(out.token_ids))
                 if out.token_ids:
                     last = now
                 req.generated.extend(out.token_ids)

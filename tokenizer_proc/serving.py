@@ -39,13 +39,18 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
 
-async def merge_outputs(handles: Sequence[RequestHandle]) -> AsyncIterator[GenerationOutput]:
-    """Yield outputs of all handles as they arrive; closing this closes (aborts) them all."""
+def merge_outputs(handles: Sequence[RequestHandle]) -> AsyncIterator[GenerationOutput]:
+    """Yield outputs of all handles as they arrive; closing this closes (aborts) them all.
+
+    One handle's outputs are its own generator, which closes it however it ends: wrapped,
+    each token of a streamed request would resume one more generator."""
+    if len(handles) == 1:
+        return handles[0].outputs()
+    return _merged_outputs(handles)
+
+
+async def _merged_outputs(handles: Sequence[RequestHandle]) -> AsyncIterator[GenerationOutput]:
     try:
-        if len(handles) == 1:
-            async for out in handles[0].outputs():
-                yield out
-            return
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
         async def pump(handle: RequestHandle) -> None:
