@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import psutil
 import pytest
 
+from tests.test_prompt_logprobs import ATOL, reference_logprobs, token_logprobs
 from trident.engine import Engine
 
 PROMPTS = [
@@ -31,7 +33,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_engine_greedy_output_equals_the_http_server_and_leaves_no_process(smollm2_server):
+def test_engine_greedy_output_equals_the_http_server_and_leaves_no_process(smollm2_server, hf_reference):
     over_http = [served_greedy(smollm2_server, p) for p in PROMPTS]
 
     with Engine(dtype="float32", max_total_tokens=16384) as engine:
@@ -43,6 +45,9 @@ def test_engine_greedy_output_equals_the_http_server_and_leaves_no_process(smoll
         single = engine.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 4})
         stop = over_http[1]["text"][5:9]
         cut = engine.generate(PROMPTS[:2], [GREEDY, {**GREEDY, "stop": stop}])
+        scored = engine.generate(
+            PROMPTS[2:], {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0, top_logprobs_num=2
+        )
         with pytest.raises(ValueError, match="temprature"):
             engine.generate(PROMPTS[0], {"temprature": 0})
         with pytest.raises(ValueError, match="temperature"):
@@ -58,6 +63,14 @@ def test_engine_greedy_output_equals_the_http_server_and_leaves_no_process(smoll
     assert single[0]["finish_reason"] == "length"
     assert cut[0]["text"] == over_http[0]["text"]
     assert cut[1]["text"] == over_http[1]["text"][: over_http[1]["text"].find(stop)]
+    for prompt, out in zip(PROMPTS[2:], scored):  # prompt logprobs, as transformers' float32
+        ids = hf_reference[0](prompt).input_ids
+        entries = out["input_token_logprobs"]
+        assert [t for _, t, _ in entries] == ids and entries[0][0] is None
+        expected = token_logprobs(reference_logprobs(hf_reference, ids), ids)
+        np.testing.assert_allclose([lp for lp, _, _ in entries[1:]], expected, atol=ATOL)
+        assert out["input_top_logprobs"][0] is None and all(len(top) == 2 for top in out["input_top_logprobs"][1:])
+        assert len(out["output_token_logprobs"]) == len(out["output_top_logprobs"]) == 1
     assert cut[1]["finish_reason"] == "stop"
 
     assert not [pid for pid in pids if alive(pid)]

@@ -120,6 +120,38 @@ def test_a_streamed_echo_sends_the_prompt_with_its_logprobs_first(smollm2_server
     assert sum(len(c.logprobs.tokens) for c in chunks[1:] if c.logprobs) == 2
 
 
+def test_a_batch_of_prompts_gives_each_choice_its_own_prompt_and_echo_logprobs(smollm2_server, hf_reference):
+    """A list prompt, as strings and as token ids: prompt i's n choices are indices i * n on
+    (OpenAI's and vLLM's numbering), each echoing its own prompt with its logprobs."""
+    texts = ["The capital of France is", TEXT]
+    prompts = [encode(hf_reference, t) for t in texts]
+    expected = [token_logprobs(reference_logprobs(hf_reference, ids), ids) for ids in prompts]
+    client = smollm2_server.client()
+    for prompt in (texts, prompts):
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0, n=2, extra_body={"prompt_logprobs": 0}
+        )
+        assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+        assert out.usage.prompt_tokens == sum(map(len, prompts)) and out.usage.completion_tokens == 0
+        for choice in out.choices:
+            i = choice.index // 2
+            assert choice.text == hf_reference[0].decode(prompts[i])
+            assert len(choice.logprobs.tokens) == len(prompts[i]) and choice.logprobs.token_logprobs[0] is None
+            np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], expected[i], atol=ATOL)
+            assert len(choice.model_extra["prompt_logprobs"]) == len(prompts[i])
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts, echo=True, logprobs=0, max_tokens=1, temperature=0, stream=True
+    )
+    firsts: dict[int, object] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice)
+    assert sorted(firsts) == [0, 1]
+    for i, choice in firsts.items():  # each choice's first chunk: its own prompt, scored
+        assert choice.text == hf_reference[0].decode(prompts[i])
+        np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], expected[i], atol=ATOL)
+
+
 def test_vllm_prompt_logprobs_give_each_prompt_token_its_logprob_rank_and_top(smollm2_server, hf_reference):
     ids = encode(hf_reference, "Once upon a time, in a small village, there lived")
     ref = reference_logprobs(hf_reference, ids)

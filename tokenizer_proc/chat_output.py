@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenizer_proc.pythonic_calls import PythonicCallParser
 from tokenizer_proc.reasoning import ReasoningParser, thinking_open_in
 from tokenizer_proc.tool_formats import call_parser
-from tokenizer_proc.tool_parsers import FORCED, Call, ToolCallFormat, ToolCallParser
+from tokenizer_proc.tool_parsers import FORCED, Call, StreamingCallParser, ToolCallFormat
 from tokenizer_proc.tools import ToolPlan
 
 
@@ -24,7 +23,7 @@ class ChoiceOutput:
     def __init__(
         self,
         reasoning: ReasoningParser | None,
-        tools: ToolCallParser | PythonicCallParser | None,
+        tools: StreamingCallParser | None,
         model_reasons: bool = False,
     ) -> None:
         self._reasoning = reasoning
@@ -97,7 +96,7 @@ def choice_output(
     forced call without one is the bare object its grammar makes; none: calls stay text),
     after the reasoning when the model reasons (a constraint starts after it too)."""
     names = {t["name"] for t in plan.tools}
-    tools: ToolCallParser | PythonicCallParser | None = None
+    tools: StreamingCallParser | None = None
     if plan.forced:
         names = names if plan.mode == "required" else {plan.name or ""}
         tools = call_parser(tool_format or FORCED, names)

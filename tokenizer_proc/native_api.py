@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse
 
 from tokenizer_proc.errors import APIError, error_response
 from tokenizer_proc.openai_api import CLIENT_CLOSED, EventStreamResponse
-from tokenizer_proc.prompt_logprobs_format import sglang_entry, sglang_input_logprobs
-from tokenizer_proc.protocol import AbortRequest, GenerateRequest, NativeLogprobs
+from tokenizer_proc.prompt_logprobs_format import LogprobMeta
+from tokenizer_proc.protocol import AbortRequest, GenerateRequest
 from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.sampling import check_prompt_ids, native_sampling_params
 from tokenizer_proc.serving import (
@@ -31,7 +31,7 @@ from tokenizer_proc.serving import (
     stream_error_event,
 )
 from tokenizer_proc.state import get_state
-from tokenizer_proc.tokenization import TokenStrings, encode_text
+from tokenizer_proc.tokenization import encode_text
 from trident.wire.frontend import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,27 +52,6 @@ def _meta(rid: str, r: ChoiceResult, logprobs: LogprobMeta | None = None) -> dic
     if logprobs is not None:
         meta.update(logprobs.fields(r))
     return meta
-
-
-class LogprobMeta:
-    """SGLang's logprob fields of meta_info, for a request with `return_logprob`."""
-
-    def __init__(self, body: NativeLogprobs, strings: TokenStrings, prompt_ids: list[int]) -> None:
-        self.strings = strings if body.return_text_in_logprobs else None
-        self.prompt_ids = prompt_ids
-        self.start = body.logprob_start_len
-
-    def fields(self, r: ChoiceResult) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "output_token_logprobs": [
-                sglang_entry(self.strings, t, lp) for t, lp in zip(r.token_ids, r.token_logprobs)
-            ],
-            "output_top_logprobs": [[sglang_entry(self.strings, t, lp) for t, lp in top] for top in r.top_logprobs],
-        }
-        if self.start >= 0:
-            tokens, tops = sglang_input_logprobs(self.strings, self.prompt_ids, r.prompt_logprobs, self.start)
-            out["input_token_logprobs"], out["input_top_logprobs"] = tokens, tops
-        return out
 
 
 @router.post("/generate", response_model=None)

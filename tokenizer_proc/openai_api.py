@@ -128,16 +128,20 @@ async def submit_choices(
     sreq: SamplingRequest,
     cid: str,
     max_tokens_param: str,
+    first_index: int = 0,
 ) -> list[RequestHandle]:
+    """The n choices of one prompt, indices `first_index` on (a batch's later prompts)."""
     prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     params = build_sampling_params(sreq, len(prompt_ids), st.limits, max_tokens_param, prompt_param)
+    indices = range(first_index, first_index + body.n)
     return await st.manager.submit(
         prompt_ids,
-        [with_seed_offset(params, i) for i in range(body.n)],
-        rids=[f"{cid}-{i}" for i in range(body.n)],
+        [with_seed_offset(params, i) for i in indices],
+        rids=[f"{cid}-{i}" for i in indices],
         stop=body.stop_list(),
         skip_special_tokens=body.skip_special_tokens,
         stream=bool(body.stream),
+        first_index=first_index,
     )
 
 
@@ -164,44 +168,50 @@ def _model_card(st: FrontendState) -> dict[str, Any]:
     }
 
 
-def completion_prompt(st: FrontendState, prompt: Any) -> tuple[str | None, list[int]]:
-    """(text, ids) of a completions prompt: a string, [string], token ids or [token ids]."""
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise APIError("Only one prompt per request is supported.", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
+def completion_prompts(st: FrontendState, prompt: Any, echo: bool) -> list[tuple[str, list[int]]]:
+    """(echo, ids) of each prompt of a completions request (a string, token ids, or a batch of
+    either); `echo`: the text that echo shows, the prompt's own or its ids decoded ("" without echo)."""
+    single = isinstance(prompt, str) or not prompt or isinstance(prompt[0], int)
+    out = []
+    for one in [prompt] if single else prompt:
+        if isinstance(one, str) and not one:
             raise APIError("The prompt is empty.", param="prompt", code="empty_prompt")
-        text: str | None = prompt
-        ids = encode_text(st.tokenizer, prompt)
-    else:
-        text, ids = None, list(prompt)
-    check_prompt_ids(ids, st.limits, "prompt")
-    return text, ids
+        ids = encode_text(st.tokenizer, one) if isinstance(one, str) else list(one)
+        check_prompt_ids(ids, st.limits, "prompt")
+        text = one if isinstance(one, str) else st.tokenizer.decode(ids)
+        out.append((text if echo else "", ids))
+    return out
 
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    """A batch of prompts (OpenAI's and vLLM's list prompt) gives each prompt n choices:
+    prompt i's are indices i * n to i * n + n - 1, each with its own prompt's echo."""
     st = get_state(request)
     check_model(body.model, st.limits)
-    prompt_text, prompt_ids = completion_prompt(st, body.prompt)
+    prompts = completion_prompts(st, body.prompt, body.echo)
     want_lp = body.logprobs is not None
-    max_tokens = body.max_tokens
-    if max_tokens is None:  # a prompt that fills the context still gets resolve_max_tokens' 400
-        max_tokens = max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, st.limits.context_length - len(prompt_ids)))
-    echo_lp = body.logprobs if body.echo else None
-    sreq = sampling_request(body, max_tokens, want_lp, body.logprobs or 0, request_constraint(body), echo_lp)
     cid = f"cmpl-{uuid.uuid4().hex}"
-    handles = await submit_choices(st, prompt_ids, body, sreq, cid, "max_tokens")
+    handles: list[RequestHandle] = []
+    try:
+        for i, (_, prompt_ids) in enumerate(prompts):
+            max_tokens = body.max_tokens
+            if max_tokens is None:  # a prompt that fills the context still gets resolve_max_tokens' 400
+                max_tokens = max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, st.limits.context_length - len(prompt_ids)))
+            echo_lp = body.logprobs if body.echo else None
+            sreq = sampling_request(body, max_tokens, want_lp, body.logprobs or 0, request_constraint(body), echo_lp)
+            handles += await submit_choices(st, prompt_ids, body, sreq, cid, "max_tokens", i * body.n)
+    except BaseException:
+        for handle in handles:
+            handle.close()
+        raise
     created = int(time.time())
     model = st.args.served_model_name
-    if body.echo and prompt_text is None:
-        prompt_text = st.tokenizer.decode(prompt_ids)
-    echo_text = prompt_text if body.echo else None
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    prompt_of = [prompts[i // body.n] for i in range(len(handles))]  # (echo, ids) of each choice
 
     if body.stream:
-        gen = _stream_completion(st, body, handles, cid, created, model, prompt_ids, echo_text)
+        gen = _stream_completion(st, body, handles, cid, created, model, prompt_of, prompt_tokens)
         return EventStreamResponse(gen, handles)
     try:
         results = await collect(request, handles)
@@ -209,6 +219,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         return Response(status_code=CLIENT_CLOSED)
     choices = []
     for r in results:
+        prompt_text, prompt_ids = prompt_of[r.index]
         logprobs = None
         if want_lp:
             builder = fmt.CompletionLogprobs(st.strings)
@@ -216,10 +227,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             part = builder.part(r.token_ids, r.token_logprobs, r.top_logprobs)
             logprobs = fmt.merge_completion_logprobs(logprobs, part)
         prompt_lps = prompt_logprobs_of(st, body, prompt_ids, r)
-        text = (echo_text or "") + r.text
+        text = prompt_text + r.text
         choices.append(fmt.completion_choice(r.index, text, logprobs, r.finish_reason, prompt_lps))
-    usage = usage_of(results, len(prompt_ids))
-    return JSONResponse(fmt.completion_body(cid, created, model, choices, usage))
+    return JSONResponse(fmt.completion_body(cid, created, model, choices, usage_of(results, prompt_tokens)))
 
 
 async def _stream_completion(
@@ -229,8 +239,8 @@ async def _stream_completion(
     cid: str,
     created: int,
     model: str,
-    prompt_ids: list[int],
-    echo_text: str | None,
+    prompt_of: list[tuple[str, list[int]]],
+    prompt_tokens: int,
 ) -> AsyncIterator[bytes]:
     include_usage = body.include_usage()
     want_lp = body.logprobs is not None
@@ -247,10 +257,10 @@ async def _stream_completion(
         return sse(obj)
 
     # Prompt logprobs come with a choice's first output: what shows them waits for it.
-    waits_for_prompt = (echo_text is not None and want_lp) or body.prompt_logprobs is not None
-    if echo_text is not None and not waits_for_prompt:
-        for i in range(len(handles)):
-            yield chunk(i, echo_text, None, None)
+    waits_for_prompt = (body.echo and want_lp) or body.prompt_logprobs is not None
+    if body.echo and not waits_for_prompt:
+        for i, (prompt_text, _) in enumerate(prompt_of):
+            yield chunk(i, prompt_text, None, None)
     started: set[int] = set()
     async for out in merge_outputs(handles):
         first = out.index not in started
@@ -262,20 +272,20 @@ async def _stream_completion(
             return
         if waits_for_prompt and first:
             r = results[out.index]
-            echoed = echo_text if echo_text is not None else ""
+            prompt_text, prompt_ids = prompt_of[out.index]
             lp = (
                 builders[out.index].prompt_part(prompt_ids, r.prompt_logprobs, body.logprobs)
                 if body.echo and want_lp
                 else None
             )
-            yield chunk(out.index, echoed, lp, None, prompt_logprobs_of(st, body, prompt_ids, r))
+            yield chunk(out.index, prompt_text, lp, None, prompt_logprobs_of(st, body, prompt_ids, r))
         lp = None
         if want_lp and out.token_ids:
             lp = builders[out.index].part(out.token_ids, out.token_logprobs, out.top_logprobs)
         if out.text or lp is not None or out.finish_reason is not None:
             yield chunk(out.index, out.text, lp, out.finish_reason)
     if include_usage:
-        yield sse(fmt.usage_chunk(cid, created, model, "text_completion", usage_of(results, len(prompt_ids))))
+        yield sse(fmt.usage_chunk(cid, created, model, "text_completion", usage_of(results, prompt_tokens)))
     yield SSE_DONE
 
 
@@ -307,8 +317,12 @@ def render_chat(
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     st = get_state(request)
     check_model(body.model, st.limits)
-    if body.stream and body.prompt_logprobs is not None:
-        raise APIError("prompt_logprobs is not supported on a streamed chat completion.", param="prompt_logprobs")
+    if body.stream and body.prompt_logprobs is not None:  # vLLM refuses them too: a chat chunk has no place for them
+        raise APIError(
+            "`prompt_logprobs` are not available when `stream=True` on /v1/chat/completions (as in vLLM): "
+            "ask without streaming, or stream /v1/completions, whose first chunk carries them.",
+            param="prompt_logprobs",
+        )
     plan = plan_of(body)
     forced = forced_call_spec(plan, st.tool_format, body.parallel_tool_calls) if plan.forced else None
     grammar = request_constraint(body, forced)

@@ -4,7 +4,8 @@
   (`openai_format.CompletionLogprobs.prompt_part`, which takes `echo_entries`);
 - vLLM's `prompt_logprobs`: per prompt position a {token id: {logprob, rank,
   decoded_token}} map of the prompt token and the top ones, null where none is computed;
-- SGLang's `input_token_logprobs` / `input_top_logprobs` ([logprob, token id, text]).
+- SGLang's `input_token_logprobs` / `input_top_logprobs` ([logprob, token id, text]), with
+  the output's logprobs beside them (`LogprobMeta`: /generate's meta_info, the offline Engine).
 
 Position 0 has no logprob in any of them (nothing precedes it), as in OpenAI, vLLM and SGLang.
 """
@@ -12,10 +13,14 @@ Position 0 has no logprob in any of them (nothing precedes it), as in OpenAI, vL
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tokenizer_proc.protocol import NativeLogprobs
 from tokenizer_proc.tokenization import TokenStrings
 from trident.wire.logprobs import PromptLogprobs
+
+if TYPE_CHECKING:
+    from tokenizer_proc.serving import ChoiceResult
 
 
 def _at(scored: PromptLogprobs | None, position: int) -> int | None:
@@ -90,3 +95,24 @@ def sglang_input_logprobs(
         tokens.append(sglang_entry(strings, token, None if i is None else scored.token_logprobs[i]))
         tops.append(None if i is None else [sglang_entry(strings, t, v) for t, v in _top(scored, i)])
     return tokens, tops
+
+
+class LogprobMeta:
+    """SGLang's logprob fields of meta_info, for a request with `return_logprob`."""
+
+    def __init__(self, body: NativeLogprobs, strings: TokenStrings, prompt_ids: list[int]) -> None:
+        self.strings = strings if body.return_text_in_logprobs else None
+        self.prompt_ids = prompt_ids
+        self.start = body.logprob_start_len
+
+    def fields(self, r: ChoiceResult) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "output_token_logprobs": [
+                sglang_entry(self.strings, t, lp) for t, lp in zip(r.token_ids, r.token_logprobs)
+            ],
+            "output_top_logprobs": [[sglang_entry(self.strings, t, lp) for t, lp in top] for top in r.top_logprobs],
+        }
+        if self.start >= 0:
+            tokens, tops = sglang_input_logprobs(self.strings, self.prompt_ids, r.prompt_logprobs, self.start)
+            out["input_token_logprobs"], out["input_top_logprobs"] = tokens, tops
+        return out

@@ -193,7 +193,8 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. `prompt`: a string, a list of one string, or token ids."""
+    """POST /v1/completions. `prompt`: a string, token ids, or a batch of either (a list of
+    strings or of token-id lists), each prompt with its own n choices."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     max_tokens: int | None = Field(None, ge=0)

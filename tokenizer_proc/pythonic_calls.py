@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizer_proc.tool_parsers import ToolCallFormat, openai_call
+from tokenizer_proc.tool_parsers import Event, StreamingCallParser, ToolCallFormat
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _NAME = r"[A-Za-z_][\w.-]{0,63}"
@@ -86,7 +86,7 @@ def value_end(text: str, start: int) -> int | None:
     return None
 
 
-class PythonicCallParser:
+class PythonicCallParser(StreamingCallParser):
     """One choice's text as content and pythonic calls, with ToolCallParser's events.
 
     Modes: `start` (whitespace, perhaps `<|python_start|>`, until the list's first call head
@@ -94,43 +94,27 @@ class PythonicCallParser:
     or the list's `]`), `text` (content)."""
 
     def __init__(self, names: set[str]) -> None:
-        self._names = names
-        self._buffer = ""
-        self._mode = "start"
+        super().__init__(names, "start")
         self._opened = False
         """The streaming call's arguments object has its `{`."""
-        self._after_calls = False
-        """Calls went out: whitespace before the content that follows is dropped."""
 
-    def feed(self, piece: str) -> list[tuple[str, Any]]:
-        self._buffer += piece
-        events: list[tuple[str, Any]] = []
-        while self._step(events, final=False):
-            pass
-        return events
-
-    def finish(self, complete: bool) -> list[tuple[str, Any]]:
-        """The held rest; `complete`: the output stopped by itself, so a call missing only its
-        closing brackets counts."""
-        events: list[tuple[str, Any]] = []
-        if complete and self._mode == "arguments":
+    def _finish(self, events: list[Event], complete: bool) -> None:
+        if complete and self._mode == "arguments":  # only its closing brackets were missing
             self._buffer += ")"
-        while self._step(events, final=True):
-            pass
+        self._run(events, final=True)
         if self._mode in ("arguments", "between"):  # cut off inside the list: the calls stand
             self._buffer = ""
         self._content(events, self._buffer)
         self._buffer = ""
-        return events
 
-    def _step(self, events: list[tuple[str, Any]], final: bool) -> bool:
+    def _step(self, events: list[Event], final: bool) -> bool:
         if self._mode == "start":
             return self._start_step(events, final)
         if self._mode == "arguments":
             return self._arguments_step(events)
         if self._mode == "between":
             return self._between_step(events)
-        if self._after_calls:  # the list's closing `<|python_end|>` is no content
+        if self._after_call:  # the list's closing `<|python_end|>` is no content
             text = self._buffer.lstrip()
             if text.startswith(PYTHON_END):
                 self._buffer = text[len(PYTHON_END) :]
@@ -140,12 +124,12 @@ class PythonicCallParser:
         self._buffer = ""
         return False
 
-    def _start_step(self, events: list[tuple[str, Any]], final: bool) -> bool:
+    def _start_step(self, events: list[Event], final: bool) -> bool:
         text = self._buffer.lstrip()
         text = text.removeprefix(PYTHON_START).lstrip()
         head = _LIST_HEAD.match(text)
         if head is not None and head.group(1) in self._names:
-            self._open_call(events, head.group(1), text[head.end() :])
+            self._start_call(events, head.group(1), text[head.end() :])
             return True
         undecided = not text or PYTHON_START.startswith(text) or _LIST_HEAD_SO_FAR.fullmatch(text)
         if undecided and not final:
@@ -153,13 +137,11 @@ class PythonicCallParser:
         self._mode = "text"
         return bool(self._buffer)
 
-    def _open_call(self, events: list[tuple[str, Any]], name: str, rest: str) -> None:
-        call = openai_call(name, {})
-        call["function"]["arguments"] = ""
-        events.append(("call", call))
-        self._buffer, self._mode, self._opened, self._after_calls = rest, "arguments", False, True
+    def _start_call(self, events: list[Event], name: str, rest: str) -> None:
+        self._open_call(events, name)
+        self._buffer, self._mode, self._opened = rest, "arguments", False
 
-    def _arguments_step(self, events: list[tuple[str, Any]]) -> bool:
+    def _arguments_step(self, events: list[Event]) -> bool:
         text = self._buffer.lstrip()
         if text.startswith(")"):
             events.append(("arguments", "}" if self._opened else "{}"))
@@ -184,14 +166,14 @@ class PythonicCallParser:
         self._buffer = text[end + 1 :] if text[end] == "," else text[end:]
         return True
 
-    def _between_step(self, events: list[tuple[str, Any]]) -> bool:
+    def _between_step(self, events: list[Event]) -> bool:
         text = self._buffer.lstrip()
         if text.startswith("]"):
             self._buffer, self._mode = text[1:], "text"
             return True
         head = _NEXT_HEAD.match(text)
         if head is not None and head.group(1) in self._names:
-            self._open_call(events, head.group(1), text[head.end() :])
+            self._start_call(events, head.group(1), text[head.end() :])
             return True
         if not text or _NEXT_HEAD_SO_FAR.fullmatch(text):
             self._buffer = text
@@ -199,15 +181,8 @@ class PythonicCallParser:
         self._buffer, self._mode = text, "text"
         return True
 
-    def _malformed(self, events: list[tuple[str, Any]], text: str) -> bool:
+    def _malformed(self, events: list[Event], text: str) -> bool:
         """The call's arguments are not keyword literals: it keeps what was read, closed."""
         events.append(("arguments", "}" if self._opened else "{}"))
         self._buffer, self._mode = text, "text"
         return True
-
-    def _content(self, events: list[tuple[str, Any]], text: str) -> None:
-        if self._after_calls:
-            text = text.lstrip()
-        if text:
-            events.append(("content", text))
-            self._after_calls = False

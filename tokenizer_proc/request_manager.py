@@ -169,8 +169,11 @@ class RequestManager:
         skip_special_tokens: bool = True,
         check_capacity: bool = True,
         stream: bool = True,
+        first_index: int = 0,
     ) -> list[RequestHandle]:
-        """Open one request per SamplingParams (n > 1) and send them; raises Overloaded (503)."""
+        """Open one request per SamplingParams (n > 1) and send them, their choice indices
+        `first_index` on (a batch of prompts numbers its choices across them); raises
+        Overloaded (503)."""
         params = [sampling] if isinstance(sampling, SamplingParams) else list(sampling)
         rids = list(rids) if rids is not None else [self.new_rid() for _ in params]
         self._check_can_open(rids, check_capacity)
@@ -179,7 +182,7 @@ class RequestManager:
         replica = self.replicas.router.choose(prompt)  # the n choices share their prompt's cache
         self.replicas.router.opened(replica, prompt, len(params))
         handles = []
-        for index, (rid, sp) in enumerate(zip(rids, params, strict=True)):
+        for index, (rid, sp) in enumerate(zip(rids, params, strict=True), start=first_index):
             detok = RequestDetokenizer(
                 self.tokenizer, stop, skip_special_tokens, sp.stop_token_ids, text_at_end_only=not stream
             )

@@ -12,7 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from tokenizer_proc.pythonic_calls import PYTHON_START, PYTHONIC, PythonicCallParser
-from tokenizer_proc.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, ToolCallFormat, ToolCallParser
+from tokenizer_proc.tool_parsers import (
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    StreamingCallParser,
+    ToolCallFormat,
+    ToolCallParser,
+)
 
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC)}
 
@@ -42,6 +49,6 @@ def choose_tool_format(flag: str, tokenizer: Any) -> ToolCallFormat | None:
     return HERMES
 
 
-def call_parser(fmt: ToolCallFormat, names: set[str]) -> ToolCallParser | PythonicCallParser:
+def call_parser(fmt: ToolCallFormat, names: set[str]) -> StreamingCallParser:
     """A parser of one choice's text in `fmt`, taking calls to `names` only."""
     return PythonicCallParser(names) if fmt is PYTHONIC else ToolCallParser(fmt, names)

@@ -10,6 +10,8 @@ tool_formats.py chooses):
   is read the same way, as `[TOOL_CALLS]` is a control token that skip_special_tokens removes;
   the newer `[TOOL_CALLS]name[ARGS]{...}` too.
 
+`StreamingCallParser` is what every format's parser shares (the held text, its steps, the
+events and the whitespace after a call); each format says only how it differs.
 `ToolCallParser` reads one choice's text piece by piece and hands out content and calls as
 soon as each is certain, as vLLM streams them: a call written `{"name": ..., "arguments": {`
 goes out (name, empty arguments) once that much is written, then its arguments text as it
@@ -132,8 +134,65 @@ def openai_call(name: str, arguments: dict[str, Any]) -> Call:
     }
 
 
-class ToolCallParser:
-    """One choice's text, split into content and calls as it arrives.
+Event = tuple[str, Any]
+"""("content", text), ("call", Call) or ("arguments", more arguments text of the last call)."""
+
+
+class StreamingCallParser:
+    """What every format's parser shares: the text not yet certain is held in `_buffer` and
+    read in steps, each consuming what is certain, False when the rest must wait for more
+    text; events go out in output order. A format says how a step reads its modes (`_step`)
+    and what the end of the output does with the held rest (`_finish`)."""
+
+    def __init__(self, names: set[str], mode: str) -> None:
+        self._names = names
+        """The tools the request offers: a call to any other name is text."""
+        self._buffer = ""
+        self._mode = mode
+        self._after_call = False
+        """A call went out last: whitespace before the content that follows is dropped."""
+
+    def feed(self, piece: str) -> list[Event]:
+        """The events that `piece` makes certain, in output order."""
+        self._buffer += piece
+        events: list[Event] = []
+        self._run(events, final=False)
+        return events
+
+    def finish(self, complete: bool) -> list[Event]:
+        """The held rest once the output ends; `complete`: it stopped by itself (not cut off
+        by a length limit), so a call missing only its closing part still counts."""
+        events: list[Event] = []
+        self._finish(events, complete)
+        return events
+
+    def _run(self, events: list[Event], final: bool) -> None:
+        while self._step(events, final):
+            pass
+
+    def _step(self, events: list[Event], final: bool) -> bool:
+        raise NotImplementedError
+
+    def _finish(self, events: list[Event], complete: bool) -> None:
+        raise NotImplementedError
+
+    def _open_call(self, events: list[Event], name: str) -> None:
+        """A streamed call's first event: its name, its arguments to follow as they come."""
+        call = openai_call(name, {})
+        call["function"]["arguments"] = ""
+        events.append(("call", call))
+        self._after_call = True
+
+    def _content(self, events: list[Event], text: str) -> None:
+        if self._after_call:
+            text = text.lstrip()
+        if text:
+            events.append(("content", text))
+            self._after_call = False
+
+
+class ToolCallParser(StreamingCallParser):
+    """One choice's text in a JSON format, split into content and calls as it arrives.
 
     Modes: `text` (content; watching for the opener), `values` (JSON values after the opener
     or a bare start), `block` (inside opener...closer), `arguments` (a call's arguments,
@@ -143,14 +202,10 @@ class ToolCallParser:
     """
 
     def __init__(self, fmt: ToolCallFormat, names: set[str]) -> None:
+        super().__init__(names, "text")
         self._fmt = fmt
-        self._names = names
-        self._buffer = ""
-        self._mode = "text"
         self._at_start = True
         """Nothing but whitespace seen yet: a bare call may still open the output."""
-        self._after_call = False
-        """The last thing handed out was a call (its following whitespace is held)."""
         self._calls = 0
         self._arguments = ""
         """The streaming call's arguments so far (mode `arguments`); `_sent` of them went out."""
@@ -160,34 +215,20 @@ class ToolCallParser:
         self._then = "values"
         """The mode after the streaming call closes."""
 
-    def feed(self, piece: str) -> list[tuple[str, Any]]:
-        """("content", text), ("call", Call) and ("arguments", more arguments text of the
-        last call) events, in output order."""
-        self._buffer += piece
-        events: list[tuple[str, Any]] = []
-        while self._step(events, final=False):
-            pass
-        return events
-
-    def finish(self, complete: bool) -> list[tuple[str, Any]]:
-        """The held rest once the output ends; `complete`: it stopped by itself (not cut off
-        by a length limit), so a call missing only its closer still counts."""
-        events: list[tuple[str, Any]] = []
+    def _finish(self, events: list[Event], complete: bool) -> None:
         if self._mode == "closing":  # the output ended inside what closes a call
             self._closing_step(final=True)
-        while self._step(events, final=complete):
-            pass
+        self._run(events, final=complete)
         rest = self._buffer
         if self._mode == "block" and self._fmt.opener:  # cut off inside a call block
             rest = self._fmt.opener + rest
         self._buffer = ""
         if rest.strip() or not self._after_call:  # whitespace after a call is dropped
             self._content(events, rest)
-        return events
 
     # ---- one step: consume what is certain, False when the rest must wait -------------
 
-    def _step(self, events: list[tuple[str, Any]], final: bool) -> bool:
+    def _step(self, events: list[Event], final: bool) -> bool:
         if self._mode == "text":
             return self._text_step(events)
         if self._mode == "block":
@@ -198,7 +239,7 @@ class ToolCallParser:
             return self._closing_step(final)
         return self._values_step(events)
 
-    def _text_step(self, events: list[tuple[str, Any]]) -> bool:
+    def _text_step(self, events: list[Event]) -> bool:
         fmt, buf = self._fmt, self._buffer
         stripped = buf.lstrip()
         if (self._at_start or self._after_call) and not stripped:
@@ -223,7 +264,7 @@ class ToolCallParser:
             self._buffer = buf[len(buf) - keep :]
         return False
 
-    def _block_step(self, events: list[tuple[str, Any]], final: bool) -> bool:
+    def _block_step(self, events: list[Event], final: bool) -> bool:
         assert self._fmt.closer is not None and self._fmt.opener is not None
         if self._stream_call(events, self._buffer.lstrip(), ["}", self._fmt.closer], "text"):
             return True
@@ -240,7 +281,7 @@ class ToolCallParser:
         self._buffer, self._mode = rest, "text"
         return bool(rest)
 
-    def _values_step(self, events: list[tuple[str, Any]]) -> bool:
+    def _values_step(self, events: list[Event]) -> bool:
         buf = self._buffer.lstrip()
         if self._calls and buf[:1] in (";", ","):
             buf = buf[1:].lstrip()
@@ -274,7 +315,7 @@ class ToolCallParser:
             self._mode = "text"
         return True
 
-    def _named_call_step(self, events: list[tuple[str, Any]], buf: str) -> bool:
+    def _named_call_step(self, events: list[Event], buf: str) -> bool:
         """Mistral's newer `name[ARGS]{...}` (`[ARGS]` may be stripped as a control token)."""
         head = _NAMED_CALL_HEAD.match(buf)
         if head is None:
@@ -289,7 +330,7 @@ class ToolCallParser:
         self._start_call(events, head.group(1), buf[head.end() :], [], "values")
         return True
 
-    def _stream_call(self, events: list[tuple[str, Any]], buf: str, expect: list[str], then: str) -> bool:
+    def _stream_call(self, events: list[Event], buf: str, expect: list[str], then: str) -> bool:
         """Starts streaming the call `buf` opens, once its name and the start of its arguments
         are written; False when it does not (yet) look like one."""
         head = _CALL_HEAD.match(buf)
@@ -298,16 +339,14 @@ class ToolCallParser:
         self._start_call(events, head.group(1), buf[head.end() :], expect, then)
         return True
 
-    def _start_call(self, events: list[tuple[str, Any]], name: str, rest: str, expect: list[str], then: str) -> None:
-        call = openai_call(name, {})
-        call["function"]["arguments"] = ""
-        events.append(("call", call))
+    def _start_call(self, events: list[Event], name: str, rest: str, expect: list[str], then: str) -> None:
+        self._open_call(events, name)
         self._calls += 1
-        self._at_start = self._after_call = False
+        self._at_start = self._after_call = False  # its whitespace is held from its closing on
         self._buffer, self._mode, self._arguments, self._sent = rest, "arguments", "", 0
         self._expect, self._then = expect, then
 
-    def _arguments_step(self, events: list[tuple[str, Any]]) -> bool:
+    def _arguments_step(self, events: list[Event]) -> bool:
         self._arguments += self._buffer
         self._buffer = ""
         end = json_value_end(self._arguments)
@@ -340,15 +379,12 @@ class ToolCallParser:
         self._after_call = True
         return True
 
-    def _emit_calls(self, events: list[tuple[str, Any]], calls: list[Call]) -> None:
+    def _emit_calls(self, events: list[Event], calls: list[Call]) -> None:
         for call in calls:
             events.append(("call", call))
         self._calls += len(calls)
         self._at_start, self._after_call = False, True
 
-    def _content(self, events: list[tuple[str, Any]], text: str) -> None:
-        if self._after_call:
-            text = text.lstrip()
-        if text:
-            events.append(("content", text))
-        self._at_start = self._after_call = False
+    def _content(self, events: list[Event], text: str) -> None:
+        super()._content(events, text)
+        self._at_start = self._after_call = False  # even all whitespace: it was text

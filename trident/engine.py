@@ -21,6 +21,12 @@ calls instead of HTTP), not the logic, and returns what `POST /generate` returns
 `ignore_eos`, `min_new_tokens`, `seed`, `skip_special_tokens`, `logit_bias`, and one
 decoding constraint of `regex`, `ebnf` or `json_schema`); an unknown name, an out-of-range
 value or a constraint the grammar library refuses raises ValueError before anything is sent.
+
+Logprobs are asked for as in SGLang's `Engine.generate` and `POST /generate`, and come back
+under /generate's names beside each result's text:
+
+    outs = engine.generate(prompts, {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0)
+    outs[0]["input_token_logprobs"]  # [logprob, token id, None] per prompt token; the first's logprob None
 """
 
 from __future__ import annotations
@@ -41,10 +47,13 @@ import zmq.asyncio
 
 from tokenizer_proc.offline import (
     APIError,
+    LogprobMeta,
     Metrics,
     ModelLimits,
+    NativeLogprobs,
     NativeSamplingParams,
     RequestManager,
+    TokenStrings,
     check_prompt_ids,
     collect,
     encode_text,
@@ -135,6 +144,7 @@ class Engine:
             args_file = os.path.join(self._procs.run_dir, "server_args.msgpack")
             write_server_args(self.args, args_file)
             self.tokenizer = load_tokenizer(model_path)
+            self.strings = TokenStrings(self.tokenizer)
             self._procs.launcher = Launcher(self.args, args_file)
             self._start_backend()
             self._start_io()
@@ -197,11 +207,20 @@ class Engine:
         self,
         prompts: str | Sequence[str],
         sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        *,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
     ) -> list[dict[str, Any]]:
         """One result per prompt, in order: text, output_ids, finish_reason, token counts.
 
         `sampling_params` is one dict for every prompt, or one dict per prompt. All prompts
-        are submitted at once, so the scheduler batches them.
+        are submitted at once, so the scheduler batches them. With `return_logprob`, each
+        result also holds /generate's `output_token_logprobs` and `output_top_logprobs`, and
+        from prompt position `logprob_start_len` on (-1: none) `input_token_logprobs` and
+        `input_top_logprobs`: [logprob, token id, text or None] entries, `top_logprobs_num`
+        of them per top list, the text with `return_text_in_logprobs`.
         """
         if self._procs.closed:
             raise RuntimeError("this Engine has been shut down")
@@ -212,10 +231,21 @@ class Engine:
             param_list = list(sampling_params)
             if len(param_list) != len(prompt_list):
                 raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} sampling_params")
-        requests = [self._prepare(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
-        return self._run(self._generate_all(requests))
+        try:
+            logprobs = NativeLogprobs(
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                return_text_in_logprobs=return_text_in_logprobs,
+            )
+        except pydantic.ValidationError as e:
+            raise ValueError(f"invalid logprob parameters: {e}") from None
+        requests = [self._prepare(p, sp, logprobs) for p, sp in zip(prompt_list, param_list, strict=True)]
+        return self._run(self._generate_all(requests, logprobs))
 
-    def _prepare(self, prompt: str, params: Mapping[str, Any]) -> tuple[list[int], Any, NativeSamplingParams]:
+    def _prepare(
+        self, prompt: str, params: Mapping[str, Any], logprobs: NativeLogprobs
+    ) -> tuple[list[int], Any, NativeSamplingParams]:
         unknown = set(params) - set(NativeSamplingParams.model_fields)
         if unknown:
             raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
@@ -225,14 +255,16 @@ class Engine:
             native = NativeSamplingParams.model_validate(dict(params))
             ids = encode_text(self.tokenizer, prompt)
             check_prompt_ids(ids, self.limits)
-            wire_params = native_sampling_params(native, len(ids), self.limits, "prompt")
+            wire_params = native_sampling_params(native, len(ids), self.limits, "prompt", logprobs)
         except pydantic.ValidationError as e:
             raise ValueError(f"invalid sampling parameters: {e}") from None
         except APIError as e:
             raise ValueError(e.message) from None
         return ids, wire_params, native
 
-    async def _generate_all(self, requests: list[tuple[list[int], Any, NativeSamplingParams]]) -> list[dict]:
+    async def _generate_all(
+        self, requests: list[tuple[list[int], Any, NativeSamplingParams]], logprobs: NativeLogprobs
+    ) -> list[dict]:
         manager = self._manager
         handles = []
         try:
@@ -254,8 +286,9 @@ class Engine:
             for hs in handles:  # aborts whatever did not finish (cancelled, failed)
                 for h in hs:
                     h.close()
-        return [
-            {
+        outs = []
+        for (ids, _, _), (r,) in zip(requests, results, strict=True):
+            out = {
                 "text": r.text,
                 "output_ids": r.token_ids,
                 "finish_reason": r.finish_reason,
@@ -263,8 +296,10 @@ class Engine:
                 "completion_tokens": r.completion_tokens,
                 "cached_tokens": r.cached_tokens,
             }
-            for (r,) in results
-        ]
+            if logprobs.return_logprob:
+                out.update(LogprobMeta(logprobs, self.strings, ids).fields(r))
+            outs.append(out)
+        return outs
 
     def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Runs coro on the I/O loop; raises if a process dies meanwhile; Ctrl-C cancels it."""
