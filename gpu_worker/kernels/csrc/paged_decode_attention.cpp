@@ -94,14 +94,16 @@ inline void widen(const c10::Half* src, float* dst, int64_t n) {
 
 #ifdef __AVX512F__
 // The fast path: bfloat16, head dim kDim (64, 128 or 256), AVX-512. One work item is a
-// (row, KV head) and its `kGroup` query heads. A token costs its K and V rows read once
-// (kDim / 16 vectors each, widened), kGroup * kDim / 16 FMAs per pass and one horizontal
-// sum per query head. Where a group's queries fit in 16 registers (64 x up to 4 heads, 128
-// x 2, 256 x 1) they stay there for the whole row; otherwise they are float32 in L1 and
-// feed the FMAs as memory operands (the load ports are idle anyway). The outputs are summed
-// kColumns vectors at a time, in passes over the row's V rows: the first pass prefetches
-// every line of each V row, so later passes read them from cache. A score's arithmetic
-// (dot_lanes, sum_lanes) is shared with the query-tile kernel (attention_common.h).
+// (row, KV head) and its `kGroup` query heads: each K and V row is read once for the group.
+// Scores: sixteen keys at a time are widened into L1 and each query head takes their sixteen
+// scores at once (scores_of_16: the sum of each score's lanes is vertical, sixteen sums in
+// the additions of one); a head of 256 scores key by key with one sum_lanes each, the same
+// bits. Where a group's queries fit in 16 registers (64 x up to 4 heads, 128 x 2, 256 x 1)
+// they stay there for the whole row; otherwise they are float32 in L1 and feed the FMAs as
+// memory operands (the load ports are idle anyway). The outputs are summed kColumns vectors
+// at a time, in passes over the row's V rows: the first pass prefetches every line of each V
+// row, so later passes read them from cache. A score's and an output's arithmetic is shared
+// with the query-tile kernel (attention_common.h).
 
 template <int kGroup, int kDim>
 void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const int64_t* tokens, int64_t len,
