@@ -45,6 +45,14 @@ inline void prefetch_head(const uint16_t* head) {
 #pragma GCC unroll 8
   for (int i = 0; i < kDim; i += 32) __builtin_prefetch(head + i);
 }
+
+// The same lines, towards L2 only (a long row's V rows, fetched well before use, would
+// otherwise evict the K rows in L1).
+template <int kDim>
+inline void prefetch_head_to_l2(const uint16_t* head) {
+#pragma GCC unroll 8
+  for (int i = 0; i < kDim; i += 32) __builtin_prefetch(head + i, 0, 2);
+}
 #endif
 
 #ifdef __AVX512F__

@@ -139,6 +139,10 @@ void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const 
     alignas(64) float keys[kKeysAtOnce * kDim];
     for (int64_t t0 = 0; t0 < len; t0 += kKeysAtOnce) {
       widen_keys<kDim>(keys, kv, tokens + t0, len - t0, token_stride, k_offset);
+      // The same keys' V rows, towards L2: the output passes find them there, where their own
+      // prefetch, a few keys ahead of work that is faster than a trip to memory, would come late.
+      for (int64_t j = t0; j < std::min(t0 + kKeysAtOnce, len); ++j)
+        prefetch_head_to_l2<kDim>(kv + tokens[j] * token_stride + v_offset);
       const __mmask16 mask = static_cast<__mmask16>((1u << std::min(kKeysAtOnce, len - t0)) - 1);
 #pragma GCC unroll 8
       for (int g = 0; g < kGroup; ++g)
