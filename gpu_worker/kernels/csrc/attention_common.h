@@ -4,7 +4,8 @@
 // the same bits from either (a resumed request re-prefills the tokens it had decoded, then
 // decodes on from them), so each step of a query's arithmetic that both take is written once,
 // here: the score's lanes (dot_lanes), their sum (sum_lanes, and sum_lanes_of_16 for sixteen
-// scores at once in the same order), the softmax, and the order of the keys.
+// scores at once in the same order; scores_of_16 for sixteen keys widened by widen_keys), the
+// softmax, the order of the keys, and each key's term in an output sum (add_weighted_value).
 
 #pragma once
 
@@ -12,6 +13,7 @@
 
 #include "kernel_common.h"
 
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -42,6 +44,14 @@ template <int kDim>
 inline void prefetch_head(const uint16_t* head) {
 #pragma GCC unroll 8
   for (int i = 0; i < kDim; i += 32) __builtin_prefetch(head + i);
+}
+
+// The same lines, towards L2 only (a long row's V rows, fetched well before use, would
+// otherwise evict the K rows in L1).
+template <int kDim>
+inline void prefetch_head_to_l2(const uint16_t* head) {
+#pragma GCC unroll 8
+  for (int i = 0; i < kDim; i += 32) __builtin_prefetch(head + i, 0, 2);
 }
 #endif
 
@@ -101,6 +111,53 @@ inline __m512 sum_lanes_of_16(const __m512 (&v)[16]) {
                                     _mm512_shuffle_ps(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, sums);
+}
+
+constexpr int64_t kKeysAtOnce = 16;  // keys a score block widens: one sum_lanes_of_16
+
+// The K rows of one head for the first min(16, remaining) of `tokens`, widened into `keys`
+// [16][kDim] (rows past them zero), and the next sixteen's lines prefetched.
+template <int kDim>
+inline void widen_keys(float* keys, const uint16_t* kv, const int64_t* tokens, int64_t remaining,
+                       int64_t token_stride, int64_t k_offset) {
+  constexpr int kVecs = kDim / 16;
+  const int64_t n = std::min(kKeysAtOnce, remaining);
+  for (int64_t j = 0; j < n; ++j) {
+    if (kKeysAtOnce + j < remaining) prefetch_head<kDim>(kv + tokens[kKeysAtOnce + j] * token_stride + k_offset);
+    const uint16_t* k = kv + tokens[j] * token_stride + k_offset;
+#pragma GCC unroll 16
+    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(keys + (j * kVecs + c) * 16, widen16(k + c * 16));
+  }
+  for (int64_t j = n; j < kKeysAtOnce; ++j)
+#pragma GCC unroll 16
+    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(keys + (j * kVecs + c) * 16, _mm512_setzero_ps());
+}
+
+// Lane j: one query head's score against key j of `keys` (widen_keys), the bits that
+// sum_lanes(dot_lanes(...)) gives that key alone; `query(c)` is the head's scaled vector c.
+template <int kVecs, typename Query>
+inline __m512 scores_of_16(const Query& query, const float* keys) {
+  __m512 qv[kVecs];
+#pragma GCC unroll 16
+  for (int c = 0; c < kVecs; ++c) qv[c] = query(c);
+  __m512 lanes[kKeysAtOnce];
+#pragma GCC unroll 16
+  for (int j = 0; j < kKeysAtOnce; ++j)
+    lanes[j] = dot_lanes<kVecs>([&](int c) { return qv[c]; },
+                                [&](int c) { return _mm512_load_ps(keys + (j * kVecs + c) * 16); });
+  return sum_lanes_of_16(lanes);
+}
+
+// One key's term in kHeads query heads' output sums, over kColumns 16-column slices of its V
+// row (widened): acc[h][c] += p[h * p_stride] * v[c]. Every output value is such a sum over its
+// query's keys in order from zero, one rounding a term, in both kernels.
+template <int kHeads, int kColumns>
+inline void add_weighted_value(__m512 (&acc)[kHeads][kColumns], const float* p, int64_t p_stride,
+                               const __m512 (&v)[kColumns]) {
+#pragma GCC unroll 16
+  for (int c = 0; c < kColumns; ++c)
+#pragma GCC unroll 16
+    for (int h = 0; h < kHeads; ++h) acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * p_stride]), v[c], acc[h][c]);
 }
 #endif
 

@@ -38,10 +38,25 @@
 
 namespace trident_attention {
 
-__attribute__((noinline)) void softmax_in_place(float* p, int64_t len) {
+// The largest of p[0, len): the same value in any order, so sixteen lanes at a time (the
+// compiler keeps std::max's reduction scalar, one dependent compare a score).
+inline float peak_of(const float* p, int64_t len) {
+#ifdef __AVX512F__
+  __m512 peak = _mm512_set1_ps(p[0]);
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16) peak = _mm512_max_ps(peak, _mm512_loadu_ps(p + t));
+  const __mmask16 rest = static_cast<__mmask16>((1u << (len - t)) - 1);
+  peak = _mm512_mask_max_ps(peak, rest, peak, _mm512_maskz_loadu_ps(rest, p + t));
+  return _mm512_reduce_max_ps(peak);
+#else
   float peak = p[0];
-#pragma omp simd reduction(max : peak)
   for (int64_t t = 1; t < len; ++t) peak = std::max(peak, p[t]);
+  return peak;
+#endif
+}
+
+__attribute__((noinline)) void softmax_in_place(float* p, int64_t len) {
+  const float peak = peak_of(p, len);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < len; ++t) {
@@ -79,20 +94,25 @@ inline void widen(const c10::Half* src, float* dst, int64_t n) {
 
 #ifdef __AVX512F__
 // The fast path: bfloat16, head dim kDim (64, 128 or 256), AVX-512. One work item is a
-// (row, KV head) and its `kGroup` query heads. A token costs its K and V rows read once
-// (kDim / 16 vectors each, widened), kGroup * kDim / 16 FMAs per pass and one horizontal
-// sum per query head. Where a group's queries fit in 16 registers (64 x up to 4 heads, 128
-// x 2, 256 x 1) they stay there for the whole row; otherwise they are float32 in L1 and
-// feed the FMAs as memory operands (the load ports are idle anyway). The outputs are summed
-// kColumns vectors at a time, in passes over the row's V rows: the first pass prefetches
-// every line of each V row, so later passes read them from cache. A score's arithmetic
-// (dot_lanes, sum_lanes) is shared with the query-tile kernel (attention_common.h).
+// (row, KV head) and its `kGroup` query heads: each K and V row is read once for the group.
+// Scores: sixteen keys at a time are widened into L1 and each query head takes their sixteen
+// scores at once (scores_of_16: the sum of each score's lanes is vertical, sixteen sums in
+// the additions of one); a head of 256 scores key by key with one sum_lanes each, the same
+// bits. Where a group's queries fit in 16 registers (64 x up to 4 heads, 128 x 2, 256 x 1)
+// they stay there for the whole row; otherwise they are float32 in L1 and feed the FMAs as
+// memory operands (the load ports are idle anyway). The outputs are summed kColumns vectors
+// at a time, in passes over the row's V rows: the first pass prefetches every line of each V
+// row, so later passes read them from cache. A score's and an output's arithmetic is shared
+// with the query-tile kernel (attention_common.h).
 
 template <int kGroup, int kDim>
 void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const int64_t* tokens, int64_t len,
                       int64_t token_stride, int64_t k_offset, int64_t v_offset, float* probs, float* out) {
   constexpr int kVecs = kDim / 16;
   constexpr bool kQueryInRegisters = kGroup * kVecs <= 16;
+  // Scores sixteen keys at a time (one sum_lanes_of_16 for sixteen sum_lanes) where a head's
+  // query and the sixteen keys' lanes fit the registers; a head of 256 scores key by key.
+  constexpr bool kScoreBlocks = kVecs <= 8;
   // Output vectors summed a pass: kGroup x kColumns accumulators <= 16.
   constexpr int kColumns = std::min(kVecs, kGroup == 1 ? 16 : kGroup == 2 ? 8 : kGroup <= 4 ? 4 : 2);
   static_assert(kVecs % kColumns == 0, "column passes tile the head");
@@ -115,15 +135,32 @@ void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const 
     else
       return _mm512_load_ps(qf + g * kDim + c * 16);
   };
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchAhead < len) prefetch_head<kDim>(kv + tokens[t + kPrefetchAhead] * token_stride + k_offset);
-    const uint16_t* k = kv + tokens[t] * token_stride + k_offset;
-    __m512 kc[kVecs];
-#pragma GCC unroll 16
-    for (int c = 0; c < kVecs; ++c) kc[c] = widen16(k + c * 16);
+  if constexpr (kScoreBlocks) {
+    alignas(64) float keys[kKeysAtOnce * kDim];
+    for (int64_t t0 = 0; t0 < len; t0 += kKeysAtOnce) {
+      widen_keys<kDim>(keys, kv, tokens + t0, len - t0, token_stride, k_offset);
+      // The same keys' V rows, towards L2: the output passes find them there, where their own
+      // prefetch, a few keys ahead of work that is faster than a trip to memory, would come late.
+      for (int64_t j = t0; j < std::min(t0 + kKeysAtOnce, len); ++j)
+        prefetch_head_to_l2<kDim>(kv + tokens[j] * token_stride + v_offset);
+      const __mmask16 mask = static_cast<__mmask16>((1u << std::min(kKeysAtOnce, len - t0)) - 1);
 #pragma GCC unroll 8
-    for (int g = 0; g < kGroup; ++g)
-      probs[g * len + t] = sum_lanes(dot_lanes<kVecs>([&](int c) { return query(g, c); }, [&](int c) { return kc[c]; }));
+      for (int g = 0; g < kGroup; ++g)
+        _mm512_mask_storeu_ps(probs + g * len + t0, mask,
+                              scores_of_16<kVecs>([&](int c) { return query(g, c); }, keys));
+    }
+  } else {
+    for (int64_t t = 0; t < len; ++t) {
+      if (t + kPrefetchAhead < len) prefetch_head<kDim>(kv + tokens[t + kPrefetchAhead] * token_stride + k_offset);
+      const uint16_t* k = kv + tokens[t] * token_stride + k_offset;
+      __m512 kc[kVecs];
+#pragma GCC unroll 16
+      for (int c = 0; c < kVecs; ++c) kc[c] = widen16(k + c * 16);
+#pragma GCC unroll 8
+      for (int g = 0; g < kGroup; ++g)
+        probs[g * len + t] =
+            sum_lanes(dot_lanes<kVecs>([&](int c) { return query(g, c); }, [&](int c) { return kc[c]; }));
+    }
   }
   for (int g = 0; g < kGroup; ++g) softmax_in_place(probs + g * len, len);
   for (int column0 = 0; column0 < kVecs; column0 += kColumns) {
@@ -136,13 +173,10 @@ void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const 
       if (column0 == 0 && t + kPrefetchAhead < len)
         prefetch_head<kDim>(kv + tokens[t + kPrefetchAhead] * token_stride + v_offset);
       const uint16_t* v = kv + tokens[t] * token_stride + v_offset + column0 * 16;
+      __m512 vc[kColumns];
 #pragma GCC unroll 16
-      for (int c = 0; c < kColumns; ++c) {
-        const __m512 vc = widen16(v + c * 16);
-#pragma GCC unroll 8
-        for (int g = 0; g < kGroup; ++g)
-          acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g * len + t]), vc, acc[g][c]);
-      }
+      for (int c = 0; c < kColumns; ++c) vc[c] = widen16(v + c * 16);
+      add_weighted_value<kGroup, kColumns>(acc, probs + t, len, vc);
     }
 #pragma GCC unroll 8
     for (int g = 0; g < kGroup; ++g)

@@ -10,13 +10,13 @@
 //
 // A query's output is the same bits as the decode kernel's for it: every value it sums, it sums
 // in the same order (attention_common.h holds the shared steps).
-// - Scores: sixteen keys at a time are widened to float32 in L1; each query head's sixteen
-//   scores are dot_lanes against each key, then sum_lanes_of_16 (sum_lanes' additions, sixteen
-//   at once). Lanes past a query's keys are not stored.
+// - Scores: sixteen keys at a time are widened to float32 in L1 (widen_keys); each query head's
+//   sixteen scores are scores_of_16, as the decode kernel's. Lanes past a query's keys are not
+//   stored.
 // - Softmax: the decode kernel's function, over the query's keys only.
-// - Outputs: each query head's sum over its keys in order, one 16-column slice of the head a pass
-//   over the tile's V rows, with one accumulator per query head; a key outside a query's span
-//   adds nothing to it (not even a zero product).
+// - Outputs: each query head's sum over its keys in order (add_weighted_value), one 16-column
+//   slice of the head a pass over the tile's V rows, with one accumulator per query head; a key
+//   outside a query's span adds nothing to it (not even a zero product).
 
 #include <ATen/Parallel.h>
 #include <torch/types.h>
@@ -38,7 +38,6 @@ namespace {
 template <int kGroup>
 constexpr int kQueries = std::max(1, 16 / kGroup);
 
-constexpr int64_t kKeysAtOnce = 16;  // keys a score pass widens, one sum_lanes_of_16
 constexpr int64_t kValueBlock = 64;  // keys an output pass sums before the next column
 // Floats before each query head's probabilities: a block's masked store may start up to 15
 // keys before them.
@@ -64,15 +63,7 @@ void tile_item(const uint16_t* q, int64_t q_row_stride, int queries, const KeySp
   const int64_t first = spans[0].begin, last = spans[queries - 1].end;
   // Scores.
   for (int64_t t0 = first; t0 < last; t0 += kKeysAtOnce) {
-    const int64_t n = std::min(kKeysAtOnce, last - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      if (t0 + kKeysAtOnce + j < last) prefetch_head<kDim>(kv + tokens[t0 + kKeysAtOnce + j] * token_stride + k_offset);
-      const uint16_t* k = kv + tokens[t0 + j] * token_stride + k_offset;
-#pragma GCC unroll 16
-      for (int c = 0; c < kVecs; ++c) _mm512_store_ps(keys + (j * kVecs + c) * 16, widen16(k + c * 16));
-    }
-    for (int64_t j = n; j < kKeysAtOnce; ++j)
-      for (int c = 0; c < kVecs; ++c) _mm512_store_ps(keys + (j * kVecs + c) * 16, _mm512_setzero_ps());
+    widen_keys<kDim>(keys, kv, tokens + t0, last - t0, token_stride, k_offset);
     for (int i = 0; i < queries; ++i) {
       const KeySpan span = spans[i];
       if (span.end <= t0 || span.begin >= t0 + kKeysAtOnce) continue;
@@ -80,16 +71,9 @@ void tile_item(const uint16_t* q, int64_t q_row_stride, int queries, const KeySp
       const __mmask16 mask = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
       for (int g = 0; g < kGroup; ++g) {
         const float* qh = qf + (i * kGroup + g) * kDim;
-        __m512 qv[kVecs];
-#pragma GCC unroll 16
-        for (int c = 0; c < kVecs; ++c) qv[c] = _mm512_load_ps(qh + c * 16);
-        __m512 lanes[kKeysAtOnce];
-#pragma GCC unroll 16
-        for (int j = 0; j < kKeysAtOnce; ++j)
-          lanes[j] = dot_lanes<kVecs>([&](int c) { return qv[c]; },
-                                      [&](int c) { return _mm512_load_ps(keys + (j * kVecs + c) * 16); });
         float* row = probs + (i * kGroup + g) * probs_stride + kProbsPad;
-        _mm512_mask_storeu_ps(row + (t0 - span.begin), mask, sum_lanes_of_16(lanes));
+        _mm512_mask_storeu_ps(row + (t0 - span.begin), mask,
+                              scores_of_16<kVecs>([&](int c) { return _mm512_load_ps(qh + c * 16); }, keys));
       }
     }
   }
@@ -103,26 +87,26 @@ void tile_item(const uint16_t* q, int64_t q_row_stride, int queries, const KeySp
   for (int64_t block0 = first; block0 < last; block0 += kValueBlock) {
     const int64_t block_end = std::min(last, block0 + kValueBlock);
     for (int c = 0; c < kVecs; ++c) {
-      __m512 acc[kHeads];
+      // acc[i][g]: query i's head g, column slice c.
+      __m512 acc[kQueries<kGroup>][kGroup][1];
 #pragma GCC unroll 16
       for (int h = 0; h < kHeads; ++h)
-        acc[h] = block0 == first ? _mm512_setzero_ps() : _mm512_load_ps(out + (h * kVecs + c) * 16);
+        acc[h / kGroup][h % kGroup][0] =
+            block0 == first ? _mm512_setzero_ps() : _mm512_load_ps(out + (h * kVecs + c) * 16);
       for (int64_t t = block0; t < block_end; ++t) {
         if (c == 0 && t + kPrefetchAhead < last)
           prefetch_head<kDim>(kv + tokens[t + kPrefetchAhead] * token_stride + v_offset);
         const bool every_query = t >= all_begin && t < all_end;
-        const __m512 v = widen16(kv + tokens[t] * token_stride + v_offset + c * 16);
+        const __m512 v[1] = {widen16(kv + tokens[t] * token_stride + v_offset + c * 16)};
 #pragma GCC unroll 16
         for (int i = 0; i < kQueries<kGroup>; ++i) {
           if (i >= queries || (!every_query && (t < spans[i].begin || t >= spans[i].end))) continue;
           const float* p = probs + i * kGroup * probs_stride + kProbsPad + (t - spans[i].begin);
-#pragma GCC unroll 8
-          for (int g = 0; g < kGroup; ++g)
-            acc[i * kGroup + g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * probs_stride]), v, acc[i * kGroup + g]);
+          add_weighted_value<kGroup, 1>(acc[i], p, probs_stride, v);
         }
       }
 #pragma GCC unroll 16
-      for (int h = 0; h < kHeads; ++h) _mm512_store_ps(out + (h * kVecs + c) * 16, acc[h]);
+      for (int h = 0; h < kHeads; ++h) _mm512_store_ps(out + (h * kVecs + c) * 16, acc[h / kGroup][h % kGroup][0]);
     }
   }
 }
