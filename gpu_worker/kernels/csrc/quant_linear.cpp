@@ -41,6 +41,9 @@
 // Each output element is summed block by block in k order whatever the batch and the thread
 // count: a row's result does not depend on the rows beside it. Rounded once, at the end.
 //
+// Where the CPU has AMX-INT8, the "amx_int8" path takes each 16 rows of a panel on AMX tiles
+// (csrc/amx_int8_tiles.h) and the rows left over on the VNNI tile, with the same bits.
+//
 // Registered as torch.ops.trident.quant_linear / quant_linear_rows / quant_linear_best_path;
 // the fake kernels for tracing are in cpu_kernels.py.
 
@@ -48,6 +51,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include "amx_int8_tiles.h"
 #include "int8_activations.h"
 #include "kernel_common.h"
 
@@ -96,8 +100,9 @@ bool cpu_has_avx512_vnni() {
 #endif
 }
 
-// "avx512_vnni", "avx2" or "" (none in this build on this CPU): the path "auto" takes.
+// "amx_int8", "avx512_vnni", "avx2" or "" (none in this build on this CPU): the path "auto" takes.
 std::string find_best_path() {
+  if (trident_kernels::amx_int8::cpu_has_amx_int8()) return "amx_int8";
   if (cpu_has_avx512_vnni()) return "avx512_vnni";
 #ifdef __AVX2__
   if (cpu_has_avx2_fma()) return "avx2";
@@ -383,6 +388,36 @@ constexpr std::array<TileFn, kMaxTileRows> tile_table(bool vnni, std::integer_se
 #endif
 }
 
+// AMX's tile of 16 rows (amx_int8_tiles.h) and the tile configuration it needs on the thread
+// that runs it, and the release of the tile state after; all nullptr where the path does not
+// use AMX.
+struct WideTile {
+  TileFn tile;
+  void (*configure)();
+  void (*release)();
+};
+
+#if defined(TRIDENT_AMX) && defined(__AVX512F__)
+template <int64_t kLayout, int64_t kBlock, bool kHalfScales>
+constexpr WideTile amx_tile() {
+  return {&trident_kernels::amx_int8::tile<kLayout, kBlock, kHalfScales, code_bytes(kLayout, kBlock), code_bias(kLayout)>,
+          &trident_kernels::amx_int8::configure_tiles<kBlock>, &trident_kernels::amx_int8::release_tiles};
+}
+#endif
+
+WideTile pick_wide_tile(bool amx, int64_t layout, int64_t block, bool half_scales) {
+#if defined(TRIDENT_AMX) && defined(__AVX512F__)
+  if (!amx) return {nullptr, nullptr, nullptr};
+  if (layout == kU4) return half_scales ? amx_tile<kU4, 32, true>() : amx_tile<kU4, 32, false>();
+  if (layout == kI5) return half_scales ? amx_tile<kI5, 32, true>() : amx_tile<kI5, 32, false>();
+  if (layout == kI6) return half_scales ? amx_tile<kI6, 16, true>() : amx_tile<kI6, 16, false>();
+  if (block == 16) return half_scales ? amx_tile<kI8, 16, true>() : amx_tile<kI8, 16, false>();
+  return half_scales ? amx_tile<kI8, 32, true>() : amx_tile<kI8, 32, false>();
+#else
+  return {nullptr, nullptr, nullptr};
+#endif
+}
+
 // tiles[r - 1] computes r rows, for the layout, block, scale type and path.
 std::array<TileFn, kMaxTileRows> pick_tiles(bool vnni, int64_t layout, int64_t block, bool half_scales) {
   const auto rows = std::make_integer_sequence<int, kMaxTileRows>{};
@@ -395,8 +430,8 @@ std::array<TileFn, kMaxTileRows> pick_tiles(bool vnni, int64_t layout, int64_t b
 
 template <typename storage_t>
 void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_bytes, const QuantizedRows& x,
-                int64_t rows, const std::array<TileFn, kMaxTileRows>& tiles, int64_t tile_rows, const float* bias,
-                storage_t* out) {
+                int64_t rows, const std::array<TileFn, kMaxTileRows>& tiles, int64_t tile_rows, WideTile wide,
+                const float* bias, storage_t* out) {
   const int64_t panels = (n + kPanelColumns - 1) / kPanelColumns;
   const int64_t panel_bytes = blocks * block_bytes;
   // Claims of ~32 KB of weights, and at least 4 claims a thread where the panels allow.
@@ -404,13 +439,16 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
   const int64_t by_count = std::max<int64_t>(1, panels / (4 * std::max(1, at::get_num_threads())));
   const int64_t claim = std::min(by_size, by_count);
   const auto compute = [&](int64_t begin, int64_t end) {
-    alignas(64) float result[kMaxTileRows * kPanelColumns];
+    alignas(64) float result[trident_kernels::amx_int8::kTileRows * kPanelColumns];
+    if (wide.tile) wide.configure();
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t column0 = panel * kPanelColumns;
       const int64_t columns = std::min(kPanelColumns, n - column0);
-      for (int64_t row0 = 0; row0 < rows; row0 += tile_rows) {
-        const int64_t tile = std::min<int64_t>(tile_rows, rows - row0);
-        tiles[tile - 1](packed + panel * panel_bytes, blocks, block_bytes, x, row0, result);
+      for (int64_t row0 = 0, tile = 0; row0 < rows; row0 += tile) {
+        // Each 16 rows on the wide tile where there is one, the rest on the narrow tiles.
+        const bool wide_rows = wide.tile && rows - row0 >= trident_kernels::amx_int8::kTileRows;
+        tile = wide_rows ? trident_kernels::amx_int8::kTileRows : std::min<int64_t>(tile_rows, rows - row0);
+        (wide_rows ? wide.tile : tiles[tile - 1])(packed + panel * panel_bytes, blocks, block_bytes, x, row0, result);
         for (int64_t r = 0; r < tile; ++r) {
           storage_t* dst = out + (row0 + r) * n + column0;
           for (int64_t c = 0; c < columns; ++c) {
@@ -420,6 +458,7 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
         }
       }
     }
+    if (wide.tile) wide.release();
   };
   if (rows <= kOneThreadRows)
     compute(0, panels);
@@ -429,7 +468,7 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
 
 // x [rows, k] (float32, bfloat16 or float16); packed [ceil(n / 16), k / block, block bytes]
 // uint8 as quant_linear.py lays it out; layout 0 (U4), 1 (I8), 2 (I5) or 3 (I6); path "auto",
-// "avx512_vnni" or "avx2" (the tests run both on one CPU) -> [rows, n] in x's dtype.
+// "amx_int8", "avx512_vnni" or "avx2" (the tests run each on one CPU) -> [rows, n] in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                         int64_t out_features, int64_t layout, int64_t block, bool half_scales, c10::string_view path) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x [rows, k]");
@@ -446,10 +485,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
                   block_bytes == code_bytes(layout, block) + scale_count * kPanelColumns * (half_scales ? 2 : 4),
               "quant_linear: packed weights of another shape or layout");
   static const std::string best = find_best_path();
-  const bool vnni = path == "avx512_vnni" || (path == "auto" && best == "avx512_vnni");
-  TORCH_CHECK(path == "auto" || path == "avx512_vnni" || path == "avx2", "quant_linear: path auto, avx512_vnni or avx2");
-  TORCH_CHECK(!best.empty() && (!vnni || best == "avx512_vnni"), "quant_linear: the ", std::string(path),
-              " path is not in this build for this CPU");
+  const bool amx = path == "amx_int8" || (path == "auto" && best == "amx_int8");
+  const bool vnni = amx || path == "avx512_vnni" || (path == "auto" && best == "avx512_vnni");
+  TORCH_CHECK(path == "auto" || path == "amx_int8" || path == "avx512_vnni" || path == "avx2",
+              "quant_linear: path auto, amx_int8, avx512_vnni or avx2");
+  TORCH_CHECK(!best.empty() && (!vnni || best != "avx2") && (!amx || best == "amx_int8"), "quant_linear: the ",
+              std::string(path), " path is not in this build for this CPU");
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   const at::Tensor xc = x.contiguous();
@@ -465,13 +506,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
   const at::Tensor bias_f = trident_kernels::float_bias(bias, n);
   const QuantizedRows xq{x_codes, x_scale, x_sum16, x_sum32, k};
   const auto tiles = pick_tiles(vnni, layout, block, half_scales);
+  const WideTile wide = pick_wide_tile(amx && rows >= trident_kernels::amx_int8::kTileRows, layout, block, half_scales);
 #ifdef __AVX2__
   trident_kernels::dispatch_float_dtype(x, "quant_linear", [&](auto storage, auto element) {
     using storage_t = decltype(storage);
     using element_t = decltype(element);
     trident_kernels::quantize_rows(trident_kernels::bits_of<storage_t, element_t>(xc), rows, k, x_codes, x_scale, x_sum16, x_sum32);
     run_panels(packed.data_ptr<uint8_t>(), n, blocks, block_bytes, xq, rows, tiles, vnni ? kMaxTileRows : kAvx2TileRows,
-               bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, trident_kernels::bits_of<storage_t, element_t>(out));
+               wide, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+               trident_kernels::bits_of<storage_t, element_t>(out));
   });
 #endif
   return out;
