@@ -41,23 +41,29 @@ inline bool cpu_has_amx_int8() {
 
 // Tiles 0-1: the int32 dots of two blocks in flight; 2-3: their A tiles (16 rows x kBlock
 // int8); 4-5: their B tiles (kBlock / 4 rows x 64 bytes).
+// The configuration is a static: GCC's _tile_loadconfig tells the compiler it reads 8 bytes
+// only, so the stores of a configuration on the stack may be dropped.
+struct alignas(64) Int8TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit Int8TileConfig(int64_t block) {
+    for (int t = 0; t < 2; ++t) {
+      colsb[t] = 64;
+      rows[t] = kTileRows;
+      colsb[2 + t] = static_cast<uint16_t>(block);
+      rows[2 + t] = kTileRows;
+      colsb[4 + t] = 64;
+      rows[4 + t] = static_cast<uint8_t>(block / 4);
+    }
+  }
+};
+
 template <int64_t kBlock>
 void configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette_id = 1;
-    uint8_t start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < 2; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kTileRows;
-    config.colsb[2 + t] = kBlock;
-    config.rows[2 + t] = kTileRows;
-    config.colsb[4 + t] = 64;
-    config.rows[4 + t] = kBlock / 4;
-  }
+  static const Int8TileConfig config(kBlock);
   _tile_loadconfig(&config);
 }
 
