@@ -16,6 +16,9 @@ copy), the best of `--repeats` passes, the variants taking turns within each rep
 them (`--weight-dtype gguf`), called in a decode step's order (each layer's q/k/v, o,
 gate/up, down, then the head), `--rows` each: µs per call by kind and ms per step, the
 weights coming from memory as in a step; `--threads` 1,2 alternates thread counts.
+`--paths` instead times the quantized kernel's paths against each other on the same weights
+(AMX-INT8 and AVX512-VNNI, each where the CPU has it; the same bits): µs per call, medians
+of `--repeats` passes, the paths taking turns within each, and AMX / VNNI.
 `--clock thread` times one thread's CPU time instead of the wall clock (and runs one
 thread): on cores shared with other work, the ratios then hold still. Prints a Markdown table.
 """
@@ -107,6 +110,36 @@ def bench_shape(name: str, n: int, k: int, rows_list: list[int], stream_mb: int,
     return lines
 
 
+def bench_paths(name: str, n: int, k: int, rows_list: list[int], stream_mb: int, repeats: int, clock) -> None:
+    """Each layout's µs per call on each kernel path the CPU has, medians of alternating passes."""
+    copies = max(1, (stream_mb << 20) // (n * k * 2))
+    quant = [random_layers(n, k) for _ in range(copies)]
+    paths = [p for p in ("avx512_vnni", "amx_int8") if p in KERNEL_PATHS.get(quant[0]["U4"].kernel_path, ())]
+    for kind in quant[0]:
+        fns = {}
+        for path in paths:
+            for layers in quant:
+                layers[kind].kernel_path = path
+            fns[path] = [layers[kind].rows_fn() for layers in quant]
+        for rows in rows_list:
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            times: dict[str, list[float]] = {path: [] for path in paths}
+            for _ in range(repeats):
+                for path in paths:
+                    t0 = clock()
+                    for fn in fns[path]:
+                        fn(x)
+                    times[path].append((clock() - t0) / copies * 1e6)
+            us = {path: statistics.median(t) for path, t in times.items()}
+            cells = " | ".join(f"{us[path]:.1f}" for path in paths)
+            ratio = f"{us['amx_int8'] / us['avx512_vnni']:.2f}" if len(paths) == 2 else "-"
+            print(f"| {name} {k}->{n} | {kind} | {rows} | {cells} | {ratio} |", flush=True)
+
+
+KERNEL_PATHS = {"amx_int8": ("amx_int8", "avx512_vnni"), "avx512_vnni": ("avx512_vnni",)}
+"""The paths of quant_linear each best path allows beside itself (AVX2 aside)."""
+
+
 def smollm2_step(rows_list: list[int], repeats: int, clock) -> None:
     shapes = SHAPES["smollm2"]
     per_layer = [shapes["q,o"]] * 2 + [shapes["k,v"]] * 2 + [shapes["gate,up"]] * 2 + [shapes["down"]]
@@ -177,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clock", choices=["wall", "thread"], default="wall")
     p.add_argument("--step", action="store_true", help="SmolLM2's decode step as the file ships it")
     p.add_argument("--file", default=None, help="a .gguf: its real linear layers in a decode step's order")
+    p.add_argument("--paths", action="store_true", help="the quantized kernel's AMX-INT8 path against its VNNI path")
     ns = p.parse_args(argv)
     clock = time.thread_time if ns.clock == "thread" else time.perf_counter
     thread_counts = [int(t) for t in ns.threads.split(",")]
@@ -193,9 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     if ns.step:
         smollm2_step(rows_list, ns.repeats, clock)
         return 0
+    models = ["smollm2", "gemma3"] if ns.model == "both" else [ns.model]
+    if ns.paths:
+        print("| shape (in->out) | layout | rows | VNNI us | AMX us | AMX / VNNI |")
+        print("|---|---|---|---|---|---|")
+        for model in models:
+            for name, (n, k) in SHAPES[model].items():
+                bench_paths(f"{model} {name}", n, k, rows_list, ns.stream_mb, ns.repeats, clock)
+        return 0
     print("| shape (in->out) | rows | copies | bf16 us | U4 us (bf16/U4) | I8/32 us | I8/16 us | I5 us | I6 us |")
     print("|---|---|---|---|---|---|---|---|---|")
-    models = ["smollm2", "gemma3"] if ns.model == "both" else [ns.model]
     for model in models:
         for name, (n, k) in SHAPES[model].items():
             bench_shape(f"{model} {name}", n, k, rows_list, ns.stream_mb, ns.repeats, clock)

@@ -29,7 +29,12 @@ FP16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q4_K: (0, 2), Q.Q8_0: (0,), Q.Q5_
 ROWS_PER_CHECK = 8192
 """Rows dequantized at a time on the real tensors (Gemma's embedding is 262k rows)."""
 BEST_PATH = load_quant_linear()
-KERNEL_PATHS = {"avx512_vnni": ("avx512_vnni", "avx2"), "avx2": ("avx2",), "": ()}[BEST_PATH]
+KERNEL_PATHS = {
+    "amx_int8": ("amx_int8", "avx512_vnni", "avx2"),
+    "avx512_vnni": ("avx512_vnni", "avx2"),
+    "avx2": ("avx2",),
+    "": (),
+}[BEST_PATH]
 
 
 def assert_same_float32(ours: np.ndarray, ref: np.ndarray) -> None:
@@ -119,7 +124,7 @@ def test_q5_0_and_q6_k_keep_their_code_width_alone_and_widen_to_eight_with_a_q8_
     assert_same_float32(fused.dequantize(), np.concatenate([q5.dequantize(), q8.dequantize()]))
 
 
-@pytest.mark.parametrize("path", [p for p in ("avx512_vnni", "avx2") if p in KERNEL_PATHS])
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize(("kind", "layout", "bits"), [(Q.Q5_0, I5, 5.5), (Q.Q6_K, I6, 8.0)], ids=["Q5_0", "Q6_K"])
 def test_q5_0_and_q6_k_served_in_their_own_width_are_within_the_activation_rounding_of_gguf(path, kind, layout, bits):
     """The layer the loader builds for the tensor (I5, I6) against a float64 matmul of the

@@ -34,7 +34,8 @@ def linear_kinds_installed(plan: LinearPlan, dtype: torch.dtype, tmp_path) -> se
 
 
 def test_the_weight_format_decides_before_the_linear_setting():
-    assert choose_linear("packed", "gguf", CPU, torch.bfloat16, batch_invariant=True).kind == "gguf"
+    gguf = choose_linear("packed", "gguf", CPU, torch.bfloat16, batch_invariant=True)
+    assert gguf.kind == f"gguf-{load_quant_linear().replace('_', '-') or 'torch'}", "named by its kernel path"
     int8 = choose_linear("packed", "int8", CPU, torch.bfloat16, batch_invariant=True)
     assert int8.kind == "int8" and "--weight-dtype int8" in int8.reason
 

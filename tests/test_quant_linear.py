@@ -1,8 +1,8 @@
 """Linear layers on quantized weights (gpu_worker/layers/quant_linear.py, csrc/quant_linear.cpp), in
 each layout (U4, I8, I5, I6): the repacking loses nothing, each kernel path is within the
-rounding of its int8 activations of a float32 reference on the dequantized weights, both
-paths give the same bits, in the AVX-512 build and in the AVX2 build alike, and a row's
-result does not depend on its batch.
+rounding of its int8 activations of a float32 reference on the dequantized weights, the
+paths (AMX-INT8, AVX512-VNNI, AVX2) give the same bits, in the AVX-512 build and in the AVX2
+build alike, and a row's result does not depend on its batch.
 
 The bound, per output element y = sum_i w_i x_i: the kernel computes sum_i w_i x^_i exactly in
 integers per block, where x^ = sx round(x / sx), sx = max|x| / 127 over the row's block of
@@ -25,9 +25,15 @@ from tests.helpers import REPO_ROOT
 pytestmark = pytest.mark.usefixtures("worker_threads")  # the kernels' split across threads is checked too
 
 BEST_PATH = load_quant_linear()
-PATHS = [path for path in ("avx512_vnni", "avx2") if path == BEST_PATH or (BEST_PATH and path == "avx2")]
+# Each path a CPU has also has the ones after it.
+ALL_PATHS = ("amx_int8", "avx512_vnni", "avx2")
+PATHS = list(ALL_PATHS[ALL_PATHS.index(BEST_PATH) :]) if BEST_PATH else []
 needs_kernels = pytest.mark.skipif(not BEST_PATH, reason="the quantized kernels need an x86 CPU with AVX2")
-needs_vnni = pytest.mark.skipif(BEST_PATH != "avx512_vnni", reason="this CPU or build has no AVX512-VNNI")
+needs_vnni = pytest.mark.skipif("avx512_vnni" not in PATHS, reason="this CPU or build has no AVX512-VNNI")
+needs_amx = pytest.mark.skipif(
+    "amx_int8" not in PATHS,
+    reason="this CPU, build or OS has no AMX-INT8 (AMX-TILE and AMX-INT8's TDPBSUD, and the tile state from Linux)",
+)
 
 
 def u4_layer(n: int, k: int, float16_scales: bool, bias: bool = False, seed: int = 0) -> QuantLinear:
@@ -146,6 +152,59 @@ def test_the_vnni_and_avx2_paths_give_the_same_bits(layout):
         vnni = layer(x)
         layer.kernel_path = "avx2"
         assert torch.equal(layer(x), vnni)
+
+
+def every_scale_type(n: int, k: int) -> dict[str, QuantLinear]:
+    """Each layout and block with float16 and with float32 scales, and a bias."""
+    layers = {name: make(n, k, bias=True) for name, make in LAYERS.items()}
+    layers["i8_32_f32"] = i8_layer(n, k, 32, False, bias=True)
+    layers["i8_16_f16"] = i8_layer(n, k, 16, True, bias=True)
+    return layers
+
+
+@needs_amx
+def test_the_amx_vnni_and_avx2_paths_give_the_same_bits_at_every_batch_size_and_thread_count():
+    """The AMX tile sums each block's integer dot on TDPBSUD and then runs the VNNI tile's float
+    operations in its order: the same bits as the other paths, so a call that takes AMX for
+    its whole 16 rows and VNNI for the rest gives every row the bits it has alone."""
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(3)
+    for name, layer in every_scale_type(40, 576).items():
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(80, 576, generator=g) * torch.rand(80, 576, generator=g).pow(4) * 4).to(dtype)
+            layer.kernel_path = "amx_int8"
+            amx = layer(x)
+            for other in ("avx512_vnni", "avx2"):
+                layer.kernel_path = other
+                assert torch.equal(layer(x), amx), f"{name} {dtype}: {other} against amx_int8"
+            layer.kernel_path = "amx_int8"
+            for rows in range(1, 81):
+                assert torch.equal(layer(x[:rows]), amx[:rows]), f"{name} {dtype}: the first {rows} rows"
+                begin = 80 - rows
+                assert torch.equal(layer(x[begin:]), amx[begin:]), f"{name} {dtype}: the last {rows} rows"
+            try:
+                torch.set_num_threads(1)
+                assert torch.equal(layer(x), amx), f"{name} {dtype}: one thread"
+            finally:
+                torch.set_num_threads(threads)
+
+
+def test_the_best_path_follows_the_cpu_flags():
+    """Start-up picks the best path the CPU has (on Linux, its flags name each instruction set)."""
+    if not BEST_PATH:
+        pytest.skip("the quantized kernels did not build here")
+    flags = set()
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if "amx_int8" in flags and "amx_tile" in flags and "avx512_vnni" in flags:
+        assert BEST_PATH == "amx_int8"
+    elif "avx512_vnni" in flags:
+        assert BEST_PATH == "avx512_vnni"
+    layer = LAYERS["u4_f16"](16, 64)
+    assert layer.kernel_path == BEST_PATH, "a layer takes that path"
 
 
 AVX2_BUILD_SCRIPT = """

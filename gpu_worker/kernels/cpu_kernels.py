@@ -415,8 +415,8 @@ def load_greedy_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
 
 
 def load_quant_linear() -> str:
-    """The path torch.ops.trident.quant_linear takes on this CPU ("avx512_vnni" or "avx2"),
-    or "" where the kernels cannot be built or the CPU has neither."""
+    """The path torch.ops.trident.quant_linear takes on this CPU ("amx_int8", "avx512_vnni" or
+    "avx2"), or "" where the kernels cannot be built or the CPU has none of them."""
     return torch.ops.trident.quant_linear_best_path() if _build() else ""
 
 

@@ -5,9 +5,11 @@ The model is built with plain `nn.Linear` layers, and the checkpoint is loaded i
 that every linear layer and the LM head gets, a sentence saying why (the worker logs it),
 and the step that installs it (`LinearPlan.install`). The kinds, first match wins:
 
-- `gguf`: a GGUF's own quantized formats (`--weight-dtype gguf`), QuantLinear
-  (quant_linear.py) built from the parts the load kept aside (gguf_layers.py); a
-  mixture-of-experts router, float32 in the file, on our bf16 kernel where there is one;
+- `gguf-amx-int8` / `gguf-avx512-vnni` / `gguf-avx2` / `gguf-torch`: a GGUF's own quantized
+  formats (`--weight-dtype gguf`), QuantLinear (quant_linear.py) built from the parts the
+  load kept aside (gguf_layers.py), on the kernel path the CPU has (csrc/quant_linear.cpp;
+  the same bits on each); a mixture-of-experts router, float32 in the file, on our bf16
+  kernel where there is one;
 - `int8`: weight-only int8 (`--weight-dtype int8`, int8_weights.py);
 - `amx-bf16`: our AMX kernel at every batch size (`Bf16KernelLinear` on csrc/amx_linear.cpp),
   in bf16 on a CPU with AMX-BF16 whether or not batch invariance is on: it keeps one
@@ -48,6 +50,7 @@ from gpu_worker.kernels.cpu_kernels import (
     Bf16LinearKernel,
     load_amx_linear,
     load_fused_moe,
+    load_quant_linear,
     load_vnni_linear,
     load_widening_bf16_linear,
 )
@@ -84,7 +87,7 @@ class LinearPlan:
     """The linear layer kind of every layer and the LM head, why, and how to install it."""
 
     kind: str
-    """"gguf", "int8", "amx-bf16", "avx512-bf16", "avx2-bf16", "packed" or "plain"; the
+    """"gguf-<quantized path>", "int8", "amx-bf16", "avx512-bf16", "avx2-bf16", "packed" or "plain"; the
     worker's ready line names it."""
     reason: str
     """Why this kind, in a sentence for the load log."""
@@ -135,7 +138,8 @@ def choose_linear(
         if device.type == "cpu" and dtype == torch.bfloat16:
             router_kernel = load_amx_linear() or load_vnni_linear() or load_widening_bf16_linear()
         reason = "--weight-dtype gguf: the file's own quantized formats"
-        return LinearPlan("gguf", reason, install_quantized(router_kernel))
+        path = load_quant_linear().replace("_", "-") or "torch"
+        return LinearPlan(f"gguf-{path}", reason, install_quantized(router_kernel))
     if weight_dtype == "int8":
         check_int8_supported(device, dtype)
         return LinearPlan(

@@ -98,8 +98,8 @@ class QuantLinear(nn.Module):
 
     @property
     def kernel_path(self) -> str:
-        """ "avx512_vnni" or "avx2": the kernel's path on this CPU (the tests set the other one
-        too); "": the torch fallback."""
+        """ "amx_int8", "avx512_vnni" or "avx2": the kernel's path on this CPU (the tests set the
+        others too); "": the torch fallback."""
         return self._kernel_path
 
     @kernel_path.setter

@@ -124,8 +124,7 @@ void amx_span(const uint16_t* tiles, int64_t rows, const uint16_t* packed, int64
   const int64_t passes = round_up(rows, 2 * kTileRows) / (2 * kTileRows);
   const int64_t per_claim = std::max<int64_t>(1, blocks / (kClaimsPerThread * at::get_num_threads()));
   trident_kernels::parallel_for_claimed(blocks, per_claim, [&](int64_t begin, int64_t end) {
-    const amx::TileConfig config;
-    _tile_loadconfig(&config);
+    amx::load_tile_config();
     alignas(64) float sums[2 * kTileRows * kBlockColumns];
     for (int64_t block = begin; block < end; ++block) {
       const uint16_t* weights = packed + block * block_elements + first_chunk * kBlockChunkElements;

@@ -117,6 +117,14 @@ struct alignas(64) TileConfig {
   }
 };
 
+// Loads TileConfig on the calling thread. The configuration is a static: GCC's
+// _tile_loadconfig declares an 8-byte read, so the stores of a configuration built on the
+// stack just before it may be dropped.
+inline void load_tile_config() {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+}
+
 // Where a block's float32 sums [32 rows][32 columns] are, `ld` floats a row.
 struct SumsAt {
   float* sums;
@@ -128,7 +136,7 @@ struct SumsAt {
 // sums `from` (zeros when its pointer is null) and stores them to `to`; a kernel that splits k
 // into spans parks the sums in memory between spans, and they come back with the same bits.
 // x_a / x_b: the first input tile of each 16 rows (packed by pack_input_tile: a tile a chunk,
-// 1 KB apart). The caller loads a TileConfig first.
+// 1 KB apart). The caller calls load_tile_config first.
 // `prefetch_bytes` bytes from `prefetch` (the weights a later call reads) are requested into L2,
 // spread over the chunks: the hardware prefetcher stops at each 4 KB page, and while a block's
 // later rows reread its weights from L2 nothing else would keep memory busy. Prefetches change

@@ -119,8 +119,7 @@ inline void amx_block_sums(const uint16_t* x_a, const uint16_t* x_b, int64_t row
 }
 
 inline void amx_load_tiles() {
-  const amx::TileConfig config;
-  _tile_loadconfig(&config);
+  amx::load_tile_config();
 }
 
 inline void amx_release_tiles() { _tile_release(); }

@@ -41,6 +41,9 @@
 // Each output element is summed block by block in k order whatever the batch and the thread
 // count: a row's result does not depend on the rows beside it. Rounded once, at the end.
 //
+// Where the CPU has AMX-INT8, the "amx_int8" path takes each 16 rows of a panel on AMX tiles
+// (csrc/amx_int8_tiles.h) and the rows left over on the VNNI tile, with the same bits.
+//
 // Registered as torch.ops.trident.quant_linear / quant_linear_rows / quant_linear_best_path;
 // the fake kernels for tracing are in cpu_kernels.py.
 
@@ -83,10 +86,40 @@ std::string quant_linear_best_path() {
   return best;
 }
 
+// AMX's tile of 16 rows (amx_int8_tiles.h) and the tile configuration it needs on the thread
+// that runs it, and the release of the tile state after; all nullptr where the path does not
+// use AMX.
+struct WideTile {
+  TileFn tile;
+  void (*configure)();
+  void (*release)();
+};
+
+#if defined(TRIDENT_AMX) && defined(__AVX512F__)
+template <int64_t kLayout, int64_t kBlock, bool kHalfScales>
+constexpr WideTile amx_tile() {
+  return {&trident_kernels::amx_int8::tile<kLayout, kBlock, kHalfScales, code_bytes(kLayout, kBlock), code_bias(kLayout)>,
+          &trident_kernels::amx_int8::configure_tiles<kBlock>, &trident_kernels::amx_int8::release_tiles};
+}
+#endif
+
+WideTile pick_wide_tile(bool amx, int64_t layout, int64_t block, bool half_scales) {
+#if defined(TRIDENT_AMX) && defined(__AVX512F__)
+  if (!amx) return {nullptr, nullptr, nullptr};
+  if (layout == kU4) return half_scales ? amx_tile<kU4, 32, true>() : amx_tile<kU4, 32, false>();
+  if (layout == kI5) return half_scales ? amx_tile<kI5, 32, true>() : amx_tile<kI5, 32, false>();
+  if (layout == kI6) return half_scales ? amx_tile<kI6, 16, true>() : amx_tile<kI6, 16, false>();
+  if (block == 16) return half_scales ? amx_tile<kI8, 16, true>() : amx_tile<kI8, 16, false>();
+  return half_scales ? amx_tile<kI8, 32, true>() : amx_tile<kI8, 32, false>();
+#else
+  return {nullptr, nullptr, nullptr};
+#endif
+}
+
 template <typename storage_t>
 void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_bytes, const QuantizedRows& x,
-                int64_t rows, const std::array<TileFn, kMaxTileRows>& tiles, int64_t tile_rows, const float* bias,
-                storage_t* out) {
+                int64_t rows, const std::array<TileFn, kMaxTileRows>& tiles, int64_t tile_rows, WideTile wide,
+                const float* bias, storage_t* out) {
   const int64_t panels = (n + kPanelColumns - 1) / kPanelColumns;
   const int64_t panel_bytes = blocks * block_bytes;
   // Claims of ~32 KB of weights, and at least 4 claims a thread where the panels allow.
@@ -94,13 +127,16 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
   const int64_t by_count = std::max<int64_t>(1, panels / (4 * std::max(1, at::get_num_threads())));
   const int64_t claim = std::min(by_size, by_count);
   const auto compute = [&](int64_t begin, int64_t end) {
-    alignas(64) float result[kMaxTileRows * kPanelColumns];
+    alignas(64) float result[trident_kernels::amx_int8::kTileRows * kPanelColumns];
+    if (wide.tile) wide.configure();
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t column0 = panel * kPanelColumns;
       const int64_t columns = std::min(kPanelColumns, n - column0);
-      for (int64_t row0 = 0; row0 < rows; row0 += tile_rows) {
-        const int64_t tile = std::min<int64_t>(tile_rows, rows - row0);
-        tiles[tile - 1](packed + panel * panel_bytes, blocks, block_bytes, x, row0, result);
+      for (int64_t row0 = 0, tile = 0; row0 < rows; row0 += tile) {
+        // Each 16 rows on the wide tile where there is one, the rest on the narrow tiles.
+        const bool wide_rows = wide.tile && rows - row0 >= trident_kernels::amx_int8::kTileRows;
+        tile = wide_rows ? trident_kernels::amx_int8::kTileRows : std::min<int64_t>(tile_rows, rows - row0);
+        (wide_rows ? wide.tile : tiles[tile - 1])(packed + panel * panel_bytes, blocks, block_bytes, x, row0, result);
         for (int64_t r = 0; r < tile; ++r) {
           storage_t* dst = out + (row0 + r) * n + column0;
           for (int64_t c = 0; c < columns; ++c) {
@@ -110,6 +146,7 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
         }
       }
     }
+    if (wide.tile) wide.release();
   };
   if (rows <= kOneThreadRows)
     compute(0, panels);
@@ -119,7 +156,7 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
 
 // x [rows, k] (float32, bfloat16 or float16); packed [ceil(n / 16), k / block, block bytes]
 // uint8 as quant_linear.py lays it out; layout 0 (U4), 1 (I8), 2 (I5) or 3 (I6); path "auto",
-// "avx512_vnni" or "avx2" (the tests run both on one CPU) -> [rows, n] in x's dtype.
+// "amx_int8", "avx512_vnni" or "avx2" (the tests run each on one CPU) -> [rows, n] in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                         int64_t out_features, int64_t layout, int64_t block, bool half_scales, c10::string_view path) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x [rows, k]");
@@ -135,13 +172,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std
   thread_local std::vector<int32_t> scratch;
   const at::Tensor bias_f = trident_kernels::float_bias(bias, n);
   const auto tiles = pick_tiles(vnni, layout, block, half_scales);
+  const WideTile wide =
+      pick_wide_tile(use_amx_int8(path) && rows >= trident_kernels::amx_int8::kTileRows, layout, block, half_scales);
 #ifdef __AVX2__
   trident_kernels::dispatch_float_dtype(x, "quant_linear", [&](auto storage, auto element) {
     using storage_t = decltype(storage);
     using element_t = decltype(element);
     const QuantizedRows xq = trident_kernels::quantize_into(scratch, trident_kernels::bits_of<storage_t, element_t>(xc), rows, k);
     run_panels(packed.data_ptr<uint8_t>(), n, blocks, block_bytes, xq, rows, tiles, vnni ? kMaxTileRows : kAvx2TileRows,
-               bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, trident_kernels::bits_of<storage_t, element_t>(out));
+               wide, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, trident_kernels::bits_of<storage_t, element_t>(out));
   });
 #endif
   return out;

@@ -7,6 +7,7 @@
 
 #include <torch/types.h>
 
+#include "amx_int8_tiles.h"
 #include "int8_activations.h"
 #include "kernel_common.h"
 
@@ -42,8 +43,9 @@ inline bool cpu_has_avx512_vnni() {
 #endif
 }
 
-// "avx512_vnni", "avx2" or "" (none in this build on this CPU): the path "auto" takes.
+// "amx_int8", "avx512_vnni", "avx2" or "" (none in this build on this CPU): the path "auto" takes.
 inline std::string find_best_path() {
+  if (trident_kernels::amx_int8::cpu_has_amx_int8()) return "amx_int8";
   if (cpu_has_avx512_vnni()) return "avx512_vnni";
 #ifdef __AVX2__
   if (cpu_has_avx2_fma()) return "avx2";
@@ -350,14 +352,23 @@ inline void check_packed(const at::Tensor& packed, int64_t n, int64_t k, int64_t
               op, ": packed weights of another shape or layout");
 }
 
-// Whether `path` ("auto", "avx512_vnni" or "avx2") runs the AVX512-VNNI tiles; an error naming
-// `op` where that path is not in this build for this CPU.
+// Whether `path` ("auto", "amx_int8", "avx512_vnni" or "avx2") takes AMX-INT8 tiles for each 16
+// rows (amx_int8_tiles.h).
+inline bool use_amx_int8(c10::string_view path) {
+  static const std::string best = find_best_path();
+  return path == "amx_int8" || (path == "auto" && best == "amx_int8");
+}
+
+// Whether `path` runs the AVX512-VNNI tiles (the amx_int8 path's rows short of a tile do); an
+// error naming `op` where that path is not in this build for this CPU.
 inline bool use_vnni(c10::string_view path, const char* op) {
   static const std::string best = find_best_path();
-  const bool vnni = path == "avx512_vnni" || (path == "auto" && best == "avx512_vnni");
-  TORCH_CHECK(path == "auto" || path == "avx512_vnni" || path == "avx2", op, ": path auto, avx512_vnni or avx2");
-  TORCH_CHECK(!best.empty() && (!vnni || best == "avx512_vnni"), op, ": the ", std::string(path),
-              " path is not in this build for this CPU");
+  const bool amx = use_amx_int8(path);
+  const bool vnni = amx || path == "avx512_vnni" || (path == "auto" && best == "avx512_vnni");
+  TORCH_CHECK(path == "auto" || path == "amx_int8" || path == "avx512_vnni" || path == "avx2", op,
+              ": path auto, amx_int8, avx512_vnni or avx2");
+  TORCH_CHECK(!best.empty() && (!vnni || best != "avx2") && (!amx || best == "amx_int8"), op, ": the ",
+              std::string(path), " path is not in this build for this CPU");
   return vnni;
 }
 
