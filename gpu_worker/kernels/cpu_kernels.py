@@ -9,15 +9,10 @@
   size on AMX tiles, where the CPU has AMX-BF16 (its tile pieces in csrc/amx_tiles.h);
 - `torch.ops.trident.fused_moe` (csrc/fused_moe.cpp): a mixture-of-experts layer's routed
   experts in one op, on AMX tiles, AVX512-BF16 or plain C++ (its block sums in
-<<<<<<< HEAD
-  csrc/moe_block_sums.h; layers/fused_moe.py packs for it);
-- the elementwise steps of a layer, one op each (decoder_layer.py, `ElementwiseKernels`):
-=======
   csrc/moe_block_sums.h; layers/fused_moe.py packs for it), and `.fused_moe_gguf`
   (csrc/fused_moe_gguf.cpp) the same on a GGUF's quantized experts, on quant_linear's tiles
   (layers/fused_moe_gguf.py packs for it);
-- the elementwise steps of a layer, one op each (decoder.py, `ElementwiseKernels`):
->>>>>>> moegguf
+- the elementwise steps of a layer, one op each (decoder_layer.py, `ElementwiseKernels`):
   `torch.ops.trident.rms_norm` and `.add_rms_norm` (csrc/rms_norm.cpp: RMSNorm in one
   pass, after the residual add; LLaMA's x*w or Gemma's x*(1+w)), `.silu_and_mul` and
   `.gelu_tanh_and_mul` (SwiGLU, GeGLU), `.rotary` and `.rotary_write_kv`
