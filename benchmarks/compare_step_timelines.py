@@ -6,8 +6,10 @@ Each recording (`launch.py --record-batches FILE`, or bench_simulation.py --reco
 read into one row per step: its kind (decode, prefill, mixed), rows, tokens, and from the
 results the worker sent: when the result arrived, the worker's busy and idle time for the
 step (its counters' growth) and its forward time. Steps are grouped by kind and rows, and
-each group's medians are printed, with the profile's prediction of the same shapes; the
-first steps of the run (which decide the first tokens' latency) are printed one by one.
+each group's tokens, busy seconds and share of the run (where the time went: a few prefill
+steps can weigh as much as a hundred decode steps) are printed beside its medians, with the
+profile's prediction of the same shapes; the first steps of the run (which decide the
+first tokens' latency) are printed one by one.
 
 `--alone` replays the first recording on the model worker in this process (no scheduler,
 no tokenizer, nothing else on the cores) and adds each step's time alone and the worker's
@@ -106,8 +108,6 @@ def report(name: str, tl: dict[str, np.ndarray], profile: StepProfile | None, fi
         columns |= {"alone": tl["alone"], "alone_cpu": tl["alone_cpu"]}
     print(f"\n== {name}: {len(tl['t'])} computing steps over {tl['t'][-1]:.2f} s (ms, medians)")
     groups = np.asarray(step_groups(tl["shape"]))
-    # Totals beside the medians: where the run's time went (a few long prefill steps can
-    # weigh as much as a hundred decode steps).
     total_busy = np.nansum(tl["busy"])
     head = f"{'group':22} {'n':>4} {'kv/row':>7} {'tokens':>7} {'busy s':>7} {'share':>6} "
     print(head + " ".join(f"{c:>9}" for c in columns))
