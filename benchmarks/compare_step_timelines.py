@@ -6,8 +6,10 @@ Each recording (`launch.py --record-batches FILE`, or bench_simulation.py --reco
 read into one row per step: its kind (decode, prefill, mixed), rows, tokens, and from the
 results the worker sent: when the result arrived, the worker's busy and idle time for the
 step (its counters' growth) and its forward time. Steps are grouped by kind and rows, and
-each group's medians are printed, with the profile's prediction of the same shapes; the
-first steps of the run (which decide the first tokens' latency) are printed one by one.
+each group's tokens, busy seconds and share of the run (where the time went: a few prefill
+steps can weigh as much as a hundred decode steps) are printed beside its medians, with the
+profile's prediction of the same shapes; the first steps of the run (which decide the
+first tokens' latency) are printed one by one.
 
 `--alone` replays the first recording on the model worker in this process (no scheduler,
 no tokenizer, nothing else on the cores) and adds each step's time alone and the worker's
@@ -106,13 +108,16 @@ def report(name: str, tl: dict[str, np.ndarray], profile: StepProfile | None, fi
         columns |= {"alone": tl["alone"], "alone_cpu": tl["alone_cpu"]}
     print(f"\n== {name}: {len(tl['t'])} computing steps over {tl['t'][-1]:.2f} s (ms, medians)")
     groups = np.asarray(step_groups(tl["shape"]))
-    print(f"{'group':22} {'n':>4} {'kv/row':>7} " + " ".join(f"{c:>9}" for c in columns))
+    total_busy = np.nansum(tl["busy"])
+    head = f"{'group':22} {'n':>4} {'kv/row':>7} {'tokens':>7} {'busy s':>7} {'share':>6} "
+    print(head + " ".join(f"{c:>9}" for c in columns))
     for g in sorted(set(groups.tolist())):
         m = groups == g
         shape = tl["shape"][m]
         kv = np.median(shape[:, SHAPE.index("decode_kv_read")] / np.maximum(1, shape[:, SHAPE.index("logit_rows")]))
+        tokens, busy = shape[:, SHAPE.index("tokens")].sum(), np.nansum(tl["busy"][m])
         cells = " ".join(f"{np.nanmedian(v[m]) * 1e3:9.2f}" for v in columns.values())
-        print(f"{g:22} {int(m.sum()):4d} {kv:7.0f} {cells}")
+        print(f"{g:22} {int(m.sum()):4d} {kv:7.0f} {tokens:7.0f} {busy:7.2f} {busy / total_busy:6.1%} {cells}")
     print(f"first {first} steps: t, kind, rows, tokens | " + " ".join(columns))
     for i in range(min(first, len(tl["t"]))):
         s = tl["shape"][i]
