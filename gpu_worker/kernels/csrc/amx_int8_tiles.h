@@ -4,8 +4,8 @@
 // A panel's packed codes are already AMX's B layout: "16 columns x 4 consecutive k in each 64
 // bytes" is one row of an int8 B tile, so a block of 32 k is a B tile of 8 rows (4 for a block
 // of 16). I8's codes (c + 128) are read in place; U4's nibbles, I5's nibbles and fifth bits and
-// I6's nibbles and top bits are decoded into the same unsigned bytes the VNNI tile makes, a
-// whole panel at a time into a scratch in L1 that every 16 rows of the call read. The A tile is the 16 rows' int8 codes of the block, read in
+// I6's nibbles and top bits are decoded into the same unsigned bytes the VNNI tile makes, into
+// a 512-byte scratch tile in L1. The A tile is the 16 rows' int8 codes of the block, read in
 // place (`k` bytes apart). TDPBSUD multiplies signed A by unsigned B into int32 sums.
 //
 // Same bits as the VNNI tile: each block's int32 dot per row and column is exact whichever
@@ -71,129 +71,108 @@ void configure_tiles() {
 // does not carry 8 KB of it through every context switch.
 inline void release_tiles() { _tile_release(); }
 
-// Bytes of one block's decoded B tile (kBlock / 4 rows of 64 bytes), and whether a layout's
-// codes need decoding at all (I8's c + 128 are B tiles as they are packed).
-template <int64_t kBlock>
-constexpr int64_t kDecodedBlockBytes = kBlock * 16;
-constexpr bool decodes(int64_t layout) { return layout != 1; }
-
-// Bytes of the scratch that decode_panel fills for a panel of `blocks` blocks.
+// Block b's B tile: its address, at `scratch` (kBlock / 4 x 64 bytes) where decoded.
 template <int64_t kLayout, int64_t kBlock>
-constexpr int64_t decoded_panel_bytes(int64_t blocks) {
-  return decodes(kLayout) ? blocks * kDecodedBlockBytes<kBlock> : 0;
-}
-
-// Decodes every block of a panel into `scratch` (64-byte aligned, decoded_panel_bytes), block
-// b's B tile at b * kDecodedBlockBytes: once per panel, so that each 16 rows of a call read
-// the same decoded tiles (the decode is a fifth of a tile's work), and the stores are done
-// long before a tile load reads them back.
-template <int64_t kLayout, int64_t kBlock>
-void decode_panel(const uint8_t* panel, int64_t blocks, int64_t block_bytes, uint8_t* scratch) {
-  if constexpr (decodes(kLayout)) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* wb = panel + b * block_bytes;
-      uint8_t* out = scratch + b * kDecodedBlockBytes<kBlock>;
-      if constexpr (kLayout == 0 || kLayout == 2) {  // U4, I5: low nibbles k 0..15, high k 16..31
-        for (int g = 0; g < 4; ++g) {
-          const __m512i v = _mm512_loadu_si512(wb + 64 * g);
-          __m512i lo = _mm512_and_si512(v, nibble);
-          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-          if constexpr (kLayout == 2) {
-            const __m512i sixteen = _mm512_set1_epi8(0x10);
-            uint64_t low_mask, high_mask;
-            std::memcpy(&low_mask, wb + 256 + 16 * g, 8);
-            std::memcpy(&high_mask, wb + 256 + 16 * g + 8, 8);
-            lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(low_mask), lo, sixteen);
-            hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(high_mask), hi, sixteen);
-          }
-          _mm512_store_si512(out + 64 * g, lo);
-          _mm512_store_si512(out + 64 * (4 + g), hi);
-        }
-      } else {  // I6 (block 16): as the VNNI tile's six_bit_codes
-        const __m512i a = _mm512_loadu_si512(wb), b = _mm512_loadu_si512(wb + 64), top = _mm512_loadu_si512(wb + 128);
-        const __m512i top_bits = _mm512_set1_epi8(0x30);
-        _mm512_store_si512(out, _mm512_or_si512(_mm512_and_si512(a, nibble),
-                                                _mm512_and_si512(_mm512_slli_epi16(top, 4), top_bits)));
-        _mm512_store_si512(out + 64, _mm512_or_si512(_mm512_and_si512(b, nibble),
-                                                     _mm512_and_si512(_mm512_slli_epi16(top, 2), top_bits)));
-        _mm512_store_si512(out + 128, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), nibble),
-                                                      _mm512_and_si512(top, top_bits)));
-        _mm512_store_si512(out + 192, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), nibble),
-                                                      _mm512_and_si512(_mm512_srli_epi16(top, 2), top_bits)));
+inline const uint8_t* weight_tile(const uint8_t* wb, uint8_t* scratch) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  if constexpr (kLayout == 0 || kLayout == 2) {  // U4, I5: low nibbles k 0..15, high k 16..31
+    for (int g = 0; g < 4; ++g) {
+      const __m512i v = _mm512_loadu_si512(wb + 64 * g);
+      __m512i lo = _mm512_and_si512(v, nibble);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      if constexpr (kLayout == 2) {
+        const __m512i sixteen = _mm512_set1_epi8(0x10);
+        uint64_t low_mask, high_mask;
+        std::memcpy(&low_mask, wb + 256 + 16 * g, 8);
+        std::memcpy(&high_mask, wb + 256 + 16 * g + 8, 8);
+        lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(low_mask), lo, sixteen);
+        hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(high_mask), hi, sixteen);
       }
+      _mm512_store_si512(scratch + 64 * g, lo);
+      _mm512_store_si512(scratch + 64 * (4 + g), hi);
     }
+    return scratch;
+  } else if constexpr (kLayout == 3) {  // I6 (block 16): as the VNNI tile's six_bit_codes
+    const __m512i a = _mm512_loadu_si512(wb), b = _mm512_loadu_si512(wb + 64), top = _mm512_loadu_si512(wb + 128);
+    const __m512i top_bits = _mm512_set1_epi8(0x30);
+    _mm512_store_si512(scratch,
+                       _mm512_or_si512(_mm512_and_si512(a, nibble), _mm512_and_si512(_mm512_slli_epi16(top, 4), top_bits)));
+    _mm512_store_si512(scratch + 64,
+                       _mm512_or_si512(_mm512_and_si512(b, nibble), _mm512_and_si512(_mm512_slli_epi16(top, 2), top_bits)));
+    _mm512_store_si512(scratch + 128, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), nibble),
+                                                      _mm512_and_si512(top, top_bits)));
+    _mm512_store_si512(scratch + 192, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), nibble),
+                                                      _mm512_and_si512(_mm512_srli_epi16(top, 2), top_bits)));
+    return scratch;
+  } else {  // I8: the codes c + 128 as they are
+    return wb;
   }
 }
 
 // 16 rows from row0 of one panel into result[r * 16 + column] (float32, before the bias), as
-// the VNNI tile would; `decoded`: the panel's tiles from decode_panel (unused for I8); the
-// caller has run configure_tiles<kBlock>() on this thread. kLayout: 0 U4, 1 I8, 2 I5, 3 I6
-// (quant_linear.cpp's numbering); kCodeBytes, kBias: that file's code_bytes and code_bias.
-//
-// Blocks go in pairs, one pair ahead: the tile unit sums pair p + 1 into one buffer of dots
-// while the vector units run pair p's float work on the other, so that neither waits for the
-// other's stores (a tile's int32 dots reach the vector loads through memory). The 16 sums
-// stay in registers.
+// the VNNI tile would; the caller has run configure_tiles<kBlock>() on this thread. kLayout:
+// 0 U4, 1 I8, 2 I5, 3 I6 (quant_linear.cpp's numbering); kCodeBytes, kBias: that file's
+// code_bytes and code_bias of the layout.
 template <int64_t kLayout, int64_t kBlock, bool kHalfScales, int64_t kCodeBytes, int32_t kBias>
-void tile(const uint8_t* panel, const uint8_t* decoded, int64_t blocks, int64_t block_bytes, const QuantizedRows& x,
-          int64_t row0, float* result) {
+void tile(const uint8_t* panel, int64_t blocks, int64_t block_bytes, const QuantizedRows& x, int64_t row0,
+          float* result) {
   constexpr int64_t kScaleBytes = kHalfScales ? 2 : 4;
-  alignas(64) int32_t dots[2][2][kTileRows * 16];  // [buffer][block of the pair][row * 16 + column]
+  alignas(64) uint8_t scratch[2][kBlock * 16];
+  alignas(64) int32_t dots[2][kTileRows * 16];
   const int64_t scales_per_row = x.k / kActivationBlock;
-  const int8_t* rows = x.q + row0 * x.k;
-  const auto weights = [&](int64_t b) -> const uint8_t* {
-    if constexpr (decodes(kLayout)) return decoded + b * kDecodedBlockBytes<kBlock>;
-    else return panel + b * block_bytes;
-  };
-  // The integer dots of blocks b and b + 1 (where there is one) into out[0] and out[1].
-  const auto sum_pair = [&](int64_t b, int32_t (*out)[kTileRows * 16]) {
-    _tile_loadd(2, rows + b * kBlock, x.k);
-    _tile_loadd(4, weights(b), 64);
-    _tile_zero(0);
-    _tile_dpbsud(0, 2, 4);
-    _tile_stored(0, out[0], 64);
-    if (b + 1 < blocks) {
-      _tile_loadd(3, rows + (b + 1) * kBlock, x.k);
-      _tile_loadd(5, weights(b + 1), 64);
-      _tile_zero(1);
-      _tile_dpbsud(1, 3, 5);
-      _tile_stored(1, out[1], 64);
-    }
-  };
+  __m512 acc[kTileRows];
+  for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
   const auto load_scales = [](const uint8_t* p) {
     if constexpr (kHalfScales) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     else return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
   };
-  __m512 acc[kTileRows];
-#pragma GCC unroll 16
-  for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
-  sum_pair(0, dots[0]);
-  for (int64_t b = 0, buffer = 0; b < blocks; b += 2, buffer ^= 1) {
-    if (b + 2 < blocks) sum_pair(b + 2, dots[buffer ^ 1]);
-    // The float operations of each block, in the VNNI tile's order.
-    for (int64_t h = 0; h < 2 && b + h < blocks; ++h) {
-      const int64_t block = b + h;
-      const int32_t* dot = dots[buffer][h];
-      const uint8_t* wb = panel + block * block_bytes;
-      const __m512 sw = load_scales(wb + kCodeBytes);
-      [[maybe_unused]] const __m512 mw = kLayout == 0 ? load_scales(wb + kCodeBytes + 16 * kScaleBytes) : sw;
-#pragma GCC unroll 16
-      for (int r = 0; r < kTileRows; ++r) {
-        const int64_t row = row0 + r;
-        const float sx = x.scale[row * scales_per_row + block * kBlock / kActivationBlock];
-        __m512i d = _mm512_load_si512(dot + 16 * r);
-        if constexpr (kBias != 0) {
-          const int32_t* s = x.sum16 + row * (x.k / 16);
-          const int32_t code_sum = kBlock == 16 ? s[block] : s[2 * block] + s[2 * block + 1];
-          d = _mm512_sub_epi32(d, _mm512_set1_epi32(kBias * code_sum));
-        }
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_set1_ps(sx)), _mm512_cvtepi32_ps(d), acc[r]);
-        if constexpr (kLayout == 0) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sum32[row * (x.k / 32) + block]), acc[r]);
+  // The float operations of one block, in the VNNI tile's order.
+  const auto add_block = [&](int64_t b, const int32_t* dot) {
+    const uint8_t* wb = panel + b * block_bytes;
+    const __m512 sw = load_scales(wb + kCodeBytes);
+    for (int r = 0; r < kTileRows; ++r) {
+      const int64_t row = row0 + r;
+      const float sx = x.scale[row * scales_per_row + b * kBlock / kActivationBlock];
+      __m512i d = _mm512_load_si512(dot + 16 * r);
+      if constexpr (kBias != 0) {
+        const int32_t* s = x.sum16 + row * (x.k / 16);
+        const int32_t code_sum = kBlock == 16 ? s[b] : s[2 * b] + s[2 * b + 1];
+        d = _mm512_sub_epi32(d, _mm512_set1_epi32(kBias * code_sum));
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_set1_ps(sx)), _mm512_cvtepi32_ps(d), acc[r]);
+      if constexpr (kLayout == 0) {
+        const __m512 mw = load_scales(wb + kCodeBytes + 16 * kScaleBytes);
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sum32[row * (x.k / 32) + b]), acc[r]);
       }
     }
+  };
+  const int8_t* rows = x.q + row0 * x.k;
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {  // two blocks in flight
+    const uint8_t* w0 = weight_tile<kLayout, kBlock>(panel + b * block_bytes, scratch[0]);
+    const uint8_t* w1 = weight_tile<kLayout, kBlock>(panel + (b + 1) * block_bytes, scratch[1]);
+    _tile_loadd(2, rows + b * kBlock, x.k);
+    _tile_loadd(4, w0, 64);
+    _tile_loadd(3, rows + (b + 1) * kBlock, x.k);
+    _tile_loadd(5, w1, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbsud(1, 3, 5);
+    _tile_stored(0, dots[0], 64);
+    _tile_stored(1, dots[1], 64);
+    add_block(b, dots[0]);
+    add_block(b + 1, dots[1]);
   }
-#pragma GCC unroll 16
+  if (b < blocks) {
+    const uint8_t* w0 = weight_tile<kLayout, kBlock>(panel + b * block_bytes, scratch[0]);
+    _tile_loadd(2, rows + b * kBlock, x.k);
+    _tile_loadd(4, w0, 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 2, 4);
+    _tile_stored(0, dots[0], 64);
+    add_block(b, dots[0]);
+  }
   for (int r = 0; r < kTileRows; ++r) _mm512_storeu_ps(result + r * 16, acc[r]);
 }
 

@@ -86,15 +86,11 @@ std::string quant_linear_best_path() {
   return best;
 }
 
-// AMX's tile of 16 rows (amx_int8_tiles.h), the decode of a panel's codes into the B tiles it
-// reads (and the scratch bytes that takes for a panel of `blocks`), the tile configuration it
-// needs on the thread that runs it, and the release of the tile state after; all nullptr
-// where the path does not use AMX.
+// AMX's tile of 16 rows (amx_int8_tiles.h) and the tile configuration it needs on the thread
+// that runs it, and the release of the tile state after; all nullptr where the path does not
+// use AMX.
 struct WideTile {
-  void (*tile)(const uint8_t* panel, const uint8_t* decoded, int64_t blocks, int64_t block_bytes,
-               const QuantizedRows& x, int64_t row0, float* result);
-  void (*decode)(const uint8_t* panel, int64_t blocks, int64_t block_bytes, uint8_t* scratch);
-  int64_t (*decoded_bytes)(int64_t blocks);
+  TileFn tile;
   void (*configure)();
   void (*release)();
 };
@@ -102,23 +98,21 @@ struct WideTile {
 #if defined(TRIDENT_AMX) && defined(__AVX512F__)
 template <int64_t kLayout, int64_t kBlock, bool kHalfScales>
 constexpr WideTile amx_tile() {
-  namespace amx8 = trident_kernels::amx_int8;
-  return {&amx8::tile<kLayout, kBlock, kHalfScales, code_bytes(kLayout, kBlock), code_bias(kLayout)>,
-          &amx8::decode_panel<kLayout, kBlock>, &amx8::decoded_panel_bytes<kLayout, kBlock>,
-          &amx8::configure_tiles<kBlock>, &amx8::release_tiles};
+  return {&trident_kernels::amx_int8::tile<kLayout, kBlock, kHalfScales, code_bytes(kLayout, kBlock), code_bias(kLayout)>,
+          &trident_kernels::amx_int8::configure_tiles<kBlock>, &trident_kernels::amx_int8::release_tiles};
 }
 #endif
 
 WideTile pick_wide_tile(bool amx, int64_t layout, int64_t block, bool half_scales) {
 #if defined(TRIDENT_AMX) && defined(__AVX512F__)
-  if (!amx) return {};
+  if (!amx) return {nullptr, nullptr, nullptr};
   if (layout == kU4) return half_scales ? amx_tile<kU4, 32, true>() : amx_tile<kU4, 32, false>();
   if (layout == kI5) return half_scales ? amx_tile<kI5, 32, true>() : amx_tile<kI5, 32, false>();
   if (layout == kI6) return half_scales ? amx_tile<kI6, 16, true>() : amx_tile<kI6, 16, false>();
   if (block == 16) return half_scales ? amx_tile<kI8, 16, true>() : amx_tile<kI8, 16, false>();
   return half_scales ? amx_tile<kI8, 32, true>() : amx_tile<kI8, 32, false>();
 #else
-  return {};
+  return {nullptr, nullptr, nullptr};
 #endif
 }
 
@@ -134,27 +128,15 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
   const int64_t claim = std::min(by_size, by_count);
   const auto compute = [&](int64_t begin, int64_t end) {
     alignas(64) float result[trident_kernels::amx_int8::kTileRows * kPanelColumns];
-    // The panel's decoded codes, shared by its wide tiles: kept by the thread across calls.
-    thread_local std::vector<uint8_t> scratch;
-    uint8_t* decoded = nullptr;
-    if (wide.tile) {
-      wide.configure();
-      scratch.resize(static_cast<size_t>(wide.decoded_bytes(blocks) + 64));
-      decoded = scratch.data() + (-reinterpret_cast<uintptr_t>(scratch.data()) & 63);
-    }
+    if (wide.tile) wide.configure();
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t column0 = panel * kPanelColumns;
       const int64_t columns = std::min(kPanelColumns, n - column0);
-      const uint8_t* weights = packed + panel * panel_bytes;
-      if (wide.tile) wide.decode(weights, blocks, block_bytes, decoded);
       for (int64_t row0 = 0, tile = 0; row0 < rows; row0 += tile) {
         // Each 16 rows on the wide tile where there is one, the rest on the narrow tiles.
         const bool wide_rows = wide.tile && rows - row0 >= trident_kernels::amx_int8::kTileRows;
         tile = wide_rows ? trident_kernels::amx_int8::kTileRows : std::min<int64_t>(tile_rows, rows - row0);
-        if (wide_rows)
-          wide.tile(weights, decoded, blocks, block_bytes, x, row0, result);
-        else
-          tiles[tile - 1](weights, blocks, block_bytes, x, row0, result);
+        (wide_rows ? wide.tile : tiles[tile - 1])(packed + panel * panel_bytes, blocks, block_bytes, x, row0, result);
         for (int64_t r = 0; r < tile; ++r) {
           storage_t* dst = out + (row0 + r) * n + column0;
           for (int64_t c = 0; c < columns; ++c) {
