@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_attention,
         "plain" if ns.ab_linear else ns.linear_weights,
         disable_batch_invariance=ns.disable_batch_invariance,
+        cpu_threads=ns.threads,
     )
     print(
         json.dumps(
