@@ -135,11 +135,16 @@ def default_server():
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def float32_scores(hf_reference) -> list[list[float]]:
+    """transformers_scores of every item: one forward of every choice, for both tests."""
+    return transformers_scores(hf_reference, load_docs())
+
+
 def test_lm_eval_on_the_float32_server_makes_every_choice_transformers_float32_makes(
-    smollm2_server, hf_reference, tmp_path
+    smollm2_server, hf_reference, float32_scores, tmp_path
 ):
-    docs = load_docs()
-    expected = transformers_scores(hf_reference, docs)
+    docs, expected = load_docs(), float32_scores
     accuracy, served = lm_eval_scores(smollm2_server, hf_reference, tmp_path)
     for item, (got, want) in enumerate(zip(served, expected, strict=True)):
         assert got == pytest.approx(want, abs=FLOAT32_ATOL), item
@@ -148,10 +153,9 @@ def test_lm_eval_on_the_float32_server_makes_every_choice_transformers_float32_m
 
 
 def test_lm_eval_on_the_default_server_is_as_accurate_as_transformers_float32_beyond_near_ties(
-    default_server, hf_reference, tmp_path
+    default_server, hf_reference, float32_scores, tmp_path
 ):
-    docs = load_docs()
-    expected = transformers_scores(hf_reference, docs)
+    docs, expected = load_docs(), float32_scores
     _, served = lm_eval_scores(default_server, hf_reference, tmp_path)
     errors = [abs(g - w) for got, want in zip(served, expected, strict=True) for g, w in zip(got, want, strict=True)]
     assert sum(errors) / len(errors) < DEFAULT_MEAN_ERROR

@@ -24,19 +24,28 @@ _reference_cache: dict[str, list[int]] = {}
 
 def reference_ids(hf_reference, prompt: str) -> list[int]:
     if prompt not in _reference_cache:
-        _reference_cache[prompt] = _generate_reference(hf_reference, prompt)
+        _reference_cache.update(zip(PROMPTS, _generate_references(hf_reference, PROMPTS), strict=True))
     return _reference_cache[prompt]
 
 
-def _generate_reference(hf_reference, prompt: str) -> list[int]:
+def _generate_references(hf_reference, prompts: list[str]) -> list[list[int]]:
+    """transformers' greedy tokens of each prompt, the prompts as one left-padded, masked
+    batch: each step reads the float32 LM head once for all of them, not once per prompt."""
     tok, model = hf_reference
-    ids = tok(prompt, return_tensors="pt").input_ids
+    rows = [tok(prompt).input_ids for prompt in prompts]
+    width = max(map(len, rows))
+    ids = torch.tensor([[tok.eos_token_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-    gen = out[0, ids.shape[1] :].tolist()
-    if tok.eos_token_id in gen:  # the server stops at EOS and reports it
-        gen = gen[: gen.index(tok.eos_token_id) + 1]
-    return gen
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tok.eos_token_id
+        )
+    wants = []
+    for gen in out[:, width:].tolist():
+        if tok.eos_token_id in gen:  # the server stops at EOS and reports it
+            gen = gen[: gen.index(tok.eos_token_id) + 1]
+        wants.append(gen)
+    return wants
 
 
 def test_concurrent_greedy_completions_equal_transformers_token_for_token(smollm2_server, hf_reference):
