@@ -16,6 +16,9 @@
 // span) therefore streams each weight once. A long prompt chunk on a wide input (the MLP's down
 // projection) takes several spans: read whole, its 256 rows of inputs would not fit in L2 and
 // every column block would read them again from memory.
+// A column block's span is not held in L1 across the row tiles with the sums parked in memory
+// between short spans: every park is four tile stores and four tile loads, and at spans short
+// enough for L1 they cost more than the L2 reads they save (measured at 64-256 rows a pass).
 //
 // Batch invariance: an output's sum runs over k-chunks 0, 1, 2, ... on one accumulator tile,
 // whatever the number of rows, the row's position in its tile, or the thread that computes it
