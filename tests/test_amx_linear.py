@@ -4,6 +4,8 @@ position among them and of the number of threads."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -29,6 +31,16 @@ def _error_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, refer
         magnitude = magnitude + b.double().abs()
     additions = x.shape[1] + 1
     return additions * 2.0**-24 * magnitude * (1 + 2.0**-8) + 2.0**-8 * reference.abs()
+
+
+def _on_threads(threads: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """fn() computed on `threads` threads."""
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return fn()
+    finally:
+        torch.set_num_threads(saved)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -62,14 +74,8 @@ def test_amx_linear_gives_the_same_bits_on_one_thread_and_on_several_and_past_on
     w = torch.randn(200, 64, dtype=torch.bfloat16)
     packed = AMX.pack(w)
     x = torch.randn(600, 64, dtype=torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = AMX.linear(x, packed, None, 200)
-        torch.set_num_threads(max(2, threads))
-        together = AMX.linear(x, packed, None, 200)
-    finally:
-        torch.set_num_threads(threads)
+    alone = _on_threads(1, lambda: AMX.linear(x, packed, None, 200))
+    together = _on_threads(max(2, torch.get_num_threads()), lambda: AMX.linear(x, packed, None, 200))
     assert torch.equal(alone, together)
     assert torch.equal(AMX.linear(x[599:], packed, None, 200), alone[599:])
     assert torch.equal(AMX.linear(x[250:300], packed, None, 200), alone[250:300])
@@ -86,6 +92,34 @@ def test_amx_linear_gives_the_same_bits_when_a_wide_input_is_summed_in_several_k
         assert torch.equal(AMX.linear(x[start : start + 1], packed, b, 40), whole[start : start + 1]), start
     reference = x.double() @ w.double().T + b.double()
     assert ((whole.double() - reference).abs() <= _error_bound(x, w, b, reference)).all()
+
+
+def test_amx_linear_gives_a_row_the_same_bits_in_a_prompt_chunk_of_2048_rows_on_1_and_2_threads():
+    """2,048 rows of 2,080 features: eight 256-row passes, each taking k in two spans; a row's
+    bits are those it gets alone, in slices that start and end inside a pass or across pass
+    boundaries, and on one thread or two."""
+    n, k = 72, 2080
+    w, b = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
+    packed = AMX.pack(w)
+    x = torch.randn(2048, k, dtype=torch.bfloat16)
+    whole = _on_threads(1, lambda: AMX.linear(x, packed, b, n))
+    assert torch.equal(_on_threads(2, lambda: AMX.linear(x, packed, b, n)), whole)
+    for start, stop in ((0, 1), (255, 256), (256, 257), (2047, 2048), (200, 300), (250, 770), (17, 2048), (0, 1100)):
+        assert torch.equal(AMX.linear(x[start:stop], packed, b, n), whole[start:stop]), (start, stop)
+    reference = x.double() @ w.double().T + b.double()
+    assert ((whole.double() - reference).abs() <= _error_bound(x, w, b, reference)).all()
+
+
+def test_amx_linear_gives_the_same_bits_when_threads_claim_many_column_blocks_each():
+    """4,096 outputs: 128 column blocks, several to a claim; each claim's last block prefetches
+    the thread's next claim. Prefetching changes no sums."""
+    n, k = 4096, 96
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    packed = AMX.pack(w)
+    x = torch.randn(40, k, dtype=torch.bfloat16)
+    alone = _on_threads(1, lambda: AMX.linear(x, packed, None, n))
+    assert torch.equal(_on_threads(2, lambda: AMX.linear(x, packed, None, n)), alone)
+    assert torch.equal(_on_threads(2, lambda: AMX.linear(x[39:], packed, None, n)), alone[39:])
 
 
 def test_amx_linear_of_no_rows_is_empty_and_a_mismatched_width_is_a_clear_error():

@@ -16,6 +16,9 @@
 // span) therefore streams each weight once. A long prompt chunk on a wide input (the MLP's down
 // projection) takes several spans: read whole, its 256 rows of inputs would not fit in L2 and
 // every column block would read them again from memory.
+// A column block's span is not held in L1 across the row tiles with the sums parked in memory
+// between short spans: every park is four tile stores and four tile loads, and at spans short
+// enough for L1 they cost more than the L2 reads they save (measured at 64-256 rows a pass).
 //
 // Batch invariance: an output's sum runs over k-chunks 0, 1, 2, ... on one accumulator tile,
 // whatever the number of rows, the row's position in its tile, or the thread that computes it
@@ -55,8 +58,7 @@ constexpr int64_t kRowsPerPass = 256;
 // The input tiles of one k-span of a pass (all of k = 2,048 at 256 rows), kept in L2 while every
 // column block is read once.
 constexpr int64_t kSpanInputBytes = int64_t{1} << 20;
-// Claims per thread (parallel_for_claimed): enough to even out the threads' shares, few enough
-// that a claim runs over several column blocks, each prefetching the next.
+// Claims per thread (parallel_for_claimed_ahead): enough to even out the threads' shares.
 constexpr int64_t kClaimsPerThread = 16;
 
 // weight [n, k] bfloat16 -> [ceil(n / 32), ceil(k / 32), 2, 16, 32] bfloat16 (the layout in amx_tiles.h).
@@ -123,14 +125,21 @@ void amx_span(const uint16_t* tiles, int64_t rows, const uint16_t* packed, int64
   const int64_t span_bytes = span_chunks * kBlockChunkElements * 2;
   const int64_t passes = round_up(rows, 2 * kTileRows) / (2 * kTileRows);
   const int64_t per_claim = std::max<int64_t>(1, blocks / (kClaimsPerThread * at::get_num_threads()));
-  trident_kernels::parallel_for_claimed(blocks, per_claim, [&](int64_t begin, int64_t end) {
+  trident_kernels::parallel_for_claimed_ahead(blocks, per_claim, [&](int64_t begin, int64_t end, int64_t next_begin) {
     amx::load_tile_config();
     alignas(64) float sums[2 * kTileRows * kBlockColumns];
     for (int64_t block = begin; block < end; ++block) {
       const uint16_t* weights = packed + block * block_elements + first_chunk * kBlockChunkElements;
       const int64_t column0 = block * kBlockColumns, columns = std::min(kBlockColumns, n - column0);
-      // The next block's span is fetched into L2 while this one is summed, a share per row pass.
-      const char* next = block + 1 < end ? reinterpret_cast<const char*>(weights + block_elements) : nullptr;
+      // The next block's span (the next claim's first at a claim's end) is fetched into L2 while
+      // this one is summed, a share per row pass: left to the hardware prefetcher, a claim's first
+      // block would wait on memory, and a decode step's o and down projections claim two or
+      // three blocks at a time.
+      const int64_t next_block = block + 1 < end ? block + 1 : next_begin;
+      const char* next = next_block < blocks
+                             ? reinterpret_cast<const char*>(packed + next_block * block_elements +
+                                                             first_chunk * kBlockChunkElements)
+                             : nullptr;
       for (int64_t row0 = 0; row0 < rows; row0 += 2 * kTileRows) {
         const uint16_t* x_a = tiles + (row0 / kTileRows) * row_tile_elements;
         const int64_t tile_rows = std::min(2 * kTileRows, rows - row0);

@@ -140,6 +140,28 @@ void parallel_for_claimed(int64_t n, int64_t chunk, const Body& body) {
   });
 }
 
+// parallel_for_claimed for a body that prefetches what it reads next: each thread claims its
+// next chunk before it runs the current one, and body(begin, end, next_begin) learns where that
+// next chunk starts (n when there is none), so that a chunk's last item can prefetch the next
+// chunk's first instead of leaving it to a cold start. A thread holds at most one chunk ahead.
+template <typename Body>
+void parallel_for_claimed_ahead(int64_t n, int64_t chunk, const Body& body) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1 || at::in_parallel_region()) {
+    body(0, n, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;) {
+      const int64_t ahead = next.fetch_add(1, std::memory_order_relaxed);
+      body(c * chunk, std::min(n, (c + 1) * chunk), ahead < chunks ? ahead * chunk : n);
+      c = ahead;
+    }
+  });
+}
+
 // Calls `body(storage_t{}, element_t{})` for the tensor's dtype: element_t is its c10 type,
 // storage_t how a kernel reads it (bfloat16 as Bf16Bits).
 template <typename Body>
