@@ -130,11 +130,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_pool: KVPool,
         meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
         """Runs the flat token batch; returns the logits (in the model's dtype: the sampler
-        converts them when it needs float32) of the rows in logits_indices."""
-        return self.logits(self.last_layer_states(input_ids, positions, kv_pool, meta)[logits_indices])
+        converts them when it needs float32) of the rows in logits_indices (None: of every
+        row, as in a decode step, without an index copy)."""
+        states = self.last_layer_states(input_ids, positions, kv_pool, meta)
+        return self.logits(states if logits_indices is None else states[logits_indices])
 
     @torch.inference_mode()
     def last_layer_states(

@@ -14,6 +14,8 @@ Under tensor parallelism (`parallel.py`) every module is built with this rank's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -164,6 +166,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(self.activate(self.gate_up_proj(x))))
+
+    def activate_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """activate as a plain function for eager steps (flat_decode.py): the C++ op itself
+        where the model set one, without the per-call checks; rebuild it when kernels change."""
+        if self.kernels is None:
+            return self.activate
+        return self.kernels.gelu_tanh_and_mul if self.activation == "gelu_tanh" else self.kernels.silu_and_mul
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """activation(gate) * up."""

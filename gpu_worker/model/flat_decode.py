@@ -55,7 +55,7 @@ class FlatLayer(NamedTuple):
     """Sandwich norms only (Gemma 3): the MLP's input norm."""
     gate_up_proj: RowsLinear | None
     activate: Callable[[torch.Tensor], torch.Tensor] | None
-    """MLP.activate: SwiGLU or GeGLU through the C++ op."""
+    """MLP.activate_fn: SwiGLU or GeGLU, the C++ op itself."""
     down_proj: RowsLinear | None
     sparse_mlp: Callable[[torch.Tensor], torch.Tensor] | None
     """A mixture-of-experts layer's MLP (sparse_moe.py), in place of the three above."""
@@ -79,7 +79,7 @@ class FlatLayer(NamedTuple):
             layer.post_attention_layernorm.weight,
             None if pre_ffn is None else pre_ffn.weight,
             None if sparse else rows_linear(mlp.gate_up_proj),
-            None if sparse else mlp.activate,
+            None if sparse else mlp.activate_fn(),
             None if sparse else rows_linear(mlp.down_proj),
             mlp.forward if sparse else None,
             None if post_ffn is None else post_ffn.weight,
@@ -119,31 +119,47 @@ class FlatDecodeLoop:
     ) -> torch.Tensor:
         """x [rows, hidden] after the embedding -> the residual stream after the last layer."""
         ops, eps, unit, loc = self.kernels, self.eps, self.unit_offset, meta.out_cache_loc
+        heads, kv_heads, q_size, kernel = self.num_heads, self.num_kv_heads, self.q_size, self.decode_kernel
+        rotary_write_kv, rms_norm, add_rms_norm = ops.rotary_write_kv, ops.rms_norm, ops.add_rms_norm
+        whole_batch = _whole_batch_keys(meta, kernel)
         delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if delta is None:
-                h = ops.rms_norm(x, layer.input_norm, eps, unit)
+                h = rms_norm(x, layer.input_norm, eps, unit)
             else:
-                x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps, unit)
+                x, h = add_rms_norm(x, delta, layer.input_norm, eps, unit)
             qkv = layer.qkv_proj(h)
             cos, signed_sin = rotary_tables[layer.rope]
-            heads, kv_heads = self.num_heads, self.num_kv_heads
-            q = ops.rotary_write_kv(qkv, cos, signed_sin, kv_cache, loc, heads, kv_heads, *layer.qk_norm_args)
-            out = paged_attention(q, None, None, kv_cache, meta, None, self.decode_kernel, layer.window, layer.scale)
-            attn = layer.o_proj(out.reshape(-1, self.q_size))
+            q = rotary_write_kv(qkv, cos, signed_sin, kv_cache, loc, heads, kv_heads, *layer.qk_norm_args)
+            if whole_batch is not None:
+                out = kernel(q, kv_cache, *whole_batch, layer.scale, layer.window)  # type: ignore[misc]
+            else:
+                out = paged_attention(q, None, None, kv_cache, meta, None, kernel, layer.window, layer.scale)
+            attn = layer.o_proj(out.reshape(-1, q_size))
             if layer.pre_feedforward_norm is None or layer.post_feedforward_norm is None:
-                x, h = ops.add_rms_norm(x, attn, layer.post_attention_norm, eps, unit)
+                x, h = add_rms_norm(x, attn, layer.post_attention_norm, eps, unit)
                 if layer.sparse_mlp is None:
                     delta = layer.down_proj(layer.activate(layer.gate_up_proj(h)))
                 else:
                     delta = layer.sparse_mlp(h)
             else:
-                attn = ops.rms_norm(attn, layer.post_attention_norm, eps, unit)
-                x, h = ops.add_rms_norm(x, attn, layer.pre_feedforward_norm, eps, unit)
+                attn = rms_norm(attn, layer.post_attention_norm, eps, unit)
+                x, h = add_rms_norm(x, attn, layer.pre_feedforward_norm, eps, unit)
                 if layer.sparse_mlp is None:
                     mlp_out = layer.down_proj(layer.activate(layer.gate_up_proj(h)))
                 else:
                     mlp_out = layer.sparse_mlp(h)
-                delta = ops.rms_norm(mlp_out, layer.post_feedforward_norm, eps, unit)
+                delta = rms_norm(mlp_out, layer.post_feedforward_norm, eps, unit)
         assert delta is not None, "a model has at least one layer"
         return x + delta
+
+
+def _whole_batch_keys(meta: AttentionMetadata, kernel: DecodeKernel | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(kv_indices, kv_lens) when the step's attention is one kernel call over the batch as it
+    stands (one group covering it, each row its own index row): the call paged_attention
+    makes for such a step, without its dispatch in every layer. None: paged_attention decides."""
+    groups = meta.decode_groups
+    if kernel is None or meta.query_keys is not None or len(groups) != 1:
+        return None
+    g = groups[0]
+    return (g.kv_indices, g.kv_lens) if g.covers_batch and g.kv_rows is None else None

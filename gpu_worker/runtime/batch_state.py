@@ -242,22 +242,26 @@ class BatchState:
         max_slots, capacity, vocab = len(self.page_table), self.row_capacity, self.sampling.vocab_size
         in_batch = np.zeros(max_slots, dtype=bool)
         in_batch[self.order] = True
-        removed = np.asarray(desc.removed_slots, dtype=np.int64)
-        _within("removed slot", removed, 0, max_slots)
-        if not in_batch[removed].all():
-            raise DescriptorOutOfRange(f"removes slot {int(removed[~in_batch[removed]][0])}, which is not in the batch")
-        in_batch[removed] = False
+        # A steady decode step removes and adds nothing: those checks are skipped, not run on empty arrays.
+        if desc.removed_slots:
+            removed = np.asarray(desc.removed_slots, dtype=np.int64)
+            _within("removed slot", removed, 0, max_slots)
+            if not in_batch[removed].all():
+                raise DescriptorOutOfRange(
+                    f"removes slot {int(removed[~in_batch[removed]][0])}, which is not in the batch"
+                )
+            in_batch[removed] = False
         lens = self.row_lens_host.copy()
         decoding = self.decoding & in_batch
-        added = np.asarray([a.slot for a in desc.added], dtype=np.int64)
-        _within("added slot", added, 0, max_slots)
-        if in_batch[added].any() or len(np.unique(added)) != len(added):
-            raise DescriptorOutOfRange("adds a slot that is already in the batch")
-        in_batch[added] = True
-        decoding[added] = False
-        lens[added] = [a.prefix_len for a in desc.added]
-        _within("prefix length", lens[added], 0, capacity + 1)
         if desc.added:
+            added = np.asarray([a.slot for a in desc.added], dtype=np.int64)
+            _within("added slot", added, 0, max_slots)
+            if in_batch[added].any() or len(np.unique(added)) != len(added):
+                raise DescriptorOutOfRange("adds a slot that is already in the batch")
+            in_batch[added] = True
+            decoding[added] = False
+            lens[added] = [a.prefix_len for a in desc.added]
+            _within("prefix length", lens[added], 0, capacity + 1)
             _within("generated token", unpack_int32(b"".join(a.generated_ids for a in desc.added)), 0, vocab)
         if desc.page_appends.slots:
             slots, cols, ids = desc.page_appends.scatter_indices()

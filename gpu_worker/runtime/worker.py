@@ -372,7 +372,9 @@ class Worker(WorkerLoop):
         inputs = self.state.forward_inputs(plan)
         ids, positions, meta = inputs.input_ids, inputs.positions, inputs.meta
         if not plan.pooled_rows:
-            return inputs, self.model(ids, positions, self.kv_pool, meta, inputs.logits_indices)
+            # Without prompt chunks every token's logits are wanted, in order (plan_step).
+            rows = None if not plan.extend_rows else inputs.logits_indices
+            return inputs, self.model(ids, positions, self.kv_pool, meta, rows)
         states = self.model.last_layer_states(ids, positions, self.kv_pool, meta)
         logits = self.model.logits(states[inputs.logits_indices])
         pooled = torch.from_numpy(self.pooler.positions(plan)).to(self.device)
