@@ -37,13 +37,17 @@ class PageAllocator:
         self.num_pages: int = num_pages
         self.total: int = num_pages - 1
         self._refcount: list[int] = [0] * num_pages
-        # Used as a stack: alloc pops from the end. Reversed so page 1 goes out first.
-        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        # The free pages as one stack, alloc taking from its top: freed pages (`_free`, top
+        # last) above the pages never handed out, `_fresh` .. num_pages - 1, which leave in
+        # ascending order. A small model's pool has millions of pages; listing them all at
+        # start would cost the scheduler more CPU than its imports, on every server start.
+        self._free: list[int] = []
+        self._fresh: int = 1
 
     @property
     def available(self) -> int:
         """Number of free pages."""
-        return len(self._free)
+        return len(self._free) + self.num_pages - self._fresh
 
     def refcount(self, page: int) -> int:
         """Current reference count of ``page`` (0 means free)."""
@@ -54,14 +58,19 @@ class PageAllocator:
         """Take ``n`` free pages, each with refcount 1; ``None`` (taking nothing) if too few."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of pages: {n}")
-        if n > len(self._free):
+        if n > self.available:
             return None
         if n == 0:
             return []
         free = self._free
-        pages = free[-n:]
-        del free[-n:]
+        reused = min(n, len(free))
+        pages = free[len(free) - reused :]
+        del free[len(free) - reused :]
         pages.reverse()
+        if reused < n:
+            fresh = self._fresh
+            self._fresh = fresh + n - reused
+            pages.extend(range(fresh, self._fresh))
         rc = self._refcount
         for p in pages:
             rc[p] = 1

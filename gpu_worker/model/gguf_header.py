@@ -20,6 +20,7 @@ _MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 """GGUF value type -> struct format (8 = string, 9 = array are read apart)."""
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")
 _DEFAULT_ALIGNMENT = 32
 
 
@@ -76,13 +77,32 @@ class _Cursor:
         self.pos += n
         return out
 
+    def string_array(self, count: int) -> list[bytes]:
+        """`raw_string` `count` times in one loop over locals: a vocabulary's tokens (and
+        merges) are nearly all of a GGUF header's items, and each process that opens the
+        file (the launcher's check, the worker's config and weights) reads them."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length = _LENGTH.unpack_from
+        out: list[bytes] = [b""] * count
+        for i in range(count):
+            if pos + 8 > end:
+                raise GGUFFormatError("the header is cut short")
+            n = length(buf, pos)[0]
+            pos += 8
+            if pos + n > end:
+                raise GGUFFormatError("the header is cut short")
+            out[i] = buf[pos : pos + n].tobytes()
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == _STRING:
             return self.raw_string().decode("utf-8", errors="replace")
         if kind == _ARRAY:
             item_kind, count = self.take("<I"), self.take("<Q")
             if item_kind == _STRING:
-                return [self.raw_string() for _ in range(count)]
+                return self.string_array(count)
             if item_kind not in _SCALARS:
                 return [self.value(item_kind) for _ in range(count)]
             dtype = np.dtype(_SCALARS[item_kind])
