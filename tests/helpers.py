@@ -66,12 +66,25 @@ and removes it after): what one process computed there, the others need not comp
 def one_gguf_reader_per_file() -> Iterator[None]:
     """transformers opens a GGUF with gguf.GGUFReader twice, for its config and for its
     tensors, and each reader parses every item of the vocabulary's arrays (slow for Gemma 3's
-    262k tokens): meanwhile, a file's second reader is its first. The reader is
-    read-only (a memory map and the fields parsed from it), so sharing it changes nothing."""
+    262k tokens): meanwhile, a file's second reader is its first, and it slices a plain array
+    over the file's memory map rather than the np.memmap itself (numpy's memmap subclass adds
+    Python-level work to each of those millions of small slices; the bytes, dtypes and shapes
+    read are the same). The reader is read-only (a memory map and the fields parsed from it),
+    so sharing it changes nothing."""
     import gguf
 
     reader_class = gguf.GGUFReader
-    gguf.GGUFReader = functools.cache(reader_class)
+
+    class PlainArrayReader(reader_class):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain_data
+
+        @data.setter
+        def data(self, mapped: np.memmap) -> None:
+            self._plain_data = mapped.view(np.ndarray)  # keeps the map open, and read-only
+
+    gguf.GGUFReader = functools.cache(PlainArrayReader)
     try:
         yield
     finally:
