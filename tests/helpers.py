@@ -66,16 +66,45 @@ and removes it after): what one process computed there, the others need not comp
 def one_gguf_reader_per_file() -> Iterator[None]:
     """transformers opens a GGUF with gguf.GGUFReader twice, for its config and for its
     tensors, and each reader parses every item of the vocabulary's arrays (slow for Gemma 3's
-    262k tokens): meanwhile, a file's second reader is its first. The reader is
-    read-only (a memory map and the fields parsed from it), so sharing it changes nothing."""
+    262k tokens): meanwhile, a file's second reader is its first, and it slices a plain array
+    over the file's memory map rather than the np.memmap itself (numpy's memmap subclass adds
+    Python-level work to each of those millions of small slices; the bytes, dtypes and shapes
+    read are the same). Each pass also converts every item of every field to a Python value
+    and builds the tensor-name map once per submodule: the second conversion of an item returns
+    the first's value, and one name map serves every submodule. The reader is read-only (a
+    memory map and the fields parsed from it), its items' values immutable (numbers, strings)
+    and the name map a lookup table, so sharing them changes nothing."""
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
 
     reader_class = gguf.GGUFReader
-    gguf.GGUFReader = functools.cache(reader_class)
+    name_map = gguf.get_tensor_name_map
+    parse_value = gguf_loading._gguf_parse_value
+    parsed: dict[int, tuple[np.ndarray, Any]] = {}
+
+    def parse_once(item: np.ndarray, types: Any) -> Any:
+        if id(item) not in parsed:  # the item is kept with its value, so its id stays its own
+            parsed[id(item)] = (item, parse_value(item, types))
+        return parsed[id(item)][1]
+
+    class PlainArrayReader(reader_class):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain_data
+
+        @data.setter
+        def data(self, mapped: np.memmap) -> None:
+            self._plain_data = mapped.view(np.ndarray)  # keeps the map open, and read-only
+
+    gguf.GGUFReader = functools.cache(PlainArrayReader)
+    gguf.get_tensor_name_map = functools.cache(name_map)
+    gguf_loading._gguf_parse_value = parse_once
     try:
         yield
     finally:
         gguf.GGUFReader = reader_class
+        gguf.get_tensor_name_map = name_map
+        gguf_loading._gguf_parse_value = parse_value
 
 
 @functools.cache
