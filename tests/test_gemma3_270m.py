@@ -11,9 +11,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
-from tests.helpers import Server, transformers_float32
+from tests.helpers import Server, greedy_generations, transformers_float32
 from tests.test_parity_with_transformers import PROMPTS
 
 MAX_TOKENS = 32
@@ -52,16 +51,9 @@ def reference(gemma_path):
 
 
 def greedy_references(model, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy tokens of each prompt, up to and including the first stop token.
-    The prompts go as one batch, left-padded and masked: each step reads the float32 LM head
-    (262k x 640) once for all of them, not once per prompt, which was most of the test's time."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=PAD)
+    """transformers' greedy tokens of each prompt, up to and including the first stop token."""
     wants = []
-    for gen in out[:, width:].tolist():
+    for gen in greedy_generations(model, prompts, MAX_TOKENS, PAD):
         stop = next((i for i, t in enumerate(gen) if t in (EOS, END_OF_TURN)), None)
         wants.append(gen if stop is None else gen[: stop + 1])
     return wants

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
+from tests.helpers import greedy_generations
 
 PROMPTS = [
     "The capital of France is",
@@ -29,22 +29,13 @@ def reference_ids(hf_reference, prompt: str) -> list[int]:
 
 
 def _generate_references(hf_reference, prompts: list[str]) -> list[list[int]]:
-    """transformers' greedy tokens of each prompt, the prompts as one left-padded, masked
-    batch: each step reads the float32 LM head once for all of them, not once per prompt."""
+    """transformers' greedy tokens of each prompt, up to and including EOS (the server stops
+    at EOS and reports it)."""
     tok, model = hf_reference
     rows = [tok(prompt).input_ids for prompt in prompts]
-    width = max(map(len, rows))
-    ids = torch.tensor([[tok.eos_token_id] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tok.eos_token_id
-        )
     wants = []
-    for gen in out[:, width:].tolist():
-        if tok.eos_token_id in gen:  # the server stops at EOS and reports it
-            gen = gen[: gen.index(tok.eos_token_id) + 1]
-        wants.append(gen)
+    for gen in greedy_generations(model, rows, MAX_TOKENS, tok.eos_token_id):
+        wants.append(gen[: gen.index(tok.eos_token_id) + 1] if tok.eos_token_id in gen else gen)
     return wants
 
 
