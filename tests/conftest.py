@@ -25,6 +25,8 @@ from tests.helpers import SHARED_DIR_ENV, Server, smollm2_gguf  # noqa: E402
 LONGEST_FILES_FIRST = (
     "test_fast_path_vs_transformers.py",
     "test_gemma3_270m.py",
+    "test_gpu_check.py",
+    "test_compare_moe.py",
     "test_structured_outputs.py",
     "test_model_families.py",
     "test_overlap_and_speculative.py",
@@ -75,6 +77,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             file = super()._split_scope(nodeid)
             name = file.rpartition("/")[2]
             return file.removesuffix(name) + RUN_WITH[name] if name in RUN_WITH else file
+
+        def _reschedule(self, node) -> None:
+            """The next file goes to a process once its last test is all it has left, not with
+            two left as xdist's heuristic has it: a file handed over while the second-to-last
+            test runs waits behind that test and the last (compare_moe's two smoke runs), and at
+            the end of the queue the other process idles meanwhile with nothing to take. A
+            process holds back its last test until it knows the next (or shutdown), so with one
+            pending it is waiting, and gets the next file at once."""
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+            elif self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
 
     return SharedReferenceScheduling(config, log)
 
