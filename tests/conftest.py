@@ -69,8 +69,10 @@ reference (helpers.transformers_float32, cached per process), which takes a minu
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Whole files to each process, as `--dist loadfile` does, but a file of RUN_WITH goes with
-    its partner (it must follow it in LONGEST_FILES_FIRST)."""
+    its partner (it must follow it in LONGEST_FILES_FIRST), and a process gets its next file
+    only when it is about to wait for one."""
     from xdist.scheduler import LoadFileScheduling
+    from xdist.workermanage import WorkerController
 
     class SharedReferenceScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -78,7 +80,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             name = file.rpartition("/")[2]
             return file.removesuffix(name) + RUN_WITH[name] if name in RUN_WITH else file
 
-        def _reschedule(self, node) -> None:
+        def _reschedule(self, node: WorkerController) -> None:
             """The next file goes to a process once its last test is all it has left, not with
             two left as xdist's heuristic has it: a file handed over while the second-to-last
             test runs waits behind that test and the last (compare_moe's two smoke runs), and at
