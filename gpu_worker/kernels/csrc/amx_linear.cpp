@@ -60,6 +60,11 @@ constexpr int64_t kRowsPerPass = 256;
 constexpr int64_t kSpanInputBytes = int64_t{1} << 20;
 // Claims per thread (parallel_for_claimed_ahead): enough to even out the threads' shares.
 constexpr int64_t kClaimsPerThread = 16;
+// Row tiles (16 rows each) whose input tiles the calling thread packs alone: a decode step's
+// inputs (up to 64 rows, at most 1 MB at k = 8,192) are copied from cache in less time than
+// waking the other threads into a parallel region and joining them again costs, and on cores
+// shared with other processes a region's join waits for every teammate to be scheduled.
+constexpr int64_t kRowTilesPackedAlone = 4;
 
 // weight [n, k] bfloat16 -> [ceil(n / 32), ceil(k / 32), 2, 16, 32] bfloat16 (the layout in amx_tiles.h).
 at::Tensor amx_pack_weight(const at::Tensor& weight) {
@@ -83,7 +88,7 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
 void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t first_chunk, int64_t chunks,
                       uint16_t* tiles) {
   const int64_t row_tiles = round_up(rows, kTileRows) / kTileRows;
-  at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, row_tiles, kRowTilesPackedAlone, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const auto row_of = [&](int64_t r) -> const uint16_t* {
         const int64_t row = t * kTileRows + r;
@@ -92,6 +97,16 @@ void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t first_
       amx::pack_input_tile(row_of, k, first_chunk, chunks, tiles + t * chunks * kTileElements);
     }
   });
+}
+
+// The calling thread's buffer for a pass's input tiles, grown when a call needs more and kept
+// between calls: pack_input_tiles writes every element, so it needs no zeroing, and a decode
+// step's linears would otherwise zero and free a fresh buffer each (up to 1 MB for the down
+// projection).
+uint16_t* input_tiles_buffer(int64_t elements) {
+  thread_local std::vector<uint16_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < elements) buffer.resize(elements);
+  return buffer.data();
 }
 
 #pragma GCC push_options
@@ -185,14 +200,14 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   auto* out_bits = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int64_t most_rows = round_up(std::min(rows, kRowsPerPass), 2 * kTileRows);
   const int64_t span_chunks = std::clamp<int64_t>(kSpanInputBytes / (most_rows * kChunk * 2), 1, chunks);
-  std::vector<uint16_t> tiles(most_rows * span_chunks * kChunk);
+  uint16_t* tiles = input_tiles_buffer(most_rows * span_chunks * kChunk);
   std::vector<float> partial(span_chunks < chunks ? most_rows * packed.size(0) * kBlockColumns : 0);
   for (int64_t row0 = 0; row0 < rows; row0 += kRowsPerPass) {
     const int64_t pass_rows = std::min(kRowsPerPass, rows - row0);
     for (int64_t first_chunk = 0; first_chunk < chunks; first_chunk += span_chunks) {
       const int64_t span = std::min(span_chunks, chunks - first_chunk);
-      pack_input_tiles(x_bits + row0 * k, pass_rows, k, first_chunk, span, tiles.data());
-      amx_span(tiles.data(), pass_rows, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), chunks,
+      pack_input_tiles(x_bits + row0 * k, pass_rows, k, first_chunk, span, tiles);
+      amx_span(tiles, pass_rows, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), chunks,
                first_chunk, span, partial.data(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, n,
                out_bits + row0 * n);
     }
