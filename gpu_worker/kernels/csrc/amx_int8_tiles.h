@@ -5,9 +5,9 @@
 // bytes" is one row of an int8 B tile, so a block of 32 k is a B tile of 8 rows (4 for a block
 // of 16). I8's codes (c + 128) are read in place; U4's nibbles, I5's nibbles and fifth bits and
 // I6's nibbles and top bits are decoded into the same unsigned bytes the VNNI tile makes, once
-// a panel into a scratch buffer that the caller keeps in L1 while several tiles of 16 rows
-// read it. The A tile is the 16 rows' int8 codes of the block, read in
-// place (`k` bytes apart). TDPBSUD multiplies signed A by unsigned B into int32 sums.
+// a panel (decode_panel) for all the tiles of 16 rows that the caller runs on it. The A tile is
+// the 16 rows' int8 codes of the block, read in place (`k` bytes apart). TDPBSUD multiplies
+// signed A by unsigned B into int32 sums.
 //
 // Same bits as the VNNI tile: each block's int32 dot per row and column is exact whichever
 // instruction sums it, and the float operations after it are the VNNI tile's, in its order

@@ -60,6 +60,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -130,18 +131,19 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
   constexpr int64_t kWideRows = trident_kernels::amx_int8::kTileRows;
   const int64_t panels = (n + kPanelColumns - 1) / kPanelColumns;
   const int64_t panel_bytes = blocks * block_bytes;
-  // Rows in blocks of a multiple of 16; the work items are (row block, claim of panels), a row
-  // block's items one after the other. (AVX2's tiles of 3 rows straddle the blocks' edges: the
-  // grouping of rows into tiles changes no bits.)
-  const int64_t row_block = std::max(kWideRows, kRowBlockBytes / x.k / kWideRows * kWideRows);
+  // Rows in blocks of a multiple of every tile's row count, so that no block ends in a short
+  // tile; the work items are (row block, claim of panels), a row block's items one after the
+  // other. The grouping of rows into tiles changes no bits.
+  const int64_t row_step = std::lcm(kWideRows, tile_rows);
+  const int64_t row_block = std::max(row_step, kRowBlockBytes / x.k / row_step * row_step);
   const int64_t row_blocks = (rows + row_block - 1) / row_block;
   // Claims of ~32 KB of weights, and at least 4 items a thread where the panels allow.
   const int64_t by_size = std::max<int64_t>(1, 32768 / panel_bytes);
   const int64_t by_count = std::max<int64_t>(1, panels * row_blocks / (4 * std::max(1, at::get_num_threads())));
   const int64_t claim = std::min(by_size, by_count);
   const int64_t claims = (panels + claim - 1) / claim;
-  // A panel's B tiles for the wide tile, decoded (at most 512 bytes a block), panel after panel.
-  const int64_t decoded_panel_bytes = blocks * 512;
+  // A claimed panel's B tiles for the wide tile, decoded (16 columns x a block of at most 32 k).
+  const int64_t decoded_panel_bytes = blocks * kPanelColumns * 32;
   const auto compute = [&](int64_t begin, int64_t end) {
     alignas(64) float result[kWideRows * kPanelColumns];
     // Kept by the thread, as quant_linear's scratch: a call runs compute once per claim.
