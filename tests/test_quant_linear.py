@@ -142,6 +142,36 @@ def test_a_row_gives_the_same_bits_whatever_its_batch_and_the_thread_count(layou
         torch.set_num_threads(threads)
 
 
+@needs_kernels
+@pytest.mark.parametrize("layout", list(LAYERS))
+@pytest.mark.parametrize("k", [576, 1536])
+def test_a_prefill_row_has_its_bits_alone_on_every_path_and_is_within_the_reference_bound(layout, k):
+    """2,048 rows run in blocks of rows that pass a claim of panels together (and on AMX share
+    each panel's decoded codes): a row's bits are still those it has alone, at the blocks'
+    edges too, on every path and thread count, and within the float64 reference's bound."""
+    layer = LAYERS[layout](100, k, bias=True)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(2048, k, generator=g) * torch.rand(2048, k, generator=g).pow(4) * 4).bfloat16()
+    layer.kernel_path = PATHS[0]
+    whole = layer(x)
+    ref = reference(layer, x)
+    excess = (whole.double() - ref).abs() - error_bound(layer, x, ref)
+    assert excess.max() <= 0, f"over the bound by {excess.max():.3g}"
+    for path in PATHS:
+        layer.kernel_path = path
+        assert torch.equal(layer(x), whole), f"{path} against {PATHS[0]}"
+        for row in (0, 159, 160, 447, 448, 1999, 2047):
+            assert torch.equal(layer(x[row : row + 1]), whole[row : row + 1]), f"{path}: row {row} alone"
+        for begin, end in ((150, 470), (440, 2048), (13, 1037)):
+            assert torch.equal(layer(x[begin:end]), whole[begin:end]), f"{path}: rows {begin}-{end}"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), whole), "one thread"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_vnni
 @pytest.mark.parametrize("layout", list(LAYERS))
 def test_the_vnni_and_avx2_paths_give_the_same_bits(layout):

@@ -34,9 +34,9 @@
 //       high: of vector 2 + h), then one of their top bits (bits 2g, 2g + 1 for code vector g);
 //   then the 16 scales (float16 where every scale is exactly a float16, else float32), and for
 //   U4 the 16 mins in the same type.
-// Above kOneThreadRows rows, a thread claims a few panels at a time (parallel_for_claimed in
-// kernel_common.h); each panel is read front to back; up to kMaxTileRows input rows share each
-// decoded vector of weights.
+// Above kOneThreadRows rows, a thread claims a block of rows and a few panels at a time
+// (parallel_for_claimed in kernel_common.h); each panel is read front to back; up to
+// kMaxTileRows input rows share each decoded vector of weights.
 //
 // Each output element is summed block by block in k order whatever the batch and the thread
 // count: a row's result does not depend on the rows beside it. Rounded once, at the end.
@@ -60,6 +60,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -86,11 +87,13 @@ std::string quant_linear_best_path() {
   return best;
 }
 
-// AMX's tile of 16 rows (amx_int8_tiles.h) and the tile configuration it needs on the thread
-// that runs it, and the release of the tile state after; all nullptr where the path does not
-// use AMX.
+// AMX's tile of 16 rows (amx_int8_tiles.h), the decoding of a panel's codes that it reads,
+// the tile configuration it needs on the thread that runs it, and the release of the tile
+// state after; all nullptr where the path does not use AMX.
 struct WideTile {
-  TileFn tile;
+  void (*tile)(const uint8_t* panel, const uint8_t* codes, int64_t blocks, int64_t block_bytes,
+               const QuantizedRows& x, int64_t row0, float* result);
+  const uint8_t* (*decode)(const uint8_t* panel, int64_t blocks, int64_t block_bytes, uint8_t* scratch);
   void (*configure)();
   void (*release)();
 };
@@ -98,50 +101,88 @@ struct WideTile {
 #if defined(TRIDENT_AMX) && defined(__AVX512F__)
 template <int64_t kLayout, int64_t kBlock, bool kHalfScales>
 constexpr WideTile amx_tile() {
-  return {&trident_kernels::amx_int8::tile<kLayout, kBlock, kHalfScales, code_bytes(kLayout, kBlock), code_bias(kLayout)>,
-          &trident_kernels::amx_int8::configure_tiles<kBlock>, &trident_kernels::amx_int8::release_tiles};
+  namespace amx = trident_kernels::amx_int8;
+  return {&amx::tile<kLayout, kBlock, kHalfScales, code_bytes(kLayout, kBlock), code_bias(kLayout)>,
+          &amx::decode_panel<kLayout, kBlock>, &amx::configure_tiles<kBlock>, &amx::release_tiles};
 }
 #endif
 
 WideTile pick_wide_tile(bool amx, int64_t layout, int64_t block, bool half_scales) {
 #if defined(TRIDENT_AMX) && defined(__AVX512F__)
-  if (!amx) return {nullptr, nullptr, nullptr};
+  if (!amx) return {nullptr, nullptr, nullptr, nullptr};
   if (layout == kU4) return half_scales ? amx_tile<kU4, 32, true>() : amx_tile<kU4, 32, false>();
   if (layout == kI5) return half_scales ? amx_tile<kI5, 32, true>() : amx_tile<kI5, 32, false>();
   if (layout == kI6) return half_scales ? amx_tile<kI6, 16, true>() : amx_tile<kI6, 16, false>();
   if (block == 16) return half_scales ? amx_tile<kI8, 16, true>() : amx_tile<kI8, 16, false>();
   return half_scales ? amx_tile<kI8, 32, true>() : amx_tile<kI8, 32, false>();
 #else
-  return {nullptr, nullptr, nullptr};
+  return {nullptr, nullptr, nullptr, nullptr};
 #endif
 }
+
+// The int8 activations of a block of rows, which stay in L2 while the block passes each
+// panel of a claim: the claim's panels then stream the block once, not all the rows.
+constexpr int64_t kRowBlockBytes = 256 * 1024;
 
 template <typename storage_t>
 void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_bytes, const QuantizedRows& x,
                 int64_t rows, const std::array<TileFn, kMaxTileRows>& tiles, int64_t tile_rows, WideTile wide,
                 const float* bias, storage_t* out) {
+  constexpr int64_t kWideRows = trident_kernels::amx_int8::kTileRows;
   const int64_t panels = (n + kPanelColumns - 1) / kPanelColumns;
   const int64_t panel_bytes = blocks * block_bytes;
-  // Claims of ~32 KB of weights, and at least 4 claims a thread where the panels allow.
+  // Rows in blocks of a multiple of every tile's row count, so that no block ends in a short
+  // tile; the work items are (row block, claim of panels), a row block's items one after the
+  // other. The grouping of rows into tiles changes no bits.
+  const int64_t row_step = std::lcm(kWideRows, tile_rows);
+  const int64_t row_block = std::max(row_step, kRowBlockBytes / x.k / row_step * row_step);
+  const int64_t row_blocks = (rows + row_block - 1) / row_block;
+  // Claims of ~32 KB of weights, and at least 4 items a thread where the panels allow.
   const int64_t by_size = std::max<int64_t>(1, 32768 / panel_bytes);
-  const int64_t by_count = std::max<int64_t>(1, panels / (4 * std::max(1, at::get_num_threads())));
+  const int64_t by_count = std::max<int64_t>(1, panels * row_blocks / (4 * std::max(1, at::get_num_threads())));
   const int64_t claim = std::min(by_size, by_count);
+  const int64_t claims = (panels + claim - 1) / claim;
+  // A claimed panel's B tiles for the wide tile, decoded (16 columns x a block of at most 32 k).
+  const int64_t decoded_panel_bytes = blocks * kPanelColumns * 32;
   const auto compute = [&](int64_t begin, int64_t end) {
-    alignas(64) float result[trident_kernels::amx_int8::kTileRows * kPanelColumns];
-    if (wide.tile) wide.configure();
-    for (int64_t panel = begin; panel < end; ++panel) {
-      const int64_t column0 = panel * kPanelColumns;
-      const int64_t columns = std::min(kPanelColumns, n - column0);
-      for (int64_t row0 = 0, tile = 0; row0 < rows; row0 += tile) {
-        // Each 16 rows on the wide tile where there is one, the rest on the narrow tiles.
-        const bool wide_rows = wide.tile && rows - row0 >= trident_kernels::amx_int8::kTileRows;
-        tile = wide_rows ? trident_kernels::amx_int8::kTileRows : std::min<int64_t>(tile_rows, rows - row0);
-        (wide_rows ? wide.tile : tiles[tile - 1])(packed + panel * panel_bytes, blocks, block_bytes, x, row0, result);
-        for (int64_t r = 0; r < tile; ++r) {
-          storage_t* dst = out + (row0 + r) * n + column0;
-          for (int64_t c = 0; c < columns; ++c) {
-            const float v = result[r * kPanelColumns + c];
-            dst[c] = trident_kernels::round_to<storage_t>(bias ? v + bias[column0 + c] : v);
+    alignas(64) float result[kWideRows * kPanelColumns];
+    // Kept by the thread, as quant_linear's scratch: a call runs compute once per claim.
+    thread_local std::vector<uint8_t> decoded;
+    thread_local std::vector<const uint8_t*> codes;
+    uint8_t* scratch = nullptr;
+    if (wide.tile) {
+      wide.configure();
+      decoded.resize(static_cast<size_t>(claim * decoded_panel_bytes + 64));
+      codes.resize(static_cast<size_t>(claim));
+      scratch = decoded.data() + (64 - reinterpret_cast<uintptr_t>(decoded.data()) % 64) % 64;
+    }
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t first_row = item / claims * row_block, last_row = std::min(rows, first_row + row_block);
+      const int64_t first_panel = item % claims * claim, last_panel = std::min(panels, first_panel + claim);
+      // Each 16 rows on the wide tile where there is one, the rest on the narrow tiles. Each
+      // claimed panel is decoded once for all the block's tiles, and a tile's rows stay in L1
+      // while it passes the claim's panels.
+      const bool any_wide = wide.tile && last_row - first_row >= kWideRows;
+      for (int64_t panel = first_panel; any_wide && panel < last_panel; ++panel)
+        codes[panel - first_panel] = wide.decode(packed + panel * panel_bytes, blocks, block_bytes,
+                                                 scratch + (panel - first_panel) * decoded_panel_bytes);
+      for (int64_t row0 = first_row, tile = 0; row0 < last_row; row0 += tile) {
+        const bool wide_rows = any_wide && last_row - row0 >= kWideRows;
+        tile = wide_rows ? kWideRows : std::min<int64_t>(tile_rows, last_row - row0);
+        for (int64_t panel = first_panel; panel < last_panel; ++panel) {
+          const uint8_t* weights = packed + panel * panel_bytes;
+          if (wide_rows)
+            wide.tile(weights, codes[panel - first_panel], blocks, block_bytes, x, row0, result);
+          else
+            tiles[tile - 1](weights, blocks, block_bytes, x, row0, result);
+          const int64_t column0 = panel * kPanelColumns;
+          const int64_t columns = std::min(kPanelColumns, n - column0);
+          for (int64_t r = 0; r < tile; ++r) {
+            storage_t* dst = out + (row0 + r) * n + column0;
+            for (int64_t c = 0; c < columns; ++c) {
+              const float v = result[r * kPanelColumns + c];
+              dst[c] = trident_kernels::round_to<storage_t>(bias ? v + bias[column0 + c] : v);
+            }
           }
         }
       }
@@ -149,9 +190,9 @@ void run_panels(const uint8_t* packed, int64_t n, int64_t blocks, int64_t block_
     if (wide.tile) wide.release();
   };
   if (rows <= kOneThreadRows)
-    compute(0, panels);
+    compute(0, row_blocks * claims);
   else
-    trident_kernels::parallel_for_claimed(panels, claim, compute);
+    trident_kernels::parallel_for_claimed(row_blocks * claims, 1, compute);
 }
 
 // x [rows, k] (float32, bfloat16 or float16); packed [ceil(n / 16), k / block, block bytes]
