@@ -4,8 +4,8 @@
 
 Each recording (`launch.py --record-batches FILE`, or bench_simulation.py --record-dir) is
 read into one row per step: its kind (decode, prefill, mixed), rows, tokens, and from the
-results the worker sent: when the result arrived, the worker's busy and idle time for the
-step (its counters' growth) and its forward time. Steps are grouped by kind and rows, and
+results the worker sent: when the result arrived, the worker's busy, idle and CPU time for
+the step (its counters' growth) and its forward time. Steps are grouped by kind and rows, and
 each group's tokens, busy seconds and share of the run (where the time went: a few prefill
 steps can weigh as much as a hundred decode steps) are printed beside its medians, with the
 profile's prediction of the same shapes; the first steps of the run (which decide the
@@ -14,7 +14,9 @@ first tokens' latency) are printed one by one.
 `--alone` replays the first recording on the model worker in this process (no scheduler,
 no tokenizer, nothing else on the cores) and adds each step's time alone and the worker's
 CPU seconds over it (threads busy): served minus alone is what sharing the cores cost the
-real worker, to set beside what the simulated worker added for the front end.
+real worker, to set beside what the simulated worker added for the front end. Served CPU
+against alone CPU says how it cost: at the same CPU seconds the served step was kept off its
+cores; with more, it ran (or spun waiting) longer on them.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ warm-up from its run."""
 
 def timeline(path: str) -> dict[str, np.ndarray]:
     """One entry per computing step of the recording's last segment (the benchmark run)."""
-    ids, shapes, t, busy, idle, forward = [], [], [], [], [], []
+    ids, shapes, t, busy, idle, forward, cpu = [], [], [], [], [], [], []
     times = load_recording(path).result_times
-    prev_busy = prev_idle = 0.0
+    prev_busy = prev_idle = prev_cpu = 0.0
     for step_id, shape, result in recorded_steps(path):
         c = result.counters
         if shape[0]:
@@ -53,7 +55,8 @@ def timeline(path: str) -> dict[str, np.ndarray]:
             busy.append(c.busy_s - prev_busy)
             idle.append(c.idle_s - prev_idle)
             forward.append(result.forward_time_s)
-        prev_busy, prev_idle = c.busy_s, c.idle_s
+            cpu.append(c.cpu_s - prev_cpu if c.cpu_s else np.nan)  # nan: recorded before the counter
+        prev_busy, prev_idle, prev_cpu = c.busy_s, c.idle_s, c.cpu_s
     t_arr = np.asarray(t)
     paused = np.diff(t_arr) - np.asarray(busy)[1:] > SEGMENT_GAP_S
     start = int(np.flatnonzero(np.r_[True, paused])[-1])
@@ -67,6 +70,7 @@ def timeline(path: str) -> dict[str, np.ndarray]:
         "busy": np.asarray(busy),
         "idle": np.asarray(idle),
         "forward": np.asarray(forward),
+        "cpu": np.asarray(cpu),
     }
     return {k: v[start:] for k, v in out.items()}
 
@@ -102,7 +106,7 @@ def step_groups(shapes: np.ndarray) -> list[str]:
 
 def report(name: str, tl: dict[str, np.ndarray], profile: StepProfile | None, first: int) -> None:
     predicted = profile.predict(tl["shape"]) if profile else np.full(len(tl["t"]), np.nan)
-    columns = {"period": tl["period"], "busy": tl["busy"], "idle": tl["idle"], "forward": tl["forward"]}
+    columns = {k: tl[k] for k in ("period", "busy", "idle", "forward", "cpu")}
     columns["predicted"] = predicted
     if "alone" in tl:
         columns |= {"alone": tl["alone"], "alone_cpu": tl["alone_cpu"]}

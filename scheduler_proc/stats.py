@@ -89,6 +89,7 @@ class SchedulerCounters:
             dropped_frames=s.io.dropped_frames + w.dropped_frames + self.refused_replies + self.stale_requests,
             worker_busy_s=w.busy_s,
             worker_idle_s=w.idle_s,
+            worker_cpu_s=w.cpu_s,
             descriptor_bytes=s.io.last_descriptor_bytes,
             rejected_frames=s.io.rejected_frames,
             dp_rank=s.ctx.dp_rank,

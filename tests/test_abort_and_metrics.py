@@ -249,3 +249,23 @@ def test_server_info_reports_arguments_limits_and_live_stats(server):
         assert key in stats, key
     assert stats["kv_total_tokens"] >= LONG + 4096
     assert info["tokenizer_stats"]["open_requests"] == 0 and info["tokenizer_stats"]["dropped_frames"] == 0
+
+
+def test_worker_cpu_seconds_grow_with_its_steps_and_stay_within_what_the_process_used(server, model_name):
+    """worker_cpu_s counts the worker's CPU (all threads) over its steps only: it grows with
+    the steps it ran, and it cannot pass the CPU the worker process has used since it started
+    (which also holds its start-up and its waits)."""
+    worker = next(p for p in server.process_tree() if " ".join(p.cmdline()).startswith("trident::worker"))
+    assert wait_until(lambda: server.scheduler_stats().get("steps") is not None, 5)
+    before = server.scheduler_stats()
+    with server.http() as c:
+        r = c.post(
+            "/v1/completions", json={"model": model_name, "prompt": "Count:", "max_tokens": 32, "ignore_eos": True}
+        )
+        assert r.status_code == 200
+    assert wait_until(lambda: server.scheduler_stats()["steps"] >= before["steps"] + 32, 5)
+    time.sleep(0.6)  # the next stats frame, with the last step's counters
+    after = server.scheduler_stats()
+    process_cpu = sum(worker.cpu_times()[:2])
+    assert after["worker_cpu_s"] > before["worker_cpu_s"]
+    assert after["worker_cpu_s"] <= process_cpu

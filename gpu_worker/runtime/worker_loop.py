@@ -160,14 +160,16 @@ class WorkerLoop:
         while True:
             wait_start = time.perf_counter()
             msg = self.inbox.recv()
-            step_start = time.perf_counter()
+            step_start, cpu_start = time.perf_counter(), time.process_time()
             if isinstance(msg, BatchDescriptor):
                 if self.state.order:  # waiting with rows in the batch is time the scheduler cost
                     self.counters.idle_s += step_start - wait_start
                 result = self.step(msg)
                 self.counters.busy_s += time.perf_counter() - step_start
+                self.counters.cpu_s += time.process_time() - cpu_start
                 if isinstance(result, StepResult):
-                    result.counters.busy_s, result.counters.idle_s = self.counters.busy_s, self.counters.idle_s
+                    c = result.counters
+                    c.busy_s, c.idle_s, c.cpu_s = self.counters.busy_s, self.counters.idle_s, self.counters.cpu_s
                 self._send(result)
             elif isinstance(msg, ResetBatch):
                 self.state.reset(msg.next_step_id)

@@ -190,6 +190,11 @@ class WorkerCounters(msgspec.Struct, array_like=True):
     """Seconds spent running steps (apply, forward, sample, reply)."""
     idle_s: float = 0.0
     """Seconds spent waiting for the next descriptor while requests were running."""
+    cpu_s: float = 0.0
+    """CPU seconds of the worker process, all its threads, over those steps. cpu_s / busy_s
+    is how many cores the steps kept: a step slower served than alone at the same CPU
+    seconds was kept off its cores by other processes; with more, it computed (or spun
+    waiting) longer on them."""
 
 
 class RowLogprobs(msgspec.Struct, array_like=True):

@@ -296,6 +296,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="stats"):
         float,
         Stat("counter", "Worker time waiting for a descriptor while it had running rows.", "worker_idle_seconds"),
     ] = 0.0
+    worker_cpu_s: Annotated[
+        float, Stat("counter", "Worker CPU time (all threads) spent running steps.", "worker_cpu_seconds")
+    ] = 0.0
     descriptor_bytes: Annotated[int, Stat("gauge", "Size of the last descriptor sent.", merge="max")] = 0
     overlapped_steps: Annotated[int, Stat("counter", "Steps sent on the overlapped path.")] = 0
     """Each must cost the worker one seq_lens copy."""
