@@ -4,6 +4,8 @@ number of rows; the model uses them in eager steps and the torch ops when compil
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -109,6 +111,29 @@ def test_silu_and_mul_is_finite_at_the_extremes(kernels):
     gate = torch.tensor([[-1e4, -100.0, -1e-3, 0.0, 1e-3, 100.0, 1e4, 3e38]])
     got = kernels.silu_and_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))
     torch.testing.assert_close(got, F.silu(gate), rtol=1e-5, atol=1e-6)
+
+
+def _digest_over_every_bf16_gate(op) -> str:
+    """op's output bits for each of the 65,536 bfloat16 gate values (NaNs, infinities and
+    subnormals among them), each against an up of scattered bits, in rows of 256 columns and
+    in rows of 13,107 (not a multiple of a vector's width)."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = (torch.arange(65536) * 40503 % 65536).to(torch.int32).to(torch.int16).view(torch.bfloat16)
+    digest = hashlib.sha256()
+    for rows, inter in ((256, 256), (5, 13107)):
+        n = rows * inter
+        gate_up = torch.cat([every[:n].view(rows, inter), up[:n].view(rows, inter)], dim=1)
+        digest.update(op(gate_up).view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def test_the_bf16_gated_activations_keep_the_bits_of_their_per_element_polynomial(kernels):
+    """bfloat16 gates are looked up in a table of the activation's rounded values; the
+    digests are of the outputs from before the table, when each element evaluated the
+    exponential's polynomial: the served bits (and the batch invariance and parity tests'
+    references) stay what they were."""
+    assert _digest_over_every_bf16_gate(kernels.silu_and_mul) == "1225020835151bf5"
+    assert _digest_over_every_bf16_gate(kernels.gelu_tanh_and_mul) == "37d090ac6848fb64"
 
 
 HEAD_DIMS = [64, 128, 256]

@@ -21,13 +21,19 @@
 
 #include "kernel_common.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
+using trident_kernels::Bf16Bits;
 using trident_kernels::bits_of;
 using trident_kernels::dispatch_float_dtype;
 using trident_kernels::exp_nonpositive;
@@ -49,8 +55,52 @@ inline float gelu_tanh(float x) {
   return 0.5f * x * (1.f + (inner < 0.f ? -magnitude : magnitude));
 }
 
+// activation(gate) rounded to bfloat16 and widened back, for each of the 65,536 values of a
+// bfloat16 gate: the gated activations look a gate up instead of evaluating the exponential's
+// polynomial and a division per element, which made them compute-bound at prefill sizes. The
+// table is filled by the very expression the other dtypes evaluate, so the bits are the same.
+// float16 keeps evaluating it: its product passes a NaN's payload on, and which of two NaN
+// operands it keeps is the compiled code's choice (bfloat16 rounds every NaN to one value).
+template <float (*activation)(float)>
+const float* bf16_activation_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> values(65536);
+    for (uint32_t bits = 0; bits < values.size(); ++bits)
+      values[bits] = widen(round_to<Bf16Bits>(activation(widen(Bf16Bits{static_cast<uint16_t>(bits)}))));
+    return values;
+  }();
+  return table.data();
+}
+
+// One bfloat16 row: o = round(table[gate] * up), n values. AVX-512 gathers the table 16 values
+// at a time (compilers emulate a gather with scalar loads); widening and rounding as widen and
+// round_to<Bf16Bits> do, NaN to 0x7FC0.
+void looked_up_times_up(const Bf16Bits* gate, const Bf16Bits* up, Bf16Bits* o, int64_t n, const float* table) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const auto widen16 = [](const Bf16Bits* p) {
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  };
+  const __m512i half_ulp = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
+  const __m512i quiet_nan = _mm512_set1_epi32(0x7FC0);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i index = _mm512_srli_epi32(widen16(gate + i), 16);
+    const __m512 product = _mm512_mul_ps(_mm512_i32gather_ps(index, table, 4), _mm512_castsi512_ps(widen16(up + i)));
+    const __m512i u = _mm512_castps_si512(product);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half_ulp), odd), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, magnitude), infinity);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, quiet_nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(rounded));
+  }
+#endif
+  for (; i < n; ++i) o[i] = round_to<Bf16Bits>(table[gate[i].bits] * widen(up[i]));
+}
+
 // gate_up [rows, 2 * inter] (gate, then up) -> activation(gate) * up [rows, inter]; the
-// activation rounds to the dtype before the product, as torch's two ops do.
+// activation rounds to the dtype before the product, as torch's two ops do. bfloat16 is handed
+// to bf16_gated_activation before it gets here.
 template <float (*activation)(float)>
 at::Tensor gated_activation(const at::Tensor& gate_up, const char* op) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op, ": gate_up [rows, 2 * inter]");
@@ -77,9 +127,32 @@ at::Tensor gated_activation(const at::Tensor& gate_up, const char* op) {
   return out;
 }
 
-at::Tensor silu_and_mul(const at::Tensor& gate_up) { return gated_activation<silu>(gate_up, "silu_and_mul"); }
+// gated_activation for bfloat16 gate_up, through the table. Not inlined into the ops, so that
+// gated_activation's float16 code stays as it was compiled before (see the table).
+template <float (*activation)(float)>
+__attribute__((noinline)) at::Tensor bf16_gated_activation(const at::Tensor& gate_up) {
+  const at::Tensor in = gate_up.contiguous();
+  const int64_t rows = in.size(0), inter = in.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, in.options());
+  const Bf16Bits* src = bits_of<Bf16Bits, c10::BFloat16>(in);
+  Bf16Bits* dst = bits_of<Bf16Bits, c10::BFloat16>(out);
+  const float* table = bf16_activation_table<activation>();
+  at::parallel_for(0, rows, rows_per_task(inter), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      looked_up_times_up(src + row * 2 * inter, src + row * 2 * inter + inter, dst + row * inter, inter, table);
+  });
+  return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  if (gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.scalar_type() == at::kBFloat16)
+    return bf16_gated_activation<silu>(gate_up);
+  return gated_activation<silu>(gate_up, "silu_and_mul");
+}
 
 at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) {
+  if (gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.scalar_type() == at::kBFloat16)
+    return bf16_gated_activation<gelu_tanh>(gate_up);
   return gated_activation<gelu_tanh>(gate_up, "gelu_tanh_and_mul");
 }
 
