@@ -94,6 +94,28 @@ def test_amx_linear_gives_the_same_bits_when_a_wide_input_is_summed_in_several_k
     assert ((whole.double() - reference).abs() <= _error_bound(x, w, b, reference)).all()
 
 
+@pytest.mark.parametrize("k", [8010, 8200])
+def test_amx_linear_gives_a_row_its_own_bits_when_33_to_64_rows_take_a_wide_input_in_sub_spans(k):
+    """A down projection's width, ragged: at 33-64 rows the kernel sums k in short sub-spans for
+    both row passes, the float32 sums waiting in memory in between. 8,010 features: one span,
+    whose last sub-span is shorter than the others; 8,200: two spans (the sums also wait between
+    them), the first in sub-spans. Each row's bits are those it gets alone (one pass, one span,
+    no sub-spans), wherever it sits in the batch, on one thread or two."""
+    n = 40
+    w, b = torch.randn(n, k, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
+    packed = AMX.pack(w)
+    x = torch.randn(80, k, dtype=torch.bfloat16)
+    alone = torch.cat([AMX.linear(x[r : r + 1], packed, b, n) for r in range(80)])
+    for rows in range(33, 65):
+        assert torch.equal(AMX.linear(x[:rows], packed, b, n), alone[:rows]), rows
+    for start in (1, 16, 31):
+        assert torch.equal(AMX.linear(x[start : start + 49], packed, b, n), alone[start : start + 49]), start
+    assert torch.equal(_on_threads(1, lambda: AMX.linear(x[:64], packed, b, n)), alone[:64])
+    assert torch.equal(_on_threads(2, lambda: AMX.linear(x[:64], packed, b, n)), alone[:64])
+    reference = x.double() @ w.double().T + b.double()
+    assert ((alone.double() - reference).abs() <= _error_bound(x, w, b, reference)).all()
+
+
 def test_amx_linear_gives_a_row_the_same_bits_in_a_prompt_chunk_of_2048_rows_on_1_and_2_threads():
     """2,048 rows of 2,080 features: eight 256-row passes, each taking k in two spans; a row's
     bits are those it gets alone, in slices that start and end inside a pass or across pass

@@ -19,10 +19,16 @@
 // A column block's span is not held in L1 across the row tiles with the sums parked in memory
 // between short spans: every park is four tile stores and four tile loads, and at spans short
 // enough for L1 they cost more than the L2 reads they save (measured at 64-256 rows a pass).
+// The exception is two row passes (33-64 rows) on a wide input, a decode step's down
+// projection: there a pass's input tiles and the block's span do not both stay in L2, and the
+// second row pass would read the block's weights from memory again. Those blocks go in short
+// sub-spans, each summed for both row passes while its weights are in L1, so the weights are
+// read from memory once.
 //
 // Batch invariance: an output's sum runs over k-chunks 0, 1, 2, ... on one accumulator tile,
 // whatever the number of rows, the row's position in its tile, or the thread that computes it
-// (between spans the float32 sums wait in memory, and come back with the same bits);
+// (between spans and sub-spans the float32 sums wait in memory, and come back with the same
+// bits);
 // TDPBF16PS computes each element of the tile from its own row and column only. Padded rows are
 // zeros that no output reads. So a row's bits depend on its own inputs alone. Rounded to bfloat16
 // once, after the bias (nearest even).
@@ -58,6 +64,12 @@ constexpr int64_t kRowsPerPass = 256;
 // The input tiles of one k-span of a pass (all of k = 2,048 at 256 rows), kept in L2 while every
 // column block is read once.
 constexpr int64_t kSpanInputBytes = int64_t{1} << 20;
+// What a pass keeps in L2 (its span's input tiles and a block's weights, with the next
+// block's on their way) without evicting the weights before its second row pass reads them.
+constexpr int64_t kL2PassBytes = int64_t{1} << 20;
+// Chunks of a sub-span: its weights and one row pass's inputs for it stay in L1 while both row
+// passes read them.
+constexpr int64_t kSubSpanChunks = 8;
 // Claims per thread (parallel_for_claimed_ahead): enough to even out the threads' shares.
 constexpr int64_t kClaimsPerThread = 16;
 // Row tiles (16 rows each) whose input tiles the calling thread packs alone: a decode step's
@@ -139,38 +151,54 @@ void amx_span(const uint16_t* tiles, int64_t rows, const uint16_t* packed, int64
   const bool first = first_chunk == 0, last = first_chunk + span_chunks == chunks;
   const int64_t span_bytes = span_chunks * kBlockChunkElements * 2;
   const int64_t passes = round_up(rows, 2 * kTileRows) / (2 * kTileRows);
+  // Two row passes on a wide input (a decode step's down projection) take the span in
+  // sub-spans, each summed for both passes before the next (sums parked in `sums` between them).
+  const int64_t span_input_bytes = round_up(rows, kTileRows) * span_chunks * kChunk * 2;
+  const bool in_sub_spans = passes == 2 && span_input_bytes + 2 * span_bytes > kL2PassBytes;
+  const int64_t sub_chunks = in_sub_spans ? std::min(kSubSpanChunks, span_chunks) : span_chunks;
+  const int64_t calls = round_up(span_chunks, sub_chunks) / sub_chunks * passes;
   const int64_t per_claim = std::max<int64_t>(1, blocks / (kClaimsPerThread * at::get_num_threads()));
   trident_kernels::parallel_for_claimed_ahead(blocks, per_claim, [&](int64_t begin, int64_t end, int64_t next_begin) {
     amx::load_tile_config();
-    alignas(64) float sums[2 * kTileRows * kBlockColumns];
+    // One [32][32] float32 tile pair a row pass: the block's sums, rounded into `out` at the end.
+    alignas(64) float sums[2 * 2 * kTileRows * kBlockColumns];
     for (int64_t block = begin; block < end; ++block) {
       const uint16_t* weights = packed + block * block_elements + first_chunk * kBlockChunkElements;
       const int64_t column0 = block * kBlockColumns, columns = std::min(kBlockColumns, n - column0);
       // The next block's span (the next claim's first at a claim's end) is fetched into L2 while
-      // this one is summed, a share per row pass: left to the hardware prefetcher, a claim's first
-      // block would wait on memory, and a decode step's o and down projections claim two or
-      // three blocks at a time.
+      // this one is summed, a share per block_sums call: left to the hardware prefetcher, a
+      // claim's first block would wait on memory, and a decode step's o and down projections
+      // claim two or three blocks at a time.
       const int64_t next_block = block + 1 < end ? block + 1 : next_begin;
       const char* next = next_block < blocks
                              ? reinterpret_cast<const char*>(packed + next_block * block_elements +
                                                              first_chunk * kBlockChunkElements)
                              : nullptr;
-      for (int64_t row0 = 0; row0 < rows; row0 += 2 * kTileRows) {
-        const uint16_t* x_a = tiles + (row0 / kTileRows) * row_tile_elements;
-        const int64_t tile_rows = std::min(2 * kTileRows, rows - row0);
-        const SumsAt held{partial + row0 * partial_ld + column0, partial_ld};
-        const SumsAt from = first ? SumsAt{nullptr, 0} : held, to = last ? SumsAt{sums, kBlockColumns} : held;
-        const int64_t pass = row0 / (2 * kTileRows);
-        const int64_t share_from = pass * span_bytes / passes, share_to = (pass + 1) * span_bytes / passes;
-        const auto* prefetch = next ? reinterpret_cast<const uint16_t*>(next + share_from) : nullptr;
-        const int64_t prefetch_bytes = next ? share_to - share_from : 0;
-        if (tile_rows > kTileRows) {
-          amx::block_sums<true>(x_a, x_a + row_tile_elements, weights, span_chunks, from, to, prefetch, prefetch_bytes);
-        } else {
-          amx::block_sums<false>(x_a, nullptr, weights, span_chunks, from, to, prefetch, prefetch_bytes);
+      for (int64_t sub0 = 0; sub0 < span_chunks; sub0 += sub_chunks) {
+        const int64_t sub_span = std::min(sub_chunks, span_chunks - sub0);
+        const bool sub_first = sub0 == 0, sub_last = sub0 + sub_span == span_chunks;
+        for (int64_t row0 = 0; row0 < rows; row0 += 2 * kTileRows) {
+          const int64_t pass = row0 / (2 * kTileRows);
+          const uint16_t* x_a = tiles + (row0 / kTileRows) * row_tile_elements + sub0 * kTileElements;
+          const int64_t tile_rows = std::min(2 * kTileRows, rows - row0);
+          const SumsAt held{partial + row0 * partial_ld + column0, partial_ld};
+          const SumsAt parked{sums + (in_sub_spans ? pass : 0) * 2 * kTileRows * kBlockColumns, kBlockColumns};
+          const SumsAt from = sub_first ? (first ? SumsAt{nullptr, 0} : held) : parked;
+          const SumsAt to = sub_last && !last ? held : parked;
+          const int64_t call = sub0 / sub_chunks * passes + pass;
+          const int64_t share_from = call * span_bytes / calls, share_to = (call + 1) * span_bytes / calls;
+          const auto* prefetch = next ? reinterpret_cast<const uint16_t*>(next + share_from) : nullptr;
+          const int64_t prefetch_bytes = next ? share_to - share_from : 0;
+          const uint16_t* sub_weights = weights + sub0 * kBlockChunkElements;
+          if (tile_rows > kTileRows) {
+            amx::block_sums<true>(x_a, x_a + row_tile_elements, sub_weights, sub_span, from, to, prefetch,
+                                  prefetch_bytes);
+          } else {
+            amx::block_sums<false>(x_a, nullptr, sub_weights, sub_span, from, to, prefetch, prefetch_bytes);
+          }
+          if (last && sub_last)
+            round_block(parked.sums, tile_rows, bias ? bias + column0 : nullptr, columns, out + row0 * n + column0, n);
         }
-        if (last)
-          round_block(sums, tile_rows, bias ? bias + column0 : nullptr, columns, out + row0 * n + column0, n);
       }
     }
     _tile_release();
