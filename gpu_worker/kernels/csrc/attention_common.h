@@ -56,10 +56,7 @@ inline void prefetch_head_to_l2(const uint16_t* head) {
 #endif
 
 #ifdef __AVX512F__
-inline __m512 widen16(const uint16_t* src) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using trident_kernels::widen16;
 
 // The 16 lanes of a score (query . key), before their sum: lane l sums the products of elements
 // l, l + 16, ... in order, on kChains chains (two for a long head) added at the end.

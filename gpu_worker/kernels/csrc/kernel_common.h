@@ -13,6 +13,10 @@
 #include <cstring>
 #include <optional>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace trident_kernels {
 
 // bfloat16 read as raw bits: c10::BFloat16's conversions are scalar, and at prefill sizes
@@ -54,6 +58,14 @@ inline Bf16Bits round_to<Bf16Bits>(float f) {
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return {(u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded)};
 }
+
+#ifdef __AVX512F__
+// 16 bfloat16 values (raw bits) widened to float32, as widen does one.
+inline __m512 widen16(const uint16_t* src) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
 
 // exp(x) for x <= 0, vectorisable: 2^(x log2 e) split into an integer power, set in the
 // exponent bits, and a degree-6 polynomial of the fraction (relative error ~2e-7); below

@@ -21,10 +21,6 @@
 
 #include "kernel_common.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -78,15 +74,13 @@ const float* bf16_activation_table() {
 void looked_up_times_up(const Bf16Bits* gate, const Bf16Bits* up, Bf16Bits* o, int64_t n, const float* table) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  const auto widen16 = [](const Bf16Bits* p) {
-    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-  };
+  using trident_kernels::widen16;
   const __m512i half_ulp = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
   const __m512i quiet_nan = _mm512_set1_epi32(0x7FC0);
   for (; i + 16 <= n; i += 16) {
-    const __m512i index = _mm512_srli_epi32(widen16(gate + i), 16);
-    const __m512 product = _mm512_mul_ps(_mm512_i32gather_ps(index, table, 4), _mm512_castsi512_ps(widen16(up + i)));
+    const __m512i index = _mm512_srli_epi32(_mm512_castps_si512(widen16(&gate[i].bits)), 16);
+    const __m512 product = _mm512_mul_ps(_mm512_i32gather_ps(index, table, 4), widen16(&up[i].bits));
     const __m512i u = _mm512_castps_si512(product);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
     __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half_ulp), odd), 16);
