@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from gpu_worker.model.attention import AttentionMetadata, DecodeGroup, ExtendRow
+from gpu_worker.model.decoder_layer import DecoderLayer
 from gpu_worker.model.flat_decode import FlatDecodeLoop
 from tests.family_models import make_family_checkpoint
 from tests.helpers import TEST_CPU_THREADS, WorkerDriver, make_random_llama
@@ -121,6 +122,37 @@ def test_flat_decode_with_torch_attention_matches_the_modules_with_torch_attenti
         assert flat_runs == 5
     finally:
         model.use_decode_kernel(kernel)
+
+
+def test_the_module_paths_residual_adds_in_the_norms_give_the_bits_of_separate_adds(worker, monkeypatch):
+    """Eager steps through the modules hand each layer's residual add to the next layer's input
+    norm (DecoderLayer.forward_deferred, add_rms_norm); a separate add then rms_norm, as the
+    layers chained through their own forward do, gives the same logits, prompt steps included."""
+    deferred = DecoderLayer.forward_deferred
+
+    def separate_adds(self, x, pending, rotary, kv_cache, meta):
+        if pending is not None:
+            x = x + pending
+        return deferred(self, x, None, rotary, kv_cache, meta)
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(100, 5000, n) for n in (7, 33, 64)]
+    model = worker.model
+    logits: list[torch.Tensor] = []
+    hook = model.register_forward_hook(lambda _module, _inputs, out: logits.append(out.clone()))
+    try:
+        model.use_flat_decode(False)
+        WorkerDriver(worker).generate(prompts, decode_steps=3)
+        folded = list(logits)
+        logits.clear()
+        monkeypatch.setattr(DecoderLayer, "forward_deferred", separate_adds)
+        WorkerDriver(worker).generate(prompts, decode_steps=3)
+    finally:
+        hook.remove()
+        model.use_flat_decode(True)
+    assert len(folded) == len(logits) == 4
+    for step, (a, b) in enumerate(zip(folded, logits, strict=True)):
+        assert torch.equal(a, b), f"step {step}: largest difference {(a.float() - b.float()).abs().max().item()}"
 
 
 def _meta(queries_per_row: int, extend: bool) -> AttentionMetadata:

@@ -24,7 +24,7 @@ from gpu_worker.layers.gguf_repack import concat_rows
 from gpu_worker.layers.linear_plan import MakeLinear, replace_linear_layers
 from gpu_worker.layers.moe_experts import Expert, MakeFusedExperts, MakeFusedQuantExperts, MoeExperts
 from gpu_worker.model.attention import AttentionMetadata, ExtendKernel, StraddlingHeadsKernel
-from gpu_worker.model.compiled_decode import LayerFn, compile_layer, run_layer, runs_compiled
+from gpu_worker.model.compiled_decode import LayerFn, compile_layer, runs_compiled
 from gpu_worker.model.decoder_layer import MLP, Attention, DecoderLayer, RMSNorm
 from gpu_worker.model.flat_decode import FlatDecodeLoop
 from gpu_worker.model.model_config import ModelConfig
@@ -150,13 +150,19 @@ class LlamaForCausalLM(nn.Module):
         meta.prepare_gather(self.plan.num_kv_heads, self.gather_kv_heads, self.decode_kernel)
         meta.prepare_windows(self.windows, self.decode_kernel)
         tables = [rope.tables(positions, x.dtype) for rope in self.rope]
+        layers = zip(self.layers, kv_pool.kv, self.rope_of_layer, strict=True)
         if (flat := self._flat_decode_loop(meta)) is not None:
-            x = flat.run(x, tables, kv_pool.kv, meta)
-        else:
-            run = self.decode_layer if self.decode_layer is not None and runs_compiled(meta) else run_layer
-            for layer, kv_cache, rope in zip(self.layers, kv_pool.kv, self.rope_of_layer, strict=True):
-                x = run(layer, x, tables[rope], kv_cache, meta)
-        return x
+            return flat.run(x, tables, kv_pool.kv, meta)
+        if self.decode_layer is not None and runs_compiled(meta):
+            for layer, kv_cache, rope in layers:
+                x = self.decode_layer(layer, x, tables[rope], kv_cache, meta)
+            return x
+        # Eager: each layer's residual add goes into the next layer's input norm.
+        delta: torch.Tensor | None = None
+        for layer, kv_cache, rope in layers:
+            x, delta = layer.forward_deferred(x, delta, tables[rope], kv_cache, meta)
+        assert delta is not None, "a model has at least one layer"
+        return x + delta
 
     @torch.inference_mode()
     def final_hidden_states(self, x: torch.Tensor) -> torch.Tensor:

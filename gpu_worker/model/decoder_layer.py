@@ -200,9 +200,29 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset) if sandwich else None
 
     def forward(self, x, rotary, kv_cache, meta):
-        attn = self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
+        x, delta = self.forward_deferred(x, None, rotary, kv_cache, meta)
+        return x + delta
+
+    def forward_deferred(
+        self,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, delta): the layer with the residual adds at its ends left to the
+        norms. `pending`, the previous layer's delta (None: there is none), goes into x with
+        this layer's input norm (`add_and_norm`: one op where the add is otherwise its own,
+        the same bits); the layer's own output comes back as delta, for the next layer's
+        input norm or the caller's `x + delta`. flat_decode.py chains its layers the same way."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, pending)
+        attn = self.self_attn(h, rotary, kv_cache, meta)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             x, h = self.post_attention_layernorm.add_and_norm(x, attn)
-            return x + self.mlp(h)
+            return x, self.mlp(h)
         x, h = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(attn))
-        return x + self.post_feedforward_layernorm(self.mlp(h))
+        return x, self.post_feedforward_layernorm(self.mlp(h))
