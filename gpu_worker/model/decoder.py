@@ -150,9 +150,9 @@ class LlamaForCausalLM(nn.Module):
         meta.prepare_gather(self.plan.num_kv_heads, self.gather_kv_heads, self.decode_kernel)
         meta.prepare_windows(self.windows, self.decode_kernel)
         tables = [rope.tables(positions, x.dtype) for rope in self.rope]
-        layers = zip(self.layers, kv_pool.kv, self.rope_of_layer, strict=True)
         if (flat := self._flat_decode_loop(meta)) is not None:
             return flat.run(x, tables, kv_pool.kv, meta)
+        layers = zip(self.layers, kv_pool.kv, self.rope_of_layer, strict=True)
         if self.decode_layer is not None and runs_compiled(meta):
             for layer, kv_cache, rope in layers:
                 x = self.decode_layer(layer, x, tables[rope], kv_cache, meta)
