@@ -100,7 +100,7 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
 void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t first_chunk, int64_t chunks,
                       uint16_t* tiles) {
   const int64_t row_tiles = round_up(rows, kTileRows) / kTileRows;
-  at::parallel_for(0, row_tiles, kRowTilesPackedAlone, [&](int64_t begin, int64_t end) {
+  trident_kernels::parallel_for_claimed_ahead(row_tiles, kRowTilesPackedAlone, [&](int64_t begin, int64_t end, int64_t) {
     for (int64_t t = begin; t < end; ++t) {
       const auto row_of = [&](int64_t r) -> const uint16_t* {
         const int64_t row = t * kTileRows + r;
