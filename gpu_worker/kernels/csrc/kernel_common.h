@@ -189,23 +189,14 @@ class ClaimTeam {
     generation_.notify_all();
     claim_all();
     open_.store(kClosed);
-    // A helper still summing may be waiting for this thread's core: after a short spin the
-    // caller yields it.
-    for (int spin = 0; active_.load() != 0; ++spin) {
-      if (spin < kSpins) {
-        pause();
-      } else {
-        std::this_thread::yield();
-      }
-    }
+    while (active_.load() != 0) pause();
     return true;
   }
 
  private:
   static constexpr uint32_t kClosed = 0;
-  // Pauses a helper spins for its next job before it sleeps (the next linear layer of a step
-  // usually comes within that, and a sleeping helper costs the caller a wake-up call), and the
-  // caller for the helpers' last claims before it yields its core to them.
+  // Pauses a helper spins for its next job before it sleeps: the next linear layer of a step
+  // usually comes within that, and a sleeping helper costs the caller a wake-up call.
   static constexpr int kSpins = 4096;
 
   static void pause() {
