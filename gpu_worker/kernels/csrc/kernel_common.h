@@ -189,14 +189,18 @@ class ClaimTeam {
     generation_.notify_all();
     claim_all();
     open_.store(kClosed);
-    while (active_.load() != 0) pause();
+    // A helper still summing its last claims may be waiting for a core: after a short spin the
+    // caller sleeps until the last helper leaves, and its core can run that helper meanwhile.
+    for (int spin = 0; spin < kSpins && active_.load() != 0; ++spin) pause();
+    for (int active; (active = active_.load()) != 0;) active_.wait(active);
     return true;
   }
 
  private:
   static constexpr uint32_t kClosed = 0;
-  // Pauses a helper spins for its next job before it sleeps: the next linear layer of a step
-  // usually comes within that, and a sleeping helper costs the caller a wake-up call.
+  // Pauses a helper spins for its next job before it sleeps (the next linear layer of a step
+  // usually comes within that, and a sleeping helper costs the caller a wake-up call), and the
+  // caller for the helpers' last claims before it sleeps.
   static constexpr int kSpins = 4096;
 
   static void pause() {
@@ -238,7 +242,7 @@ class ClaimTeam {
       // helper counted in, so a job seen open stays alive until this helper is done with it.
       active_.fetch_add(1);
       if (open_.load() == job && index < helpers_wanted_) claim_all();
-      active_.fetch_sub(1);
+      if (active_.fetch_sub(1) == 1) active_.notify_all();
     }
   }
 
