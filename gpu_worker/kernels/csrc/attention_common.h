@@ -147,25 +147,32 @@ inline void widen_keys(float* keys, const uint16_t* kv, const int64_t* tokens, i
 // sum_lanes(dot_lanes(...)) gives that key alone; `query(c)` is the head's scaled vector c.
 // Each pair of keys takes dot_lanes twice, with the query and with its halves swapped, and the
 // halving sum_lanes_of_16 starts with is their sum (each lane's addition the same, operands swapped).
+// `swapped(c)`: query(c) with its halves swapped (swap_halves), where a caller keeps it at hand.
+inline __m512 swap_halves(__m512 v) { return _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)); }
+
+template <int kVecs, typename Query, typename Swapped>
+inline __m512 scores_of_16(const Query& query, const Swapped& swapped, const float* keys) {
+  __m512 eighths[kKeysAtOnce / 2];
+#pragma GCC unroll 8
+  for (int m = 0; m < kKeysAtOnce / 2; ++m) {
+    const float* pair = keys + 2 * m * kVecs * 16;
+    const __m512 first = dot_lanes<kVecs>(query, [&](int c) { return _mm512_load_ps(pair + (2 * c) * 16); });
+    const __m512 second = dot_lanes<kVecs>(swapped,
+                                           [&](int c) { return _mm512_load_ps(pair + (2 * c + 1) * 16); });
+    eighths[m] = _mm512_add_ps(second, first);
+  }
+  return sum_lanes_of_16_from_eighths(eighths);
+}
+
 template <int kVecs, typename Query>
 inline __m512 scores_of_16(const Query& query, const float* keys) {
   __m512 qv[kVecs], swapped[kVecs];
 #pragma GCC unroll 16
   for (int c = 0; c < kVecs; ++c) {
     qv[c] = query(c);
-    swapped[c] = _mm512_shuffle_f32x4(qv[c], qv[c], _MM_SHUFFLE(1, 0, 3, 2));
+    swapped[c] = swap_halves(qv[c]);
   }
-  __m512 eighths[kKeysAtOnce / 2];
-#pragma GCC unroll 8
-  for (int m = 0; m < kKeysAtOnce / 2; ++m) {
-    const float* pair = keys + 2 * m * kVecs * 16;
-    const __m512 first = dot_lanes<kVecs>([&](int c) { return qv[c]; },
-                                          [&](int c) { return _mm512_load_ps(pair + (2 * c) * 16); });
-    const __m512 second = dot_lanes<kVecs>([&](int c) { return swapped[c]; },
-                                           [&](int c) { return _mm512_load_ps(pair + (2 * c + 1) * 16); });
-    eighths[m] = _mm512_add_ps(second, first);
-  }
-  return sum_lanes_of_16_from_eighths(eighths);
+  return scores_of_16<kVecs>([&](int c) { return qv[c]; }, [&](int c) { return swapped[c]; }, keys);
 }
 
 // One key's term in kHeads query heads' output sums, over kColumns 16-column slices of its V
