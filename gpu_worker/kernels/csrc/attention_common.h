@@ -119,14 +119,14 @@ inline void widen_keys(float* keys, const uint16_t* kv, const int64_t* tokens, i
                        int64_t token_stride, int64_t k_offset) {
   constexpr int kVecs = kDim / 16;
   const int64_t n = std::min(kKeysAtOnce, remaining);
-  for (int64_t j = 0; j < n; ++j)
-    if (kKeysAtOnce + j < remaining) prefetch_head<kDim>(kv + tokens[kKeysAtOnce + j] * token_stride + k_offset);
   // Quadwords (four values) of slices c (even) and c + 1 of a (0-7) and b (8-15) into the 128-bit
   // lanes of a vector whose low (high) four words each lane widen to the first (second) vector.
   const __m512i even = _mm512_setr_epi64(0, 2, 1, 3, 10, 8, 11, 9);
   const __m512i odd = _mm512_setr_epi64(4, 6, 5, 7, 14, 12, 15, 13);
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t j = 0; j < kKeysAtOnce; j += 2) {
+    for (int64_t ahead = kKeysAtOnce + j; ahead < std::min(kKeysAtOnce + j + 2, remaining); ++ahead)
+      prefetch_head<kDim>(kv + tokens[ahead] * token_stride + k_offset);
     const uint16_t* a = j < n ? kv + tokens[j] * token_stride + k_offset : nullptr;
     const uint16_t* b = j + 1 < n ? kv + tokens[j + 1] * token_stride + k_offset : nullptr;
     float* out = keys + j * kDim;
