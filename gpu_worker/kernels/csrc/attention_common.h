@@ -87,8 +87,9 @@ constexpr int64_t kKeysAtOnce = 16;  // keys a score block widens: one sum_lanes
 
 // Lane j: sum_lanes(v[j]), with the same additions of the same pairs, sixteen sums at a time
 // (15 vector additions where sixteen sum_lanes take 60 scalar ones), from the first halving on:
-// eighths[m]: lanes 0-7 the pairs (l, l + 8) of v[2m] summed, lanes 8-15 those of v[2m + 1].
-inline __m512 sum_lanes_of_16_from_eighths(const __m512 (&eighths)[8]) {
+// eighths[m] holds in lanes 0-7 the pairs (l, l + 8) of v[2m] summed, in lanes 8-15 those of
+// v[2m + 1] (scores_of_16 sums them vertically).
+inline __m512 sum_lanes_of_16(const __m512 (&eighths)[8]) {
   __m512 quarters[4], halves[2];
   // quarters[m]: 128-bit lane q holds the four pairs (l, l + 4) of v[4m + q].
 #pragma GCC unroll 4
@@ -107,7 +108,6 @@ inline __m512 sum_lanes_of_16_from_eighths(const __m512 (&eighths)[8]) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, sums);
 }
-
 
 // The K rows of one head for the first min(16, remaining) of `tokens`, widened into `keys`
 // (rows past them zero), and the next sixteen's lines prefetched. Keys 2m and 2m + 1 (a, b) are
@@ -143,13 +143,14 @@ inline void widen_keys(float* keys, const uint16_t* kv, const int64_t* tokens, i
   }
 }
 
-// Lane j: one query head's score against key j of `keys` (widen_keys), the bits that
-// sum_lanes(dot_lanes(...)) gives that key alone; `query(c)` is the head's scaled vector c.
-// Each pair of keys takes dot_lanes twice, with the query and with its halves swapped, and the
-// halving sum_lanes_of_16 starts with is their sum (each lane's addition the same, operands swapped).
-// `swapped(c)`: query(c) with its halves swapped (swap_halves), where a caller keeps it at hand.
+// A vector with its 256-bit halves swapped: the query for the second vector of a pair of keys.
 inline __m512 swap_halves(__m512 v) { return _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)); }
 
+// Lane j: one query head's score against key j of `keys` (widen_keys), the bits that
+// sum_lanes(dot_lanes(...)) gives that key alone; `query(c)` is the head's scaled vector c and
+// `swapped(c)` swap_halves of it (a caller that scores many blocks keeps both at hand). Each pair
+// of keys takes dot_lanes twice, with the query and with its halves swapped, and the halving
+// sum_lanes_of_16 starts with is their sum (each lane's addition the same, operands swapped).
 template <int kVecs, typename Query, typename Swapped>
 inline __m512 scores_of_16(const Query& query, const Swapped& swapped, const float* keys) {
   __m512 eighths[kKeysAtOnce / 2];
@@ -161,9 +162,10 @@ inline __m512 scores_of_16(const Query& query, const Swapped& swapped, const flo
                                            [&](int c) { return _mm512_load_ps(pair + (2 * c + 1) * 16); });
     eighths[m] = _mm512_add_ps(second, first);
   }
-  return sum_lanes_of_16_from_eighths(eighths);
+  return sum_lanes_of_16(eighths);
 }
 
+// scores_of_16 for a query held in registers.
 template <int kVecs, typename Query>
 inline __m512 scores_of_16(const Query& query, const float* keys) {
   __m512 qv[kVecs], swapped[kVecs];

@@ -55,6 +55,7 @@ void tile_item(const uint16_t* q, int64_t q_row_stride, int queries, const KeySp
   constexpr int kVecs = kDim / 16;
   constexpr int kHeads = kQueries<kGroup> * kGroup;
   const __m512 scale_v = _mm512_set1_ps(scale);
+  // qf: each query head's scaled vectors, then the same with their halves swapped (scores_of_16).
   for (int i = 0; i < queries; ++i)
     for (int g = 0; g < kGroup; ++g)
       for (int c = 0; c < kVecs; ++c) {
