@@ -88,7 +88,7 @@ constexpr int64_t kKeysAtOnce = 16;  // keys a score block widens: one sum_lanes
 // Lane j: sum_lanes(v[j]), with the same additions of the same pairs, sixteen sums at a time
 // (15 vector additions where sixteen sum_lanes take 60 scalar ones), from the first halving on:
 // eighths[m] holds in lanes 0-7 the pairs (l, l + 8) of v[2m] summed, in lanes 8-15 those of
-// v[2m + 1] (scores_of_16 sums them vertically).
+// v[2m + 1].
 inline __m512 sum_lanes_of_16(const __m512 (&eighths)[8]) {
   __m512 quarters[4], halves[2];
   // quarters[m]: 128-bit lane q holds the four pairs (l, l + 4) of v[4m + q].
@@ -110,13 +110,53 @@ inline __m512 sum_lanes_of_16(const __m512 (&eighths)[8]) {
 }
 
 // The K rows of one head for the first min(16, remaining) of `tokens`, widened into `keys`
-// (rows past them zero), and the next sixteen's lines prefetched. Keys 2m and 2m + 1 (a, b) are
-// stored as kVecs pairs of vectors: for column slice c, [a's lanes 0-7, b's lanes 8-15] and then
-// [a's lanes 8-15, b's lanes 0-7], so that the first halving of each score's lanes
-// (sum_lanes_of_16) is one vertical addition of the two (scores_of_16) instead of shuffles.
+// [16][kDim] (rows past them zero), and the next sixteen's lines prefetched.
 template <int kDim>
 inline void widen_keys(float* keys, const uint16_t* kv, const int64_t* tokens, int64_t remaining,
                        int64_t token_stride, int64_t k_offset) {
+  constexpr int kVecs = kDim / 16;
+  const int64_t n = std::min(kKeysAtOnce, remaining);
+  for (int64_t j = 0; j < n; ++j) {
+    if (kKeysAtOnce + j < remaining) prefetch_head<kDim>(kv + tokens[kKeysAtOnce + j] * token_stride + k_offset);
+    const uint16_t* k = kv + tokens[j] * token_stride + k_offset;
+#pragma GCC unroll 16
+    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(keys + (j * kVecs + c) * 16, widen16(k + c * 16));
+  }
+  for (int64_t j = n; j < kKeysAtOnce; ++j)
+#pragma GCC unroll 16
+    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(keys + (j * kVecs + c) * 16, _mm512_setzero_ps());
+}
+
+// Lane j: one query head's score against key j of `keys` (widen_keys), the bits that
+// sum_lanes(dot_lanes(...)) gives that key alone; `query(c)` is the head's scaled vector c.
+template <int kVecs, typename Query>
+inline __m512 scores_of_16(const Query& query, const float* keys) {
+  __m512 qv[kVecs];
+#pragma GCC unroll 16
+  for (int c = 0; c < kVecs; ++c) qv[c] = query(c);
+  __m512 lanes[kKeysAtOnce];
+#pragma GCC unroll 16
+  for (int j = 0; j < kKeysAtOnce; ++j)
+    lanes[j] = dot_lanes<kVecs>([&](int c) { return qv[c]; },
+                                [&](int c) { return _mm512_load_ps(keys + (j * kVecs + c) * 16); });
+  // eighths[m]: lanes 0-7 the pairs (l, l + 8) of lanes[2m], lanes 8-15 those of lanes[2m + 1].
+  __m512 eighths[kKeysAtOnce / 2];
+#pragma GCC unroll 8
+  for (int m = 0; m < kKeysAtOnce / 2; ++m)
+    eighths[m] = _mm512_add_ps(_mm512_shuffle_f32x4(lanes[2 * m], lanes[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                               _mm512_shuffle_f32x4(lanes[2 * m], lanes[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  return sum_lanes_of_16(eighths);
+}
+
+// widen_keys in another layout, for the query-tile kernel, whose many query heads a block
+// (against the decode kernel's few) pay for the pairing many times over. Keys 2m and 2m + 1
+// (a, b) are stored as kVecs pairs of vectors: for column slice c, [a's lanes 0-7, b's lanes
+// 8-15] and then [a's lanes 8-15, b's lanes 0-7], so that the first halving of each score's
+// lanes (sum_lanes_of_16) is one vertical addition of the two (scores_of_16_paired) instead of
+// shuffles.
+template <int kDim>
+inline void widen_key_pairs(float* keys, const uint16_t* kv, const int64_t* tokens, int64_t remaining,
+                            int64_t token_stride, int64_t k_offset) {
   constexpr int kVecs = kDim / 16;
   const int64_t n = std::min(kKeysAtOnce, remaining);
   // Quadwords (four values) of slices c (even) and c + 1 of a (0-7) and b (8-15) into the 128-bit
@@ -146,13 +186,14 @@ inline void widen_keys(float* keys, const uint16_t* kv, const int64_t* tokens, i
 // A vector with its 256-bit halves swapped: the query for the second vector of a pair of keys.
 inline __m512 swap_halves(__m512 v) { return _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)); }
 
-// Lane j: one query head's score against key j of `keys` (widen_keys), the bits that
-// sum_lanes(dot_lanes(...)) gives that key alone; `query(c)` is the head's scaled vector c and
+// scores_of_16 for keys widened by widen_key_pairs: lane j, one query head's score against key
+// j, the bits that sum_lanes(dot_lanes(...)) gives that key alone; `query(c)` is the head's
+// scaled vector c and
 // `swapped(c)` swap_halves of it (a caller that scores many blocks keeps both at hand). Each pair
 // of keys takes dot_lanes twice, with the query and with its halves swapped, and the halving
 // sum_lanes_of_16 starts with is their sum (each lane's addition the same, operands swapped).
 template <int kVecs, typename Query, typename Swapped>
-inline __m512 scores_of_16(const Query& query, const Swapped& swapped, const float* keys) {
+inline __m512 scores_of_16_paired(const Query& query, const Swapped& swapped, const float* keys) {
   __m512 eighths[kKeysAtOnce / 2];
 #pragma GCC unroll 8
   for (int m = 0; m < kKeysAtOnce / 2; ++m) {
@@ -163,18 +204,6 @@ inline __m512 scores_of_16(const Query& query, const Swapped& swapped, const flo
     eighths[m] = _mm512_add_ps(second, first);
   }
   return sum_lanes_of_16(eighths);
-}
-
-// scores_of_16 for a query held in registers.
-template <int kVecs, typename Query>
-inline __m512 scores_of_16(const Query& query, const float* keys) {
-  __m512 qv[kVecs], swapped[kVecs];
-#pragma GCC unroll 16
-  for (int c = 0; c < kVecs; ++c) {
-    qv[c] = query(c);
-    swapped[c] = swap_halves(qv[c]);
-  }
-  return scores_of_16<kVecs>([&](int c) { return qv[c]; }, [&](int c) { return swapped[c]; }, keys);
 }
 
 // One key's term in kHeads query heads' output sums, over kColumns 16-column slices of its V

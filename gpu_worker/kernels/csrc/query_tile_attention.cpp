@@ -55,7 +55,7 @@ void tile_item(const uint16_t* q, int64_t q_row_stride, int queries, const KeySp
   constexpr int kVecs = kDim / 16;
   constexpr int kHeads = kQueries<kGroup> * kGroup;
   const __m512 scale_v = _mm512_set1_ps(scale);
-  // qf: each query head's scaled vectors, then the same with their halves swapped (scores_of_16).
+  // qf: each query head's scaled vectors, then the same with their halves swapped (scores_of_16_paired).
   for (int i = 0; i < queries; ++i)
     for (int g = 0; g < kGroup; ++g)
       for (int c = 0; c < kVecs; ++c) {
@@ -66,7 +66,7 @@ void tile_item(const uint16_t* q, int64_t q_row_stride, int queries, const KeySp
   const int64_t first = spans[0].begin, last = spans[queries - 1].end;
   // Scores.
   for (int64_t t0 = first; t0 < last; t0 += kKeysAtOnce) {
-    widen_keys<kDim>(keys, kv, tokens + t0, last - t0, token_stride, k_offset);
+    widen_key_pairs<kDim>(keys, kv, tokens + t0, last - t0, token_stride, k_offset);
     for (int i = 0; i < queries; ++i) {
       const KeySpan span = spans[i];
       if (span.end <= t0 || span.begin >= t0 + kKeysAtOnce) continue;
@@ -76,7 +76,7 @@ void tile_item(const uint16_t* q, int64_t q_row_stride, int queries, const KeySp
         const float* qh = qf + (i * kGroup + g) * 2 * kDim;
         float* row = probs + (i * kGroup + g) * probs_stride + kProbsPad;
         _mm512_mask_storeu_ps(row + (t0 - span.begin), mask,
-                              scores_of_16<kVecs>([&](int c) { return _mm512_load_ps(qh + c * 16); },
+                              scores_of_16_paired<kVecs>([&](int c) { return _mm512_load_ps(qh + c * 16); },
                                                   [&](int c) { return _mm512_load_ps(qh + (kVecs + c) * 16); }, keys));
       }
     }
