@@ -188,10 +188,10 @@ inline __m512 swap_halves(__m512 v) { return _mm512_shuffle_f32x4(v, v, _MM_SHUF
 
 // scores_of_16 for keys widened by widen_key_pairs: lane j, one query head's score against key
 // j, the bits that sum_lanes(dot_lanes(...)) gives that key alone; `query(c)` is the head's
-// scaled vector c and
-// `swapped(c)` swap_halves of it (a caller that scores many blocks keeps both at hand). Each pair
-// of keys takes dot_lanes twice, with the query and with its halves swapped, and the halving
-// sum_lanes_of_16 starts with is their sum (each lane's addition the same, operands swapped).
+// scaled vector c and `swapped(c)` swap_halves of it (a caller that scores many blocks keeps both
+// at hand). Each pair of keys takes dot_lanes twice, with the query and with its halves swapped,
+// and the halving sum_lanes_of_16 starts with is their sum (each lane's addition the same,
+// operands swapped).
 template <int kVecs, typename Query, typename Swapped>
 inline __m512 scores_of_16_paired(const Query& query, const Swapped& swapped, const float* keys) {
   __m512 eighths[kKeysAtOnce / 2];
