@@ -83,15 +83,14 @@ inline float sum_lanes(__m512 v) {
   return _mm_cvtss_f32(halves) + _mm_cvtss_f32(_mm_shuffle_ps(halves, halves, 1));
 }
 
+constexpr int64_t kKeysAtOnce = 16;  // keys a score block widens: one sum_lanes_of_16
+
 // Lane j: sum_lanes(v[j]), with the same additions of the same pairs, sixteen sums at a time
-// (15 vector additions where sixteen sum_lanes take 60 scalar ones).
-inline __m512 sum_lanes_of_16(const __m512 (&v)[16]) {
-  __m512 eighths[8], quarters[4], halves[2];
-  // eighths[m]: lanes 0-7 the pairs (l, l + 8) of v[2m], lanes 8-15 those of v[2m + 1].
-#pragma GCC unroll 8
-  for (int m = 0; m < 8; ++m)
-    eighths[m] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)),
-                               _mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+// (15 vector additions where sixteen sum_lanes take 60 scalar ones), from the first halving on:
+// eighths[m] holds in lanes 0-7 the pairs (l, l + 8) of v[2m] summed, in lanes 8-15 those of
+// v[2m + 1].
+inline __m512 sum_lanes_of_16(const __m512 (&eighths)[8]) {
+  __m512 quarters[4], halves[2];
   // quarters[m]: 128-bit lane q holds the four pairs (l, l + 4) of v[4m + q].
 #pragma GCC unroll 4
   for (int m = 0; m < 4; ++m)
@@ -109,8 +108,6 @@ inline __m512 sum_lanes_of_16(const __m512 (&v)[16]) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, sums);
 }
-
-constexpr int64_t kKeysAtOnce = 16;  // keys a score block widens: one sum_lanes_of_16
 
 // The K rows of one head for the first min(16, remaining) of `tokens`, widened into `keys`
 // [16][kDim] (rows past them zero), and the next sixteen's lines prefetched.
@@ -142,7 +139,71 @@ inline __m512 scores_of_16(const Query& query, const float* keys) {
   for (int j = 0; j < kKeysAtOnce; ++j)
     lanes[j] = dot_lanes<kVecs>([&](int c) { return qv[c]; },
                                 [&](int c) { return _mm512_load_ps(keys + (j * kVecs + c) * 16); });
-  return sum_lanes_of_16(lanes);
+  // eighths[m]: lanes 0-7 the pairs (l, l + 8) of lanes[2m], lanes 8-15 those of lanes[2m + 1].
+  __m512 eighths[kKeysAtOnce / 2];
+#pragma GCC unroll 8
+  for (int m = 0; m < kKeysAtOnce / 2; ++m)
+    eighths[m] = _mm512_add_ps(_mm512_shuffle_f32x4(lanes[2 * m], lanes[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                               _mm512_shuffle_f32x4(lanes[2 * m], lanes[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  return sum_lanes_of_16(eighths);
+}
+
+// widen_keys in another layout, for the query-tile kernel, whose many query heads a block
+// (against the decode kernel's few) pay for the pairing many times over. Keys 2m and 2m + 1
+// (a, b) are stored as kVecs pairs of vectors: for column slice c, [a's lanes 0-7, b's lanes
+// 8-15] and then [a's lanes 8-15, b's lanes 0-7], so that the first halving of each score's
+// lanes (sum_lanes_of_16) is one vertical addition of the two (scores_of_16_paired) instead of
+// shuffles.
+template <int kDim>
+inline void widen_key_pairs(float* keys, const uint16_t* kv, const int64_t* tokens, int64_t remaining,
+                            int64_t token_stride, int64_t k_offset) {
+  constexpr int kVecs = kDim / 16;
+  const int64_t n = std::min(kKeysAtOnce, remaining);
+  // Quadwords (four values) of slices c (even) and c + 1 of a (0-7) and b (8-15) into the 128-bit
+  // lanes of a vector whose low (high) four words each lane widen to the first (second) vector.
+  const __m512i even = _mm512_setr_epi64(0, 2, 1, 3, 10, 8, 11, 9);
+  const __m512i odd = _mm512_setr_epi64(4, 6, 5, 7, 14, 12, 15, 13);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j = 0; j < kKeysAtOnce; j += 2) {
+    for (int64_t ahead = kKeysAtOnce + j; ahead < std::min(kKeysAtOnce + j + 2, remaining); ++ahead)
+      prefetch_head<kDim>(kv + tokens[ahead] * token_stride + k_offset);
+    const uint16_t* a = j < n ? kv + tokens[j] * token_stride + k_offset : nullptr;
+    const uint16_t* b = j + 1 < n ? kv + tokens[j + 1] * token_stride + k_offset : nullptr;
+    float* out = keys + j * kDim;
+#pragma GCC unroll 8
+    for (int c = 0; c < kVecs; c += 2) {
+      const __m512i ra = a ? _mm512_loadu_si512(a + c * 16) : zero;
+      const __m512i rb = b ? _mm512_loadu_si512(b + c * 16) : zero;
+      const __m512i lo = _mm512_permutex2var_epi64(ra, even, rb), hi = _mm512_permutex2var_epi64(ra, odd, rb);
+      _mm512_store_si512(out + (2 * c) * 16, _mm512_unpacklo_epi16(zero, lo));
+      _mm512_store_si512(out + (2 * c + 1) * 16, _mm512_unpackhi_epi16(zero, lo));
+      _mm512_store_si512(out + (2 * c + 2) * 16, _mm512_unpacklo_epi16(zero, hi));
+      _mm512_store_si512(out + (2 * c + 3) * 16, _mm512_unpackhi_epi16(zero, hi));
+    }
+  }
+}
+
+// A vector with its 256-bit halves swapped: the query for the second vector of a pair of keys.
+inline __m512 swap_halves(__m512 v) { return _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)); }
+
+// scores_of_16 for keys widened by widen_key_pairs: lane j, one query head's score against key
+// j, the bits that sum_lanes(dot_lanes(...)) gives that key alone; `query(c)` is the head's
+// scaled vector c and `swapped(c)` swap_halves of it (a caller that scores many blocks keeps both
+// at hand). Each pair of keys takes dot_lanes twice, with the query and with its halves swapped,
+// and the halving sum_lanes_of_16 starts with is their sum (each lane's addition the same,
+// operands swapped).
+template <int kVecs, typename Query, typename Swapped>
+inline __m512 scores_of_16_paired(const Query& query, const Swapped& swapped, const float* keys) {
+  __m512 eighths[kKeysAtOnce / 2];
+#pragma GCC unroll 8
+  for (int m = 0; m < kKeysAtOnce / 2; ++m) {
+    const float* pair = keys + 2 * m * kVecs * 16;
+    const __m512 first = dot_lanes<kVecs>(query, [&](int c) { return _mm512_load_ps(pair + (2 * c) * 16); });
+    const __m512 second = dot_lanes<kVecs>(swapped,
+                                           [&](int c) { return _mm512_load_ps(pair + (2 * c + 1) * 16); });
+    eighths[m] = _mm512_add_ps(second, first);
+  }
+  return sum_lanes_of_16(eighths);
 }
 
 // One key's term in kHeads query heads' output sums, over kColumns 16-column slices of its V

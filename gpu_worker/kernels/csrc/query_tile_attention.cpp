@@ -55,25 +55,29 @@ void tile_item(const uint16_t* q, int64_t q_row_stride, int queries, const KeySp
   constexpr int kVecs = kDim / 16;
   constexpr int kHeads = kQueries<kGroup> * kGroup;
   const __m512 scale_v = _mm512_set1_ps(scale);
+  // qf: each query head's scaled vectors, then the same with their halves swapped (scores_of_16_paired).
   for (int i = 0; i < queries; ++i)
     for (int g = 0; g < kGroup; ++g)
-      for (int c = 0; c < kVecs; ++c)
-        _mm512_store_ps(qf + ((i * kGroup + g) * kVecs + c) * 16,
-                        _mm512_mul_ps(widen16(q + i * q_row_stride + g * kDim + c * 16), scale_v));
+      for (int c = 0; c < kVecs; ++c) {
+        const __m512 scaled = _mm512_mul_ps(widen16(q + i * q_row_stride + g * kDim + c * 16), scale_v);
+        _mm512_store_ps(qf + ((i * kGroup + g) * 2 * kVecs + c) * 16, scaled);
+        _mm512_store_ps(qf + ((i * kGroup + g) * 2 * kVecs + kVecs + c) * 16, swap_halves(scaled));
+      }
   const int64_t first = spans[0].begin, last = spans[queries - 1].end;
   // Scores.
   for (int64_t t0 = first; t0 < last; t0 += kKeysAtOnce) {
-    widen_keys<kDim>(keys, kv, tokens + t0, last - t0, token_stride, k_offset);
+    widen_key_pairs<kDim>(keys, kv, tokens + t0, last - t0, token_stride, k_offset);
     for (int i = 0; i < queries; ++i) {
       const KeySpan span = spans[i];
       if (span.end <= t0 || span.begin >= t0 + kKeysAtOnce) continue;
       const int64_t lo = std::max<int64_t>(span.begin - t0, 0), hi = std::min<int64_t>(span.end - t0, kKeysAtOnce);
       const __mmask16 mask = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
       for (int g = 0; g < kGroup; ++g) {
-        const float* qh = qf + (i * kGroup + g) * kDim;
+        const float* qh = qf + (i * kGroup + g) * 2 * kDim;
         float* row = probs + (i * kGroup + g) * probs_stride + kProbsPad;
         _mm512_mask_storeu_ps(row + (t0 - span.begin), mask,
-                              scores_of_16<kVecs>([&](int c) { return _mm512_load_ps(qh + c * 16); }, keys));
+                              scores_of_16_paired<kVecs>([&](int c) { return _mm512_load_ps(qh + c * 16); },
+                                                  [&](int c) { return _mm512_load_ps(qh + (kVecs + c) * 16); }, keys));
       }
     }
   }
@@ -135,7 +139,7 @@ void tile_rows(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* k
   auto* out_bits = reinterpret_cast<trident_kernels::Bf16Bits*>(out);
   const int64_t probs_stride = (kProbsPad + max_kv + 15) / 16 * 16;
   trident_kernels::parallel_for_claimed(tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float keys[kKeysAtOnce * kDim], qf[kHeads * kDim], result[kHeads * kDim];
+    alignas(64) float keys[kKeysAtOnce * kDim], qf[2 * kHeads * kDim], result[kHeads * kDim];
     std::vector<float> probs(kHeads * probs_stride);
     KeySpan spans[kQueries<kGroup>];
     for (int64_t item = begin; item < end; ++item) {
