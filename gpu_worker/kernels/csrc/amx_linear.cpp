@@ -25,11 +25,6 @@
 // sub-spans, each summed for both row passes while its weights are in L1, so the weights are
 // read from memory once.
 //
-// The threads are kernel_common.h's ClaimTeam, not an OpenMP region: on cores shared with other
-// processes a region's end waits for a teammate that has not been scheduled yet, often longer
-// than a small projection's whole work, where the team's caller goes on alone and waits only
-// for the blocks a helper has claimed.
-//
 // Batch invariance: an output's sum runs over k-chunks 0, 1, 2, ... on one accumulator tile,
 // whatever the number of rows, the row's position in its tile, or the thread that computes it
 // (between spans and sub-spans the float32 sums wait in memory, and come back with the same
@@ -79,7 +74,8 @@ constexpr int64_t kSubSpanChunks = 8;
 constexpr int64_t kClaimsPerThread = 16;
 // Row tiles (16 rows each) whose input tiles the calling thread packs alone: a decode step's
 // inputs (up to 64 rows, at most 1 MB at k = 8,192) are copied from cache in less time than
-// handing a share to a helper thread and waiting for its claim to finish costs.
+// waking the other threads into a parallel region and joining them again costs, and on cores
+// shared with other processes a region's join waits for every teammate to be scheduled.
 constexpr int64_t kRowTilesPackedAlone = 4;
 
 // weight [n, k] bfloat16 -> [ceil(n / 32), ceil(k / 32), 2, 16, 32] bfloat16 (the layout in amx_tiles.h).
@@ -104,7 +100,7 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
 void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t first_chunk, int64_t chunks,
                       uint16_t* tiles) {
   const int64_t row_tiles = round_up(rows, kTileRows) / kTileRows;
-  const auto pack = [&](int64_t begin, int64_t end, int64_t) {
+  at::parallel_for(0, row_tiles, kRowTilesPackedAlone, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const auto row_of = [&](int64_t r) -> const uint16_t* {
         const int64_t row = t * kTileRows + r;
@@ -112,8 +108,7 @@ void pack_input_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t first_
       };
       amx::pack_input_tile(row_of, k, first_chunk, chunks, tiles + t * chunks * kTileElements);
     }
-  };
-  trident_kernels::parallel_for_claimed_ahead(row_tiles, kRowTilesPackedAlone, pack);
+  });
 }
 
 // The calling thread's buffer for a pass's input tiles, grown when a call needs more and kept

@@ -11,11 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <optional>
-#include <thread>
-
-#include <unistd.h>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -156,123 +152,26 @@ void parallel_for_claimed(int64_t n, int64_t chunk, const Body& body) {
   });
 }
 
-// The helper threads of parallel_for_claimed_ahead, outside torch's OpenMP team. An OpenMP
-// region's end waits for every teammate to arrive, also one that has not been scheduled yet
-// and finds no work left when it is: on cores shared with other processes that wait is often
-// longer than a small linear layer's whole work. Here the caller waits only for the helpers
-// that took part, and only until the chunks they claimed are done: a helper that wakes late
-// finds the job closed and leaves it alone.
-class ClaimTeam {
- public:
-  // The process's team (never destroyed: its helpers outlive every caller).
-  static ClaimTeam& get() {
-    static ClaimTeam* team = new ClaimTeam;
-    return *team;
-  }
-
-  // Runs `claim(c, ahead)` for every chunk c in [0, chunks) on the calling thread and up to
-  // `helpers` helper threads; false (nothing run) when another thread holds the team.
-  template <typename Claim>
-  bool run(int64_t chunks, int64_t helpers, const Claim& claim) {
-    std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
-    if (!lock.owns_lock()) return false;
-    start_helpers(helpers);
-    claim_ = [](const void* context, int64_t c, int64_t ahead) { (*static_cast<const Claim*>(context))(c, ahead); };
-    context_ = &claim;
-    chunks_ = chunks;
-    helpers_wanted_ = helpers;
-    next_.store(0);
-    uint32_t job = generation_.load() + 1;
-    if (job == kClosed) ++job;
-    open_.store(job);
-    generation_.store(job);
-    generation_.notify_all();
-    claim_all();
-    open_.store(kClosed);
-    // A helper still summing its last claims may be waiting for a core: after a short spin the
-    // caller sleeps until the last helper leaves, and its core can run that helper meanwhile.
-    for (int spin = 0; spin < kSpins && active_.load() != 0; ++spin) pause();
-    for (int active; (active = active_.load()) != 0;) active_.wait(active);
-    return true;
-  }
-
- private:
-  static constexpr uint32_t kClosed = 0;
-  // Pauses a helper spins for its next job before it sleeps (the next linear layer of a step
-  // usually comes within that, and a sleeping helper costs the caller a wake-up call), and the
-  // caller for the helpers' last claims before it sleeps.
-  static constexpr int kSpins = 4096;
-
-  static void pause() {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
-
-  void claim_all() {
-    for (int64_t c = next_.fetch_add(1); c < chunks_;) {
-      const int64_t ahead = next_.fetch_add(1);
-      claim_(context_, c, ahead);
-      c = ahead;
-    }
-  }
-
-  // Helpers are started once per process (a forked child starts its own).
-  void start_helpers(int64_t helpers) {
-    if (owner_pid_ != getpid()) {
-      owner_pid_ = getpid();
-      started_ = 0;
-    }
-    for (; started_ < helpers; ++started_) std::thread([this, index = started_] { helper(index); }).detach();
-  }
-
-  void helper(int64_t index) {
-    uint32_t seen = generation_.load();
-    for (;;) {
-      uint32_t job;
-      for (int spin = 0; (job = generation_.load()) == seen; ++spin) {
-        if (spin < kSpins) {
-          pause();
-        } else {
-          generation_.wait(seen);
-        }
-      }
-      seen = job;
-      // Counted in before looking: the caller, once it has closed the job, waits for every
-      // helper counted in, so a job seen open stays alive until this helper is done with it.
-      active_.fetch_add(1);
-      if (open_.load() == job && index < helpers_wanted_) claim_all();
-      if (active_.fetch_sub(1) == 1) active_.notify_all();
-    }
-  }
-
-  std::mutex mutex_;
-  // Written by the caller before it opens a job, read by helpers only while it is open.
-  void (*claim_)(const void*, int64_t, int64_t) = nullptr;
-  const void* context_ = nullptr;
-  int64_t chunks_ = 0;
-  int64_t helpers_wanted_ = 0;
-  std::atomic<int64_t> next_{0};
-  std::atomic<uint32_t> generation_{0};
-  std::atomic<uint32_t> open_{kClosed};
-  std::atomic<int> active_{0};
-  pid_t owner_pid_ = 0;
-  int64_t started_ = 0;
-};
-
 // parallel_for_claimed for a body that prefetches what it reads next: each thread claims its
 // next chunk before it runs the current one, and body(begin, end, next_begin) learns where that
 // next chunk starts (n when there is none), so that a chunk's last item can prefetch the next
 // chunk's first instead of leaving it to a cold start. A thread holds at most one chunk ahead.
-// The threads are ClaimTeam's: the caller does not wait for a helper that comes too late.
 template <typename Body>
 void parallel_for_claimed_ahead(int64_t n, int64_t chunk, const Body& body) {
   const int64_t chunks = (n + chunk - 1) / chunk;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
-  const auto claim = [&](int64_t c, int64_t ahead) {
-    body(c * chunk, std::min(n, (c + 1) * chunk), ahead < chunks ? ahead * chunk : n);
-  };
-  if (threads <= 1 || at::in_parallel_region() || !ClaimTeam::get().run(chunks, threads - 1, claim)) body(0, n, n);
+  if (threads <= 1 || at::in_parallel_region()) {
+    body(0, n, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;) {
+      const int64_t ahead = next.fetch_add(1, std::memory_order_relaxed);
+      body(c * chunk, std::min(n, (c + 1) * chunk), ahead < chunks ? ahead * chunk : n);
+      c = ahead;
+    }
+  });
 }
 
 // Calls `body(storage_t{}, element_t{})` for the tensor's dtype: element_t is its c10 type,
