@@ -88,6 +88,26 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * scale;
 }
 
+#ifdef __AVX512F__
+// exp_nonpositive of sixteen values, the same operations lane by lane (a lane below its cut-off
+// is 0), so a vector loop keeps the scalar one's bits.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_NLT_US);
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, whole);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(whole), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(kept, p, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // x * sigmoid(x), with sigmoid from exp(-|x|) so that the exponential never overflows.
 inline float silu(float x) {
   const float e = exp_nonpositive(x > 0.f ? -x : x);

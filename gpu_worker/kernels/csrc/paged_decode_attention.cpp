@@ -56,24 +56,6 @@ inline float peak_of(const float* p, int64_t len) {
 }
 
 #ifdef __AVX512F__
-// trident_kernels::exp_nonpositive of sixteen values, the same operations lane by lane (a lane
-// below its cut-off is 0).
-inline __m512 exp_nonpositive16(__m512 x) {
-  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_NLT_US);
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, whole);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(whole), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(kept, p, _mm512_castsi512_ps(bits));
-}
-
 // The sum is the order the portable loop below took when the compiler vectorised it for
 // AVX-512 (the bits every row had before this loop was written out): lane l sums the
 // exponentials at l, l + 16, ... of the whole sixteens in order; lane 0 then adds the rest of
@@ -84,14 +66,14 @@ __attribute__((noinline)) void softmax_in_place(float* p, int64_t len) {
   __m512 lanes = _mm512_setzero_ps();
   int64_t t = 0;
   for (; t + 16 <= len; t += 16) {
-    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(p + t), peak));
+    const __m512 e = trident_kernels::exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(p + t), peak));
     _mm512_storeu_ps(p + t, e);
     lanes = _mm512_add_ps(lanes, e);
   }
   const int64_t rest = len - t;
   const __mmask16 rest_mask = static_cast<__mmask16>((1u << rest) - 1);
   alignas(64) float tail[16], lane[16];
-  const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(rest_mask, p + t), peak));
+  const __m512 e = trident_kernels::exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(rest_mask, p + t), peak));
   _mm512_mask_storeu_ps(p + t, rest_mask, e);
   _mm512_store_ps(tail, e);
   _mm512_store_ps(lane, lanes);
