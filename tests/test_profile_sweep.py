@@ -24,8 +24,8 @@ HELD_OUT = [
 ]
 MEDIAN_ERROR_BOUND = 0.25
 """The bound the held-out shapes' median |predicted / measured - 1| must keep. A tiny model's
-steps last milliseconds, much of it the loop's own overhead, and a shape's median of six
-repeats still moves between runs on shared cores by more than a real model's would."""
+steps last milliseconds, much of it the loop's own overhead, and a shape's median of its
+PASSES x 3 steps still moves between runs on shared cores by more than a real model's would."""
 PASSES = 3
 """How many times the shuffled sequence of sweep and held-out shapes is timed (3 steps each).
 With two, a CI run whose other test worker loaded the shared caches through part of the
@@ -52,8 +52,9 @@ def test_sweep_fitted_profile_predicts_held_out_shapes(tmp_path):
     CPU seconds: the profile is judged on the shapes, not on what the neighbours did (on
     these shared cores a millisecond step is sometimes preempted for ten). Even CPU seconds
     stretch while a neighbour shares the core's caches, so both sets are timed in one
-    shuffled sequence, PASSES times over: a busy minute of the host lands on both alike, not on the
-    held-out shapes alone (timed after the sweep, they once read far too slow in a CI run)."""
+    shuffled sequence, PASSES times over: a busy minute of the host lands on both alike, not
+    on the held-out shapes alone (timed after the sweep, they once read far too slow in a CI
+    run)."""
     import time
 
     import torch
