@@ -70,17 +70,23 @@ MIN_POSITIONS = 512
 pytestmark = pytest.mark.timeout(1800)  # a 262k-vocabulary model loaded twice, on 2 shared cores
 
 # (model, weights): (least top-1 agreement, largest logit error, largest reference top-2 margin
-# where the top-1 differs), set just under / over what was measured (docs/benchmarks.md): the
-# top-1 moves only where transformers' own top two are close to a tie.
+# where the top-1 differs), set just under (and the error just over) the lowest figure measured
+# on the host kinds we run on: the top-1 moves only where transformers' own
+# top two are close to a tie (79 of SmolLM2's 626 positions have a margin under 0.25), so which
+# near-ties flip follows the last bits of the attention kernel's exp and sums, which differ
+# between its AVX2 and AVX-512 builds.
 BOUNDS = {
-    ("smollm2", "bf16"): (0.955, 1.7, 0.5),  # measured 0.9601 over 626 positions, 1.507, 0.390
+    # measured 0.9601 / 1.507 / 0.390 (Zen 4), 0.9665 / 1.732 / 0.278 (Zen 3, AVX2)
+    ("smollm2", "bf16"): (0.955, 1.9, 0.5),
     # head-dim-256 decode kernel; measured 0.9649 over 626 positions, 3.088, 0.746
     ("gemma3", "bf16"): (0.96, 3.4, 0.8),
-    # int8 activations (quant_linear.py); measured 0.9425 over 626 positions, 3.051
-    ("smollm2", "gguf"): (0.93, 4.5, None),
-    # measured 0.9441 over 626 positions, 8.430; 0.9489, 6.782 with --disable-batch-invariance: the
-    # 8-token prompt through the decode kernel instead of SDPA, which int8 activations amplify
-    ("gemma3", "gguf"): (0.94, 8.7, None),
+    # int8 activations (quant_linear.py); measured 0.9425 / 3.051 (Zen 4), 0.9265 / 4.040 (Zen 3;
+    # 0.9441 / 2.985 there with --decode-attention torch)
+    ("smollm2", "gguf"): (0.92, 4.5, None),
+    # measured 0.9441 / 8.430 (Zen 4; 0.9489, 6.782 with --disable-batch-invariance: the 8-token
+    # prompt through the decode kernel instead of SDPA, which int8 activations amplify), 0.9329 /
+    # 5.920 (Zen 3)
+    ("gemma3", "gguf"): (0.925, 8.7, None),
 }
 AMX_BOUNDS = {
     # bf16 weights on the AMX kernel (csrc/amx_linear.cpp), on a CPU with AMX-BF16: float32 sums
