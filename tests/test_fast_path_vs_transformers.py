@@ -71,10 +71,10 @@ pytestmark = pytest.mark.timeout(1800)  # a 262k-vocabulary model loaded twice, 
 
 # (model, weights): (least top-1 agreement, largest logit error, largest reference top-2 margin
 # where the top-1 differs), set just under (and the error just over) the lowest figure measured
-# on the host kinds we run on: the top-1 moves only where transformers' own
-# top two are close to a tie (79 of SmolLM2's 626 positions have a margin under 0.25), so which
-# near-ties flip follows the last bits of the attention kernel's exp and sums, which differ
-# between its AVX2 and AVX-512 builds.
+# on the host kinds we run on: the top-1 moves only where transformers' own top two are close
+# to a tie (79 of SmolLM2's 626 positions have a margin under 0.25), so which near-ties flip
+# follows the last bits of the attention kernel's exp and sums, which differ between its AVX2
+# and AVX-512 builds.
 BOUNDS = {
     # measured 0.9601 / 1.507 / 0.390 (Zen 4), 0.9665 / 1.732 / 0.278 (Zen 3, AVX2)
     ("smollm2", "bf16"): (0.955, 1.9, 0.5),
