@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -244,12 +245,47 @@ def stream_requests(server: Server, n: int = 24) -> tuple[float, float, int]:
         ):
             pass
 
-    before, cpu_before = stats(), others_cpu_seconds(server)
-    with ThreadPoolExecutor(n) as pool:
+    before = stats()
+    with OthersCpuMeter(server) as meter, ThreadPoolExecutor(n) as pool:
         list(pool.map(one, range(n)))
-    cpu_after, after = others_cpu_seconds(server), stats()
-    cpu = sum(cpu_after[pid] - cpu_before[pid] for pid in cpu_after.keys() & cpu_before.keys())
-    return after["worker_busy_s"] - before["worker_busy_s"], cpu, after["steps"] - before["steps"]
+    after = stats()
+    return after["worker_busy_s"] - before["worker_busy_s"], meter.cpu_seconds, after["steps"] - before["steps"]
+
+
+class OthersCpuMeter:
+    """The CPU the host's other processes use while it is open, read every POLL_S: a process
+    that starts or exits meanwhile (the servers of a parallel test run come and go) counts
+    for the time it ran within, as the simulated worker counted it during the steps it
+    overlapped. Read only at the ends, such a process was left out, and the steps' stretch
+    then looked up to 2.5x the CPU that caused it."""
+
+    POLL_S = 0.1
+
+    def __init__(self, server: Server) -> None:
+        self.server, self.cpu_seconds = server, 0.0
+        self._last: dict[int, float] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _read(self, first: bool = False) -> None:
+        now = others_cpu_seconds(self.server)
+        if not first:  # a pid new since the last read started in the window: all of its CPU counts
+            self.cpu_seconds += sum(used - self._last.get(pid, 0.0) for pid, used in now.items())
+        self._last = {**self._last, **now}
+
+    def _poll(self) -> None:
+        while not self._done.wait(self.POLL_S):
+            self._read()
+
+    def __enter__(self) -> OthersCpuMeter:
+        self._read(first=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self._read()
 
 
 SUSTAINED_LOAD_FACTOR = 2.0
