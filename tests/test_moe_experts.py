@@ -10,6 +10,8 @@ from gpu_worker.layers.moe_experts import MoeExperts
 from gpu_worker.model.sparse_moe import route
 
 EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 64, 32
+UNIT_ROUNDOFF = torch.finfo(torch.float32).eps / 2
+"""u = 2^-24: float32 rounds a result to within a factor 1 +- u."""
 
 
 def _transformers_router(family: str, norm_topk_prob: bool):
@@ -62,9 +64,9 @@ def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _float32_rounding_bound(expert, x: torch.Tensor) -> torch.Tensor:
     """How far a float32 evaluation of expert(x) [H] may lie from the exact one, in any summation
     order: each dot product of n terms errs by at most n * u * (the sum of its terms'
-    magnitudes) (u = 2^-24), and gate_up's error reaches the output through silu(gate) * up
+    magnitudes) (u = UNIT_ROUNDOFF), and gate_up's error reaches the output through silu(gate) * up
     (|silu'| < 1.1) and the down projection's magnitudes."""
-    u = torch.finfo(torch.float32).eps / 2
+    u = UNIT_ROUNDOFF
     w_gate_up = expert.gate_up_proj.weight.double()
     w_down = expert.down_proj.weight.double()
     gate_up = x.double() @ w_gate_up.T
@@ -82,7 +84,6 @@ def test_the_torch_experts_are_the_weighted_sum_of_each_tokens_experts_in_slot_o
     x = torch.randn(30, HIDDEN, generator=torch.Generator().manual_seed(2))
     ids, weights = _routing(30, 3)
     got = experts(x, ids, weights)
-    u = torch.finfo(torch.float32).eps / 2
     for t in range(30):
         # The reference runs each expert on its token alone, and the torch path on the expert's
         # gathered tokens: oneDNN may block the sums differently, so the two float32 results
@@ -93,7 +94,8 @@ def test_the_torch_experts_are_the_weighted_sum_of_each_tokens_experts_in_slot_o
             expert = experts[int(ids[t, j])]
             term = weights[t, j] * expert(x[t : t + 1])[0]
             want = want + term
-            bound += weights[t, j].double() * _float32_rounding_bound(expert, x[t]) + 2 * u * term.double().abs()
+            bound += weights[t, j].double() * _float32_rounding_bound(expert, x[t])
+            bound += 2 * UNIT_ROUNDOFF * term.double().abs()
         assert ((got[t].double() - want.double()).abs() <= 2 * bound).all(), t
 
 

@@ -216,10 +216,14 @@ def test_contention_fills_the_core_time_the_workers_own_threads_leave_idle_first
     assert one.lost_seconds(0.05, step_s=0.03, worker_idle_core_s=0.005) == pytest.approx(0.015)
 
 
-def others_cpu_seconds(server: Server) -> dict[int, float]:
-    """CPU so far of every process on the host but the server's workers, by pid: what its
+def worker_pids(server: Server) -> list[int]:
+    """The pids of the server's worker processes."""
+    return [p.pid for p in server.process_tree() if " ".join(p.cmdline()).startswith("trident::worker")]
+
+
+def others_cpu_seconds(workers: set[int]) -> dict[int, float]:
+    """CPU so far of every process on the host but the server's `workers`, by pid: what its
     simulated worker counts (the front end, this test's client, whatever else runs beside)."""
-    workers = {p.pid for p in server.process_tree() if " ".join(p.cmdline()).startswith("trident::worker")}
     used = {}
     for p in psutil.process_iter():
         try:
@@ -262,16 +266,16 @@ class OthersCpuMeter:
     POLL_S = 0.1
 
     def __init__(self, server: Server) -> None:
-        self.server, self.cpu_seconds = server, 0.0
+        self.workers, self.cpu_seconds = set(worker_pids(server)), 0.0
         self._last: dict[int, float] = {}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _read(self, first: bool = False) -> None:
-        now = others_cpu_seconds(self.server)
+        now = others_cpu_seconds(self.workers)
         if not first:  # a pid new since the last read started in the window: all of its CPU counts
             self.cpu_seconds += sum(used - self._last.get(pid, 0.0) for pid, used in now.items())
-        self._last = {**self._last, **now}
+        self._last.update(now)
 
     def _poll(self) -> None:
         while not self._done.wait(self.POLL_S):

@@ -9,11 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.helpers import running_server, wait_until, write_sim_profile
-from tests.test_simulated_worker import completions, sim_args
-
-
-def worker_pids(server) -> list[int]:
-    return [p.pid for p in server.process_tree() if " ".join(p.cmdline()).strip() == "trident::worker[tp0]"]
+from tests.test_simulated_worker import completions, sim_args, worker_pids
 
 
 def test_a_killed_simulated_worker_is_restarted_and_requests_complete(tmp_path):
