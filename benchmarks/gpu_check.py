@@ -211,11 +211,14 @@ def worker_counters(worker) -> Counter:
     )
 
 
-def check_syncs(device: str, path: str, backend: str, rows: int = 8, steps: int = 6) -> dict:
+def check_syncs(device: str, path: str, backend: str, interpreted: bool) -> dict:
+    # The interpreter runs each attention program in turn; the rule holds per step at any rows
+    # and any number of steps, so it counts over fewer of both.
+    rows, warm_up, steps = (2, 2, 2) if interpreted else (8, 4, 6)
     worker = make_worker(path, "auto", 1024, rows, device=device, attention_backend=backend)
-    sched = SyntheticScheduler(worker, rows, 24, steps + 8, seed=1)
+    sched = SyntheticScheduler(worker, rows, 24, warm_up + steps + 4, seed=1)
     sched.prefill()
-    for _ in range(4):
+    for _ in range(warm_up):
         sched.decode()
     before = worker_counters(worker)
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -304,7 +307,7 @@ def check_throughput(
     shape, prompt_len, steps = (LLAMA_31_8B, 512, 16) if device == "cuda" else (TINY, 32, 8)
     # Under the Triton interpreter a step's time says nothing about a GPU's; the steps only
     # prove that the timing runs, with the runner on and off, so the median takes fewer.
-    steps = 3 if interpreted else steps
+    warm_up, steps = (1, 2) if interpreted else (3, steps)
     path = write_config(os.path.join(workdir, "throughput"), shape)
     pool = max(rows_list) * (prompt_len + 2 * steps + 16)
     worker = make_worker(
@@ -322,7 +325,7 @@ def check_throughput(
         sched = SyntheticScheduler(worker, rows, prompt_len, 2 * steps + 4, seed=rows)
         sched.prompts = [p % shape["vocab_size"] for p in sched.prompts]
         sched.prefill()
-        for _ in range(3):
+        for _ in range(warm_up):
             sched.decode()
         ms = median_step_ms(sched, steps)
         ms_off = without_graphs(worker, median_step_ms, sched, steps) if graphs else ms
@@ -421,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rows",
         default=None,
-        help="batch sizes of (c) (default 1,32,128; 1,4 for triton on a CPU, whose interpreter runs "
+        help="batch sizes of (c) (default 1,32,128; 1,2 for triton on a CPU, whose interpreter runs "
         "each program in turn)",
     )
     p.add_argument("--skip-tp", action="store_true", help="leave out (d), the one part that starts a server")
@@ -442,11 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     backend = "triton" if ns.attention_backend == "auto" and ns.device == "cuda" else ns.attention_backend
     backend = "torch" if backend == "auto" else backend
     interpreted = ns.device == "cpu" and backend == "triton"
-    rows = [int(r) for r in (ns.rows or ("1,4" if interpreted else "1,32,128")).split(",")]
+    rows = [int(r) for r in (ns.rows or ("1,2" if interpreted else "1,32,128")).split(",")]
     parts = {
         "parity": lambda: check_parity(ns.device, families, workdir, backend),
-        # The interpreter runs each attention program in turn; the rule holds per step at any rows.
-        "syncs": lambda: check_syncs(ns.device, os.path.join(workdir, families[0]), backend, 4 if interpreted else 8),
+        "syncs": lambda: check_syncs(ns.device, os.path.join(workdir, families[0]), backend, interpreted),
         "throughput": lambda: check_throughput(ns.device, workdir, bandwidth, rows, backend, interpreted),
         "tp2": lambda: {"skipped": "--skip-tp"} if ns.skip_tp else check_tp(ns.device, workdir, backend),
     }
