@@ -49,12 +49,14 @@ def smollm2_gguf() -> str:
 
 @functools.cache
 def smollm2_tokenizer() -> Any:
-    """SmolLM2's tokenizer for random-weight checkpoints, through the server's own loader:
-    transformers' conversion from GGUF metadata takes seconds on every call, the loader keeps
-    its result in the user cache. The correctness references load theirs with transformers."""
-    from tokenizer_proc.tokenization import load_tokenizer
+    """SmolLM2's tokenizer as transformers has it (saved beside random-weight checkpoints),
+    from the server's conversion of the GGUF metadata: transformers' own takes seconds on every
+    call, the server keeps its result in the user cache."""
+    from transformers import AutoTokenizer
 
-    return load_tokenizer(smollm2_gguf())
+    from tokenizer_proc.tokenization import gguf_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(gguf_tokenizer_dir(smollm2_gguf()))
 
 
 SHARED_DIR_ENV = "TRIDENT_TEST_SHARED_DIR"

@@ -23,17 +23,13 @@ import uvicorn
 import uvloop
 import zmq.asyncio
 
-from tokenizer_proc.torchless import import_transformers_without_torch
-
-import_transformers_without_torch()  # before the modules below import transformers
-
-from tokenizer_proc.app import create_app  # noqa: E402
-from tokenizer_proc.metrics import Metrics  # noqa: E402
-from tokenizer_proc.request_manager import RequestManager  # noqa: E402
-from tokenizer_proc.state import FrontendState  # noqa: E402
-from tokenizer_proc.tokenization import load_tokenizer  # noqa: E402
-from trident.wire.child import ChildContext, start_child, tune_gc  # noqa: E402
-from trident.wire.control import ProtocolMismatch  # noqa: E402
+from tokenizer_proc.app import create_app
+from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.request_manager import RequestManager
+from tokenizer_proc.state import FrontendState
+from tokenizer_proc.tokenization import load_tokenizer
+from trident.wire.child import ChildContext, start_child, tune_gc
+from trident.wire.control import ProtocolMismatch
 
 logger = logging.getLogger("tokenizer_proc")
 
@@ -98,7 +94,7 @@ async def _run(ctx: ChildContext) -> None:
     args = ctx.args
     sock = _bind(args.host, args.port)  # first: a taken port fails before any slow step
     try:
-        tokenizer = load_tokenizer(args.model_path)
+        tokenizer = load_tokenizer(args.model_path, without_torch=True)
     except Exception as e:
         raise StartupError(f"cannot load the tokenizer of {args.model_path}: {type(e).__name__}: {e}") from e
 

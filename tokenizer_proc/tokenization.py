@@ -16,9 +16,10 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from importlib.metadata import version
 from typing import Any
 
-from transformers import AutoTokenizer
+from tokenizer_proc.tokenizer_snapshot import load_snapshot, save_snapshot, snapshot_key
 
 _SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SP_SPACE = "\u2581"
@@ -42,17 +43,29 @@ _TURN_FORMATS = ((("<start_of_turn>", "<end_of_turn>"), GEMMA_TURNS_TEMPLATE),)
 """(control tokens that mark the format, its template): used only when the model declares none."""
 
 
-def load_tokenizer(model_path: str) -> Any:
+def load_tokenizer(model_path: str, *, without_torch: bool = False) -> Any:
     """`model_path` is a `.gguf` file (tokenizer read from its metadata) or a HF directory.
 
-    The chat template is the model's own: GGUF `tokenizer.chat_template`, or the directory's
-    tokenizer_config.json / chat_template.jinja. A model without one whose vocabulary holds
-    a known turn format's control tokens gets that format's template; any other has none,
-    and /v1/chat/completions answers 400 for it."""
-    if model_path.endswith(".gguf"):
-        tokenizer = _gguf_tokenizer(model_path)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    Served from the tokenizer's snapshot where it has one (tokenizer_snapshot.py), else by
+    transformers, which then leaves a snapshot for the next start. The chat template is the
+    model's own: GGUF `tokenizer.chat_template`, or the directory's tokenizer_config.json /
+    chat_template.jinja. A model without one whose vocabulary holds a known turn format's
+    control tokens gets that format's template; any other has none, and
+    /v1/chat/completions answers 400 for it. `without_torch`: the caller is the tokenizer
+    process, which never loads torch; transformers, if needed, is imported with it hidden."""
+    directory = gguf_tokenizer_dir(model_path) if model_path.endswith(".gguf") else model_path
+    snapshot_dir = os.path.join(TOKENIZER_CACHE_DIR, "snapshots", snapshot_key(directory))
+    tokenizer = load_snapshot(snapshot_dir)
+    if tokenizer is None:
+        if without_torch:
+            from tokenizer_proc.torchless import import_transformers_without_torch
+
+            import_transformers_without_torch()
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        if not os.path.exists(snapshot_dir):
+            save_snapshot(tokenizer, directory, snapshot_dir)
     if tokenizer.chat_template is None:
         vocab = tokenizer.get_vocab()
         for markers, template in _TURN_FORMATS:
@@ -65,19 +78,18 @@ TOKENIZER_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "trident",
 """The tokenizer process's own cache, beside the launcher's model cache in ~/.cache/trident."""
 
 
-def _gguf_tokenizer(path: str) -> Any:
-    """transformers rebuilds a tokenizer from GGUF metadata slowly (longest for Gemma's 262k
-    vocabulary), so the result is saved once in the user cache, keyed by the file and the
-    transformers version, and later starts load it from there."""
-    import transformers
-
+def gguf_tokenizer_dir(path: str) -> str:
+    """A directory holding the GGUF file's tokenizer as transformers saves it. transformers
+    rebuilds a tokenizer from GGUF metadata slowly (longest for Gemma's 262k vocabulary), so
+    the result is saved once in the user cache, keyed by the file and the transformers
+    version, and later starts load it from there."""
     path = os.path.abspath(path)
     st = os.stat(path)
-    key = f"{path}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+    key = f"{path}:{st.st_size}:{st.st_mtime_ns}:{version('transformers')}"
     cached = os.path.join(TOKENIZER_CACHE_DIR, hashlib.sha256(key.encode()).hexdigest()[:20])
     if not os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(_convert_gguf_tokenizer(path, cached))
-    return AutoTokenizer.from_pretrained(cached)
+        return _convert_gguf_tokenizer(path, cached)
+    return cached
 
 
 _CONVERT = (

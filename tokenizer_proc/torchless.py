@@ -7,8 +7,9 @@ absent while transformers is imported; transformers decides once, then, that it 
 The entry is removed afterwards, so a later `import torch` (xgrammar's, on the first
 request with a grammar) still works.
 
-Only the tokenizer process's entry point calls this: in a process that also runs a model
-(the tests, the offline Engine), transformers must see torch.
+Only the tokenizer process calls this (`load_tokenizer(..., without_torch=True)`, when the
+tokenizer has no snapshot yet): in a process that also runs a model (the tests, the offline
+Engine), transformers must see torch.
 """
 
 from __future__ import annotations
