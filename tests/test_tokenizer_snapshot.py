@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
+import uuid
 
 import pytest
 
 from tests.helpers import REPO_ROOT, make_random_llama, smollm2_gguf
+from tests.test_chat_templates import with_chat_template
 
 TEXTS = [
     "The capital of France is",
@@ -88,15 +89,7 @@ def _gemma_gguf() -> str:
 
 def _directory_with_tool_template(tmp_path) -> str:
     path = make_random_llama(str(tmp_path / "tools"), hidden=64, layers=1, seed=1)
-    config_path = os.path.join(path, "tokenizer_config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config["chat_template"] = TOOL_TEMPLATE
-    with open(config_path, "w") as f:
-        json.dump(config, f)
-    jinja = os.path.join(path, "chat_template.jinja")
-    if os.path.exists(jinja):
-        os.remove(jinja)
+    with_chat_template(path, TOOL_TEMPLATE)
     return path
 
 
@@ -176,6 +169,7 @@ def test_a_template_that_raises_raises_the_same_error():
 
 def test_a_second_start_loads_the_tokenizer_without_importing_transformers(tmp_path):
     path = make_random_llama(str(tmp_path / "model"), hidden=64, layers=1, seed=2)
+    with_chat_template(path, f"{uuid.uuid4()}{{{{ messages[0]['content'] }}}}")  # a tokenizer no run has seen
     script = (
         "import sys; from tokenizer_proc.tokenization import load_tokenizer; "
         "t = load_tokenizer(sys.argv[1], without_torch=True); "
@@ -195,15 +189,8 @@ def test_a_changed_template_file_gets_a_new_snapshot(tmp_path):
     from tokenizer_proc.tokenization import load_tokenizer
 
     path = make_random_llama(str(tmp_path / "model"), hidden=64, layers=1, seed=3)
-    config_path = os.path.join(path, "tokenizer_config.json")
     for template, rendered in (("A{{ messages[0]['content'] }}", "Ax"), ("B{{ messages[0]['content'] }}!", "Bx!")):
-        with open(config_path) as f:
-            config = json.load(f)
-        config["chat_template"] = template
-        with open(config_path, "w") as f:
-            json.dump(config, f)
-        if os.path.exists(os.path.join(path, "chat_template.jinja")):
-            os.remove(os.path.join(path, "chat_template.jinja"))
+        with_chat_template(path, template)
         load_tokenizer(path)
         assert load_tokenizer(path).apply_chat_template([{"role": "user", "content": "x"}]) == rendered
 
@@ -228,4 +215,14 @@ def test_a_tokenizer_that_cleans_up_its_text_is_served_by_transformers(tmp_path)
         assert tok.decode(tok.encode("hello world.")) == "hello world."  # the clean-up joined " ."
     with open(os.path.join(TOKENIZER_CACHE_DIR, "snapshots", snapshot_key(path), "snapshot.json")) as f:
         assert "cleans up" in json.load(f)["unsupported"]
-    shutil.rmtree(path)
+
+
+def test_checkpoints_with_the_same_tokenizer_files_share_one_snapshot(tmp_path):
+    from tokenizer_proc.tokenizer_snapshot import snapshot_key
+
+    first = make_random_llama(str(tmp_path / "a"), hidden=64, layers=1, seed=4)
+    second = make_random_llama(str(tmp_path / "b"), hidden=128, layers=2, seed=5)
+    assert snapshot_key(first) == snapshot_key(second)
+    with open(os.path.join(second, "tokenizer_config.json"), "a") as f:
+        f.write("\n")
+    assert snapshot_key(first) != snapshot_key(second)

@@ -65,7 +65,7 @@ def load_tokenizer(model_path: str, *, without_torch: bool = False) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(directory)
         if not os.path.exists(snapshot_dir):
-            save_snapshot(tokenizer, directory, snapshot_dir)
+            save_snapshot(tokenizer, snapshot_dir)
         tokenizer = load_snapshot(snapshot_dir) or tokenizer  # every start serves the same kind
     if tokenizer.chat_template is None:
         vocab = tokenizer.get_vocab()

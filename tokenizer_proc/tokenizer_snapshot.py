@@ -30,20 +30,31 @@ from typing import Any
 SNAPSHOT_FORMAT = 1
 """Bumped when what a snapshot holds changes: older snapshots are then taken again."""
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".msgpack", ".h5")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".msgpack", ".h5", ".index.json")
+_MODEL_CONFIGS = ("config.json", "generation_config.json")
 
 
 def snapshot_key(tokenizer_dir: str) -> str:
-    """A directory's snapshot name: its files (weights aside) by name, size and mtime, and the
-    versions of the two libraries whose behaviour the snapshot stands for."""
-    tokenizer_dir = os.path.abspath(tokenizer_dir)
-    files = []
+    """A tokenizer's snapshot name, from what transformers builds it of: the contents of the
+    directory's files (weights and model configs aside), config.json's `model_type` and
+    `tokenizer_class` (which pick the tokenizer class where tokenizer_config.json names none),
+    and the versions of the two libraries. By content, not path: checkpoints that carry the
+    same tokenizer (a test's random-weight models) share one snapshot."""
+    digest = hashlib.sha256()
     for entry in sorted(os.scandir(tokenizer_dir), key=lambda e: e.name):
-        if entry.is_file() and not entry.name.endswith(_WEIGHT_SUFFIXES):
-            st = entry.stat()
-            files.append(f"{entry.name}:{st.st_size}:{st.st_mtime_ns}")
-    parts = [tokenizer_dir, *files, version("transformers"), version("tokenizers"), str(SNAPSHOT_FORMAT)]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+        if entry.is_file() and not entry.name.endswith(_WEIGHT_SUFFIXES) and entry.name not in _MODEL_CONFIGS:
+            digest.update(entry.name.encode() + b"\0")
+            with open(entry.path, "rb") as f:
+                digest.update(hashlib.sha256(f.read()).digest())
+    try:
+        with open(os.path.join(tokenizer_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        config = {}
+    picks = [str(config.get("model_type")), str(config.get("tokenizer_class"))]
+    for part in (*picks, version("transformers"), version("tokenizers"), str(SNAPSHOT_FORMAT)):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:24]
 
 
 def unsupported_reason(tokenizer: Any) -> str | None:
@@ -63,36 +74,26 @@ def unsupported_reason(tokenizer: Any) -> str | None:
     return None
 
 
-def save_snapshot(tokenizer: Any, source_dir: str, snapshot_dir: str) -> None:
-    """Writes `tokenizer`'s snapshot (or the reason it has none) whole or not at all, and
-    removes the snapshots of directories that are gone (a test's or a benchmark's)."""
+def save_snapshot(tokenizer: Any, snapshot_dir: str) -> None:
+    """Writes `tokenizer`'s snapshot (or the reason it has none) whole or not at all."""
     reason = unsupported_reason(tokenizer)
-    meta: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "source": os.path.abspath(source_dir), "unsupported": reason}
+    meta: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "unsupported": reason}
     if reason is None:
         meta |= {"chat_template": tokenizer.chat_template, "special_tokens": dict(tokenizer.special_tokens_map)}
     parent = os.path.dirname(snapshot_dir)
     try:
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(dir=parent)
+    except OSError:
+        return  # an unwritable cache: this start is served by transformers, and so is the next
+    try:
         if reason is None:
             tokenizer.backend_tokenizer.save(os.path.join(staging, "tokenizer.json"))
         with open(os.path.join(staging, "snapshot.json"), "w") as f:
             json.dump(meta, f)
         os.replace(staging, snapshot_dir)
     except OSError:
-        return  # unwritable, or another loader got there first: this start is served either way
-    _remove_orphans(parent)
-
-
-def _remove_orphans(snapshots_dir: str) -> None:
-    for entry in os.scandir(snapshots_dir):
-        try:
-            with open(os.path.join(entry.path, "snapshot.json")) as f:
-                source = json.load(f).get("source")
-        except (OSError, ValueError):
-            continue  # being written, or not ours
-        if source and not os.path.isdir(source):
-            shutil.rmtree(entry.path, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # another loader got there first, or unwritable
 
 
 def load_snapshot(snapshot_dir: str) -> SnapshotTokenizer | None:
