@@ -1,8 +1,8 @@
 """The served model's tokenizer without importing transformers: a snapshot of the tokenizer
 transformers builds, taken on a model's first start and read by every later one.
 
-Importing transformers is most of this process's start-up CPU (about 1.7 s of 2.5 on a Zen 3),
-and the suite and every restart pay it again. What the process needs from transformers'
+Importing transformers was most of this process's start-up CPU (docs/benchmarks.md), paid
+again at every start and restart, and by every server the test suite starts. What the process needs from transformers'
 tokenizer is small: the Rust pipeline it assembled (`backend_tokenizer`, its post-processor
 included: that is what adds BOS), the chat template, the special tokens the template sees. A
 snapshot saves those three; `SnapshotTokenizer` serves them with the `tokenizers` library and
