@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from gpu_worker.sim.sibling_cpu import Contention, SiblingCpu, host_pids
+from gpu_worker.sim.sibling_cpu import WORKER_TITLE, Contention, SiblingCpu, host_pids
 from gpu_worker.sim.step_profile import StepProfile
 from tests.helpers import Server, free_port_block, running_server, wait_until, write_sim_profile
 from trident.wire.signing import new_secret, write_secret_file
@@ -218,7 +218,7 @@ def test_contention_fills_the_core_time_the_workers_own_threads_leave_idle_first
 
 def worker_pids(server: Server) -> list[int]:
     """The pids of the server's worker processes."""
-    return [p.pid for p in server.process_tree() if " ".join(p.cmdline()).startswith("trident::worker")]
+    return [p.pid for p in server.process_tree() if " ".join(p.cmdline()).startswith(WORKER_TITLE)]
 
 
 def others_cpu_seconds(workers: set[int]) -> dict[int, float]:

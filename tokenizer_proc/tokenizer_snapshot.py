@@ -2,13 +2,14 @@
 transformers builds, taken on a model's first start and read by every later one.
 
 Importing transformers was most of this process's start-up CPU (docs/benchmarks.md), paid
-again at every start and restart, and by every server the test suite starts. What the process needs from transformers'
-tokenizer is small: the Rust pipeline it assembled (`backend_tokenizer`, its post-processor
-included: that is what adds BOS), the chat template, the special tokens the template sees. A
-snapshot saves those three; `SnapshotTokenizer` serves them with the `tokenizers` library and
-renders templates in the sandboxed Jinja environment transformers' `apply_chat_template`
-builds (its options, filters and globals, the None-valued message keys dropped, reasoning
-under its three names). tests/test_tokenizer_snapshot.py holds it to transformers' output.
+again at every start and restart, and by every server the test suite starts. What the
+process needs from transformers' tokenizer is small: the Rust pipeline it assembled
+(`backend_tokenizer`, its post-processor included: that is what adds BOS), the chat
+template, the special tokens the template sees. A snapshot saves those three;
+`SnapshotTokenizer` serves them with the `tokenizers` library and renders templates in the
+sandboxed Jinja environment transformers' `apply_chat_template` builds (its options,
+filters and globals, the None-valued message keys dropped, reasoning under its three
+names). tests/test_tokenizer_snapshot.py holds it to transformers' output.
 
 A tokenizer whose decode does more than the pipeline's (a WordPiece clean-up), which splits
 special tokens, or keeps several named templates is marked unsupported and served by
@@ -17,6 +18,7 @@ transformers as before.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -184,13 +186,9 @@ def _with_reasoning_aliases(messages: list[dict[str, Any]]) -> list[dict[str, An
     return out
 
 
-_TEMPLATES: dict[str, Any] = {}
-
-
+@functools.cache
 def _compiled(template: str) -> Any:
-    if template not in _TEMPLATES:
-        _TEMPLATES[template] = _environment().from_string(template)
-    return _TEMPLATES[template]
+    return _environment().from_string(template)
 
 
 def _environment() -> Any:
