@@ -51,7 +51,7 @@ def alone(server: Server, prompts: list[list[int]], **sampling) -> list[list[int
 
 
 def in_a_crowd(server: Server, prompts: list[list[int]], crowd: int, **sampling) -> list[list[int]]:
-    """`prompts` sent at once among 12 other requests of 4-200 tokens asking 8-64 tokens, in a
+    """`prompts` sent at once among 16 other requests of 4-200 tokens asking 8-95 tokens, in a
     random order: each prompt shares its steps with others of other lengths and phases."""
     rng = random.Random(crowd)
     others = [
