@@ -3,8 +3,9 @@ main builds it from ServerArgs (GGUF read, dequantize or repack, kernels, KV poo
 
     python benchmarks/bench_worker_start.py --models smollm2-135m,gemma-3-270m --dtypes float32,auto --repeats 2
 
-One JSON line per (model, dtype, repeat): wall and CPU seconds. torch's import and the
-kernels' first build are not in it (both happen before the first measurement). Run it with
+One JSON line per (model, dtype, repeat): wall and CPU seconds, and the process's peak
+resident memory so far (a high-water mark: the first line's is that load's peak). torch's
+import and the kernels' first build are not in it (both happen before the first measurement). Run it with
 the environment the launcher gives a worker (CHILD_ENV_DEFAULTS, set here unless the
 caller set them) so the numbers are a served worker's.
 """
@@ -20,6 +21,7 @@ for key, value in CHILD_ENV_DEFAULTS.items():  # before numpy is imported
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import resource  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -53,6 +55,7 @@ def main() -> None:
                             "repeat": repeat,
                             "wall_s": round(wall, 2),
                             "cpu_s": round(cpu, 2),
+                            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                             "summary": worker.summary(),
                         }
                     ),

@@ -42,18 +42,23 @@ def pad_rows(weights: QuantWeights, rows: int) -> QuantWeights:
 
 
 @contextmanager
-def weights_left_uninitialised() -> Iterator[None]:
-    """Builds nn.Linear and nn.Embedding without their random initialisation. The worker
-    builds its model inside this: load_weights writes every weight from the checkpoint, or
-    releases it (`--weight-dtype gguf`) and refuses a checkpoint that lacks one, so drawing
-    random values first only costs time at every start, and the memory of a released weight
-    is then never touched, so it costs no resident memory (the worker's heap keeps every
-    page it touches: malloc_policy.py)."""
+def weights_left_uninitialised(dtype: torch.dtype) -> Iterator[None]:
+    """Builds nn.Linear and nn.Embedding without their random initialisation, their
+    parameters allocated in `dtype`. The worker builds its model inside this: load_weights
+    writes every weight from the checkpoint, or releases it (`--weight-dtype gguf`) and
+    refuses a checkpoint that lacks one, so drawing random values first only costs time at
+    every start, and the memory of a released weight is then never touched, so it costs no
+    resident memory (the worker's heap keeps every page it touches: malloc_policy.py).
+    Allocated in float32 and converted afterwards, a bf16 model would pass through twice its
+    size in memory and write every weight twice (docs/benchmarks.md, "Recovery time": the model load)."""
     saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    saved_dtype = torch.get_default_dtype()
     nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    torch.set_default_dtype(dtype)
     try:
         yield
     finally:
+        torch.set_default_dtype(saved_dtype)
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
 
 

@@ -287,7 +287,7 @@ class Worker(WorkerLoop):
     def load_model(self, model_path: str, quantized: bool) -> LlamaForCausalLM:
         """This rank's part of the model on the device in the worker's dtype, weights from the
         checkpoint (benchmarks/gpu_check.py builds random weights on the device instead)."""
-        with weights_left_uninitialised():
+        with weights_left_uninitialised(self.dtype):
             model = LlamaForCausalLM(self.cfg, self.plan, self.tp)
         model.load_weights(iter_weights(model_path, self.cfg, quantized))
         return model.to(device=self.device, dtype=self.dtype).eval()
