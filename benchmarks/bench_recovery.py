@@ -32,6 +32,11 @@ from serving_report import print_and_write_report  # noqa: E402
 
 from trident.restart_policy import SETTLE_S  # noqa: E402
 
+TITLES = {"worker": "trident::worker[tp0]", "scheduler": "trident::scheduler", "tokenizer": "trident::tokenizer"}
+"""The process each --role kills, by the title it sets."""
+HEALTH_DEADLINE_S = 120.0
+"""How long the tokenizer may take to answer /health again before the run is called failed."""
+
 
 def one_recovery(base_url: str, root_pid: int, title: str, max_tokens: int) -> dict:
     arrivals: list[float] = []
@@ -78,16 +83,18 @@ def one_tokenizer_recovery(base_url: str, root_pid: int, max_tokens: int) -> dic
 
     with httpx.Client() as http:
         first_token(http)
-        victim = child_process(root_pid, "trident::tokenizer")
+        victim = child_process(root_pid, TITLES["tokenizer"])
         killed_at = time.perf_counter()
         victim.send_signal(signal.SIGKILL)
-        while True:
+        while time.perf_counter() - killed_at < HEALTH_DEADLINE_S:
             try:
                 if http.get(base_url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass  # the port is closed until the new tokenizer binds it
             time.sleep(0.02)
+        else:
+            raise RuntimeError(f"the tokenizer did not answer /health within {HEALTH_DEADLINE_S:.0f} s of its kill")
         healthy_at = time.perf_counter()
         first_token(http)
         return {"kill_to_health_s": healthy_at - killed_at, "kill_to_next_token_s": time.perf_counter() - killed_at}
@@ -95,13 +102,12 @@ def one_tokenizer_recovery(base_url: str, root_pid: int, max_tokens: int) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--role", choices=["worker", "scheduler", "tokenizer"], default="worker")
+    p.add_argument("--role", choices=list(TITLES), default="worker")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--launch", default="python launch.py --dtype bfloat16 --max-total-tokens 16384")
     p.add_argument("--output-json", default="benchmarks/results/recovery.json")
     ns = p.parse_args(argv)
-    title = {"worker": "trident::worker[tp0]", "scheduler": "trident::scheduler"}.get(ns.role, "")
     os.makedirs(os.path.dirname(os.path.abspath(ns.output_json)), exist_ok=True)
     runs = []
     with LaunchedServer(ns.launch, os.path.splitext(ns.output_json)[0] + ".log") as server:
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             if ns.role == "tokenizer":
                 run = one_tokenizer_recovery(server.base_url, server.proc.pid, ns.max_tokens)
             else:
-                run = one_recovery(server.base_url, server.proc.pid, title, ns.max_tokens)
+                run = one_recovery(server.base_url, server.proc.pid, TITLES[ns.role], ns.max_tokens)
             print(f"[{i + 1}/{ns.repeats}] {json.dumps(run)}", flush=True)
             runs.append(run)
     times = sorted(r["kill_to_next_token_s"] for r in runs if r["kill_to_next_token_s"] is not None)

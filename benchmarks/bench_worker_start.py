@@ -5,9 +5,9 @@ main builds it from ServerArgs (GGUF read, dequantize or repack, kernels, KV poo
 
 One JSON line per (model, dtype, repeat): wall and CPU seconds, and the process's peak
 resident memory so far (a high-water mark: the first line's is that load's peak). torch's
-import and the kernels' first build are not in it (both happen before the first measurement). Run it with
-the environment the launcher gives a worker (CHILD_ENV_DEFAULTS, set here unless the
-caller set them) so the numbers are a served worker's.
+import and the kernels' first build are not in it (both happen before the first
+measurement). Run it with the environment the launcher gives a worker (CHILD_ENV_DEFAULTS,
+set here unless the caller set them) so the numbers are a served worker's.
 """
 
 from __future__ import annotations
