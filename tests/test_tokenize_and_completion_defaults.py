@@ -82,3 +82,70 @@ def test_chat_template_kwargs_reach_the_template(smollm2_server):
         json={"messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": {"add_generation_prompt": False}},
     )
     _assert_400(refused, "messages")
+
+
+BEGUN = [*MESSAGES, {"role": "assistant", "content": "The capital of France is"}]
+"""A conversation whose assistant reply the client has begun."""
+
+
+def test_continue_final_message_prompts_inside_the_begun_reply_as_transformers_renders_it(smollm2_server):
+    """The prompt ends with the final message's text, its end of turn cut off, as
+    transformers' own `continue_final_message` renders it; the chat answer is what a plain
+    completion of that prompt gives (greedy), so the model continued the begun reply."""
+    http, client = smollm2_server.http(), smollm2_server.client()
+    expected = smollm2_tokenizer().apply_chat_template(BEGUN, tokenize=False, continue_final_message=True)
+    assert expected.endswith("The capital of France is")
+    ids = smollm2_tokenizer().encode(expected, add_special_tokens=False)
+    tokenized = http.post("/tokenize", json={"messages": BEGUN, "continue_final_message": True}).json()
+    assert tokenized["tokens"] == ids
+    explicit = http.post(
+        "/tokenize", json={"messages": BEGUN, "continue_final_message": True, "add_generation_prompt": False}
+    ).json()
+    assert explicit["tokens"] == ids
+    chat = client.chat.completions.create(
+        model=MODEL, messages=BEGUN, max_tokens=6, temperature=0, extra_body={"continue_final_message": True}
+    )
+    assert chat.usage.prompt_tokens == len(ids)
+    completion = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == completion.choices[0].text
+    new_turn = client.chat.completions.create(model=MODEL, messages=BEGUN, max_tokens=1)
+    assert new_turn.usage.prompt_tokens > len(ids)  # by default the reply is closed and a new turn begins
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        (
+            {"messages": BEGUN, "continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+            "add_generation_prompt",
+        ),
+        (
+            {"messages": [*MESSAGES, {"role": "assistant", "content": " "}], "continue_final_message": True},
+            "messages",
+            "text to continue",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+                ]
+            },
+            "messages",
+            "'image_url' are not supported",
+        ),
+    ],
+)
+def test_chat_prompts_that_cannot_be_rendered_as_asked_are_400s_that_say_why(smollm2_server, body, param, says):
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 1}), ("/tokenize", {})):
+        resp = smollm2_server.http().post(path, json={**body, **extra})
+        _assert_400(resp, param)
+        assert says in resp.json()["error"]["message"] and "more error" not in resp.json()["error"]["message"]
+
+
+def test_version_names_the_installed_package(smollm2_server):
+    """GET /version, as vLLM answers it."""
+    import importlib.metadata
+
+    resp = smollm2_server.http().get("/version")
+    assert resp.status_code == 200 and resp.json() == {"version": importlib.metadata.version("trident")}

@@ -1,4 +1,5 @@
-"""SGLang-style native routes: /generate, /abort, /flush_cache, /server_info, /health_generate.
+"""SGLang-style native routes: /generate, /abort, /flush_cache, /server_info, /health_generate;
+and vLLM's /version.
 
 /generate streams SGLang's way: every event carries the *cumulative* `text` and
 `output_ids` so far (not a delta), then `data: [DONE]`.
@@ -7,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -141,6 +143,15 @@ async def server_info(request: Request) -> dict[str, Any]:
         for d in range(replicas.size)
     ]
     return out
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    """The installed package's version, as vLLM's GET /version answers it."""
+    try:
+        return {"version": importlib.metadata.version("trident")}
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that pip never installed
+        return {"version": "unknown"}
 
 
 @router.get("/health_generate", response_model=None)

@@ -26,7 +26,7 @@ from tokenizer_proc.prompt_logprobs_format import vllm_prompt_logprobs
 from tokenizer_proc.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
-    ChatMessage,
+    ChatPrompt,
     CompletionRequest,
 )
 from tokenizer_proc.reasoning import thinking_open_in, thinking_skipped_in
@@ -289,25 +289,20 @@ async def _stream_completion(
     yield SSE_DONE
 
 
-def render_chat(
-    st: FrontendState,
-    messages: list[ChatMessage],
-    plan: ToolPlan,
-    template_kwargs: dict[str, Any] | None,
-    add_generation_prompt: bool = True,
-) -> tuple[str, list[int]]:
+def render_chat(st: FrontendState, prompt: ChatPrompt, plan: ToolPlan) -> tuple[str, list[int]]:
     """(text, ids) of a conversation through the model's chat template; a 400 when the
     template refuses it."""
     native_tools = template_renders_tools(st.tokenizer)
-    as_template_takes = template_messages(messages, plan, native_tools, st.tool_format or HERMES)
+    as_template_takes = template_messages(prompt.messages, plan, native_tools, st.tool_format or HERMES)
     tools = [{"type": "function", "function": t} for t in plan.tools] if native_tools and plan.mode != "none" else None
     try:
         return apply_chat_template(
             st.tokenizer,
             as_template_takes,
             tools,
-            add_generation_prompt=add_generation_prompt,
-            template_kwargs=template_kwargs,
+            add_generation_prompt=prompt.generation_prompt(),
+            continue_final_message=prompt.continue_final_message,
+            template_kwargs=prompt.chat_template_kwargs,
         )
     except Exception as e:  # the template rejects this conversation (e.g. role order)
         raise APIError(f"The messages do not fit the model's chat template: {e}", param="messages") from e
@@ -326,7 +321,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     plan = plan_of(body)
     forced = forced_call_spec(plan, st.tool_format, body.parallel_tool_calls) if plan.forced else None
     grammar = request_constraint(body, forced)
-    prompt_text, prompt_ids = render_chat(st, body.messages, plan, body.chat_template_kwargs)
+    prompt_text, prompt_ids = render_chat(st, body, plan)
     if grammar is not None and st.model_reasons and not thinking_skipped_in(prompt_text):
         grammar = after_reasoning(grammar, thinking_open_in(prompt_text))
     check_prompt_ids(prompt_ids, st.limits, "messages")

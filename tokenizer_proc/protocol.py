@@ -244,6 +244,16 @@ class ChatMessage(_Strict):
     message back whole): templates that render tools get it (Qwen3's reads it), others the
     answer text only."""
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        """A non-text part gets its own error, not one per way the content failed to parse."""
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: the served model reads text only")
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -276,10 +286,40 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions."""
+class ChatPrompt(_Strict):
+    """A conversation and how the chat template makes it a prompt: what a chat completion and
+    a /tokenize of messages share (vLLM's fields)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool | None = None
+    """End the prompt with the assistant turn's header, for the model to answer in a new turn.
+    Unset: true, unless `continue_final_message` (read it through `generation_prompt()`)."""
+    continue_final_message: bool = False
+    """Leave the final message open, its end of turn cut off, so that the answer continues its
+    text: an assistant reply the client has begun ("prefill"). Refused with an explicit
+    `add_generation_prompt: true`, which would start a new turn instead."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (vLLM's field), e.g. {"enable_thinking": false}."""
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_way_to_end(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("add_generation_prompt"):
+            raise ValueError(
+                "continue_final_message continues the final message and add_generation_prompt starts a new "
+                "assistant turn: set add_generation_prompt to false (or leave it out)"
+            )
+        return v
+
+    def generation_prompt(self) -> bool:
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
+
+
+class ChatCompletionRequest(_SamplingFields, ChatPrompt):
+    """POST /v1/chat/completions."""
+
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -290,8 +330,6 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     """May the model call several tools at once: `auto` returns every call it writes either
     way; `required` allows several only when true (tools.forced_call_spec says why)."""
-    chat_template_kwargs: dict[str, Any] | None = None
-    """Extra variables for the chat template (vLLM's field), e.g. {"enable_thinking": false}."""
 
     @field_validator("top_logprobs")
     @classmethod
@@ -341,16 +379,13 @@ class TokenizeCompletionRequest(_Strict):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(ChatPrompt):
     """POST /tokenize of a conversation, rendered by the chat template as vLLM does."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
     add_special_tokens: bool = False
     """The template already writes the special tokens; True adds the tokenizer's on top."""
     return_token_strs: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Strict):

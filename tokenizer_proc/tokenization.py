@@ -152,11 +152,13 @@ def apply_chat_template(
     tools: list[dict[str, Any]] | None = None,
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text and ids of a chat, by default ending with the assistant turn's header;
-    `tools` (OpenAI tool objects) go to templates that render them, `template_kwargs` are
-    the request's own template variables (e.g. `enable_thinking`)."""
+    `continue_final_message` ends it inside the final message instead (see `open_final_message`).
+    `tools` (OpenAI tool objects) go to templates that render them, `template_kwargs` are the
+    request's own template variables (e.g. `enable_thinking`)."""
     extra = dict(template_kwargs or {})
     reserved = sorted(set(extra) & _TEMPLATE_CALL_PARAMETERS)
     if reserved:
@@ -164,8 +166,25 @@ def apply_chat_template(
     if tools:
         extra["tools"] = tools
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+    if continue_final_message:
+        text = open_final_message(text, messages[-1].get("content") or "")
     # The template already holds every special token (BOS included): do not add them twice.
     return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def open_final_message(rendered: str, final_text: str) -> str:
+    """The rendered chat cut right after the final message's text: its end-of-turn tokens and
+    anything the template writes after them are dropped, so the model goes on with that text.
+    Templates that trim a message's whitespace are matched on the trimmed text."""
+    if not final_text.strip():
+        raise ValueError("continue_final_message needs a final message with text to continue")
+    for text in (final_text, final_text.strip()):
+        at = rendered.rfind(text)
+        if at >= 0:
+            return rendered[: at + len(text)]
+    raise ValueError(
+        "the chat template does not write the final message's text as sent, so it cannot be left open to continue"
+    )
 
 
 _TEMPLATE_CALL_PARAMETERS = frozenset(

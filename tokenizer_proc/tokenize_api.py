@@ -38,9 +38,7 @@ async def tokenize(request: Request, raw: dict[str, Any] = Body(...)) -> dict[st
     body = tokenize_request(raw)
     check_model(body.model, st.limits)
     if isinstance(body, TokenizeChatRequest):
-        text, _ = render_chat(
-            st, body.messages, ToolPlan([], "none"), body.chat_template_kwargs, body.add_generation_prompt
-        )
+        text, _ = render_chat(st, body, ToolPlan([], "none"))
     else:
         text = body.prompt
     tokens = list(st.tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
