@@ -102,6 +102,37 @@ def test_regex_and_ebnf_hold_on_generate(default_server, field, holds):
             assert re.fullmatch(r"The answer is (yes|no) because [a-z]+\.", text), text
 
 
+CHOICES = ["positive", "negative", 'says "hi"\n']
+"""vLLM's `choice`, one with a quote and a newline that the grammar must escape."""
+
+
+@pytest.mark.parametrize(
+    ("outputs", "holds"),
+    [
+        ({"choice": CHOICES}, lambda t: t in CHOICES),
+        ({"regex": REGEX}, lambda t: re.fullmatch(REGEX, t)),
+        ({"json": GREEDY_SCHEMA}, lambda t: jsonschema.validate(json.loads(t), GREEDY_SCHEMA) is None),
+        (
+            {"grammar": 'root ::= "The answer is " ("yes" | "no") "."'},
+            lambda t: re.fullmatch(r"The answer is (yes|no)\.", t),
+        ),
+    ],
+    ids=["choice", "regex", "json", "grammar"],
+)
+def test_vllm_structured_outputs_constrain_chat_and_completions(default_server, outputs, holds):
+    """vLLM's `structured_outputs` (since v0.12, for its removed guided_* fields) holds on
+    both OpenAI routes, each sample finished by the constraint, not by the token limit."""
+    extra = {"extra_body": {"structured_outputs": outputs}}
+    res = chat(default_server, "Classify: trident is wonderful!", **HOT, **extra)
+    completion = default_server.client().completions.create(
+        model=MODEL, prompt="Answer:", max_tokens=160, **HOT, **extra
+    )
+    for text, finish in [(c.message.content, c.finish_reason) for c in res.choices] + [
+        (c.text, c.finish_reason) for c in completion.choices
+    ]:
+        assert finish == "stop" and holds(text), text
+
+
 def _check_weather_call(call) -> None:
     assert call.type == "function" and call.function.name == "get_weather" and call.id
     args = json.loads(call.function.arguments)
@@ -204,6 +235,25 @@ BAD_REQUESTS = [
     ),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"49152": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "structured_outputs": {}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"choice": []}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"regex": "(a|b"}}, "structured_outputs.regex"),
+    (
+        "/v1/completions",
+        {"prompt": "Hi", "structured_outputs": {"grammar": "root ::= x"}},
+        "structured_outputs.grammar",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "Hi", "structured_outputs": {"choice": ["a"], "json_object": True}},
+        "structured_outputs.json_object",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "Hi", "structured_outputs": {"structural_tag": "{}"}},
+        "structured_outputs.structural_tag",
+    ),
+    ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"regex": "a"}, "regex": "b"}, "structured_outputs"),
 ]
 
 

@@ -49,7 +49,13 @@ from tokenizer_proc.serving import (
     usage_of,
 )
 from tokenizer_proc.state import FrontendState, get_state
-from tokenizer_proc.structured import after_reasoning, one_constraint, response_format_spec, sglang_constraint
+from tokenizer_proc.structured import (
+    after_reasoning,
+    one_constraint,
+    response_format_spec,
+    sglang_constraint,
+    vllm_constraint,
+)
 from tokenizer_proc.tokenization import apply_chat_template, encode_text
 from tokenizer_proc.tool_parsers import HERMES
 from tokenizer_proc.tools import ToolPlan, forced_call_spec, plan_of, template_messages, template_renders_tools
@@ -79,12 +85,13 @@ class EventStreamResponse(StreamingResponse):
 def request_constraint(
     body: CompletionRequest | ChatCompletionRequest, forced_call: GrammarSpec | None = None
 ) -> GrammarSpec | None:
-    """The one constraint of an OpenAI request: response_format, an SGLang field, or a
-    tool_choice that forces a call."""
+    """The one constraint of an OpenAI request: response_format, an SGLang field, vLLM's
+    structured_outputs, or a tool_choice that forces a call."""
     return one_constraint(
         {
             "response_format": response_format_spec(body.response_format),
             "regex/ebnf/json_schema": sglang_constraint(body.regex, body.ebnf, body.json_schema),
+            "structured_outputs": vllm_constraint(body.structured_outputs),
             "tool_choice": forced_call,
         }
     )

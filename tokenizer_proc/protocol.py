@@ -160,6 +160,22 @@ class _Constraints(_Strict):
     logit_bias: dict[str, float] | None = None
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (its decoding constraints since v0.12): exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    """A JSON schema, as an object or as JSON text."""
+    regex: str | None = None
+    choice: list[StrictStr] | None = Field(None, min_length=1)
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (xgrammar's GBNF style, with a `root` rule), as `ebnf` takes it."""
+    json_object: bool | None = None
+    """True: any JSON object, as `response_format: {"type": "json_object"}`."""
+
+
 class _StopStrings(_Strict):
     """`stop` as the OpenAI API and SGLang take it: one string or a list of them."""
 
@@ -187,6 +203,8 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """vLLM's extra field: the logprob of every prompt token, with this many top logprobs."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's decoding constraint; SGLang's `regex`/`ebnf`/`json_schema` say the same."""
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

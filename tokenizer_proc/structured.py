@@ -1,5 +1,5 @@
 """Decoding constraints from a request: `response_format`, SGLang's `regex`/`ebnf`/`json_schema`,
-`logit_bias`; each checked here so that bad input is a 400 naming the problem.
+vLLM's `structured_outputs`, `logit_bias`; each checked here so that bad input is a 400 naming the problem.
 
 The constraint leaves this process as text (`GrammarSpec`); the worker compiles it against
 the vocabulary and owns the matcher (gpu_worker/runtime/grammar.py). A reasoning model's
@@ -22,6 +22,8 @@ from trident.wire.frontend import GrammarSpec
 
 if TYPE_CHECKING:
     import xgrammar
+
+    from tokenizer_proc.protocol import StructuredOutputs
 
 ANY_JSON_OBJECT = '{"type": "object"}'
 """`response_format: {"type": "json_object"}`: any JSON object (OpenAI's meaning)."""
@@ -137,6 +139,32 @@ def sglang_constraint(regex: str | None, ebnf: str | None, json_schema: Any) -> 
             "json_schema": schema_spec(json_schema, "json_schema") if json_schema is not None else None,
         }
     )
+
+
+def vllm_constraint(outputs: StructuredOutputs | None) -> GrammarSpec | None:
+    """vLLM's `structured_outputs` object; it must name exactly one constraint."""
+    if outputs is None:
+        return None
+    at = "structured_outputs"
+    given: dict[str, GrammarSpec | None] = {}
+    if outputs.json_ is not None:
+        given[f"{at}.json"] = schema_spec(outputs.json_, f"{at}.json")
+    if outputs.regex is not None:
+        given[f"{at}.regex"] = checked(GrammarSpec("regex", outputs.regex), f"{at}.regex")
+    if outputs.choice is not None:
+        given[f"{at}.choice"] = checked(GrammarSpec("ebnf", choice_grammar(outputs.choice)), f"{at}.choice")
+    if outputs.grammar is not None:
+        given[f"{at}.grammar"] = checked(GrammarSpec("ebnf", outputs.grammar), f"{at}.grammar")
+    if outputs.json_object:
+        given[f"{at}.json_object"] = GrammarSpec("json_schema", ANY_JSON_OBJECT, strict=False)
+    if not given:
+        raise APIError(f"{at} needs one of json, regex, choice, grammar or json_object.", param=at)
+    return one_constraint(given)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose sentences are exactly `choices` (each a JSON-escaped literal)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
 def logit_bias_pairs(bias: Mapping[str, float] | None, vocab_size: int) -> list[tuple[int, float]]:
