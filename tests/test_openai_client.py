@@ -55,6 +55,33 @@ def test_streamed_chat_completion_matches_the_non_streamed_one(smollm2_server):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+def test_a_kept_stop_string_ends_the_text_on_every_route(smollm2_server):
+    """vLLM's `include_stop_str_in_output` (completions, streamed or not, and chat) and
+    SGLang's `no_stop_trim` (/generate): the greedy text up to and including the stop
+    string; without them, up to it."""
+    client, prompt = smollm2_server.client(), "The capital of France is"
+    greedy = {"model": "smollm2-135m", "max_tokens": 24, "temperature": 0}
+    free = client.completions.create(prompt=prompt, **greedy).choices[0].text
+    stop = " " + free.split()[2]
+    cut_at = free.index(stop)
+    kept = {"stop": [stop], "extra_body": {"include_stop_str_in_output": True}}
+    assert client.completions.create(prompt=prompt, stop=[stop], **greedy).choices[0].text == free[:cut_at]
+    res = client.completions.create(prompt=prompt, **kept, **greedy).choices[0]
+    assert res.text == free[: cut_at + len(stop)] and res.finish_reason == "stop"
+    streamed = client.completions.create(prompt=prompt, stream=True, **kept, **greedy)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == free[: cut_at + len(stop)]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = client.chat.completions.create(messages=messages, **greedy).choices[0].message.content
+    chat_stop = " " + answer.split()[1]
+    chat = client.chat.completions.create(
+        messages=messages, stop=[chat_stop], extra_body={"include_stop_str_in_output": True}, **greedy
+    )
+    assert chat.choices[0].message.content == answer[: answer.index(chat_stop) + len(chat_stop)]
+    params = {"max_new_tokens": 24, "temperature": 0, "stop": [stop], "no_stop_trim": True}
+    generated = smollm2_server.http().post("/generate", json={"text": prompt, "sampling_params": params}).json()
+    assert generated["text"] == free[: cut_at + len(stop)]
+
+
 def test_unknown_model_is_404_and_bad_parameter_is_400(smollm2_server):
     client = smollm2_server.client()
     with pytest.raises(openai.NotFoundError):

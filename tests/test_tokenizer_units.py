@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from tests.helpers import REPO_ROOT, smollm2_tokenizer
 from tokenizer_proc.app import create_app
-from tokenizer_proc.detokenizer import IncrementalDecoder, RequestDetokenizer, StopStringMatcher
+from tokenizer_proc.detokenizer import IncrementalDecoder, RequestDetokenizer, StopStringMatcher, TextOptions
 from tokenizer_proc.errors import APIError, validation_error_message
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.openai_format import CompletionLogprobs, chat_logprobs
@@ -55,10 +55,12 @@ def tok():
     return load_tokenizer(_gguf_path())
 
 
-def _stream(tok, text: str, stop=(), stop_token_ids=(), finish: str = "length", extra_ids=()) -> tuple[list[str], bool]:
+def _stream(
+    tok, text: str, stop=(), stop_token_ids=(), finish: str = "length", extra_ids=(), keep_stop: bool = False
+) -> tuple[list[str], bool]:
     """Feed `text`'s ids one per step, as the scheduler would; return the pieces and stop flag."""
     ids = list(tok.encode(text)) + list(extra_ids)
-    detok = RequestDetokenizer(tok, stop, stop_token_ids=stop_token_ids)
+    detok = RequestDetokenizer(tok, TextOptions(stop, keep_stop), stop_token_ids=stop_token_ids)
     pieces = []
     for i, tid in enumerate(ids):
         last = i == len(ids) - 1
@@ -198,6 +200,22 @@ def test_stop_token_text_is_excluded(tok):
     stop_id = tok.encode("!")[0]
     pieces, _ = _stream(tok, "Hello", extra_ids=[stop_id], stop_token_ids=[stop_id], finish="stop")
     assert "".join(pieces) == "Hello"
+
+
+def test_a_kept_stop_string_ends_the_text_whole_and_nothing_after_it_is_sent():
+    m = StopStringMatcher(["STOP", "ST!"], keep_stop=True)
+    assert m.feed("abc S") == "abc "
+    assert m.feed("TOP and more") == "STOP"
+    assert m.stopped and m.text == "abc STOP"
+    assert m.feed("late") == ""
+
+
+def test_a_request_that_keeps_its_stop_gets_the_stop_string_and_the_stop_tokens_text(tok):
+    pieces, hit = _stream(tok, "one two three four", stop=[" three"], keep_stop=True)
+    assert hit and "".join(pieces) == "one two three"
+    stop_id = tok.encode("!")[0]
+    pieces, _ = _stream(tok, "Hello", extra_ids=[stop_id], stop_token_ids=[stop_id], finish="stop", keep_stop=True)
+    assert "".join(pieces) == "Hello!"
 
 
 # ---- validation -------------------------------------------------------------------------
@@ -397,6 +415,6 @@ def test_text_at_end_only_gives_the_same_text_once_at_the_finish(tok):
 
 
 def test_text_at_end_only_still_looks_for_stop_strings(tok):
-    detok = RequestDetokenizer(tok, stop=["world"], text_at_end_only=True)
+    detok = RequestDetokenizer(tok, TextOptions(stop=["world"]), text_at_end_only=True)
     step = detok.step(tok.encode("hello world again"))
     assert step.stop_string_hit and step.text == "hello "

@@ -8,9 +8,10 @@ the text that is new and final:
   SGLang) instead of the whole output each step, and holds back text that ends in an
   incomplete UTF-8 sequence (the tokenizer decodes it as U+FFFD) until the next token
   completes it.
-- `StopStringMatcher` applies OpenAI stop strings: the stop string and everything after
-  it are never emitted; while streaming, a tail that could be the start of a stop string
-  is held back until it is known not to be one.
+- `StopStringMatcher` applies OpenAI stop strings: everything after the stop string is never
+  emitted, nor the stop string itself unless the request keeps it (`TextOptions.keep_stop`);
+  while streaming, a tail that could be the start of a stop string is held back until it is
+  known not to be one.
 
     ids:    [ ......... already emitted ......... | prefix window | new ids ]
                                        prefix_offset ^    read_offset ^
@@ -25,6 +26,18 @@ from typing import Any
 from tokenizer_proc.tokenization import text_decoder
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How a request's output ids become its text: the client's fields, one set per request."""
+
+    stop: Sequence[str] = ()
+    """Stop strings: the text ends at the first one the output writes."""
+    keep_stop: bool = False
+    """The text keeps what stopped it, the stop string or a stop token's text (vLLM's
+    `include_stop_str_in_output`, SGLang's `no_stop_trim`); else both are cut off."""
+    skip_special_tokens: bool = True
 
 
 class IncrementalDecoder:
@@ -67,8 +80,9 @@ class IncrementalDecoder:
 class StopStringMatcher:
     """Cuts the text at the first stop string; holds back a possible stop-string prefix."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], keep_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self._keep_stop = keep_stop
         self._max_len = max((len(s) for s in self.stops), default=0)
         self.text = ""
         """All text accepted so far (cut at the stop string once one is hit)."""
@@ -87,14 +101,14 @@ class StopStringMatcher:
         # A match must end inside the new text, so it starts at most max_len - 1 before it.
         search_from = max(0, len(self.text) - self._max_len + 1)
         self.text += delta
-        hit = -1
+        hit, end_of_stop = -1, -1
         for stop in self.stops:
             pos = self.text.find(stop, search_from)
             if pos != -1 and (hit == -1 or pos < hit):
-                hit = pos
+                hit, end_of_stop = pos, pos + len(stop)
         if hit != -1:
             self.stopped = True
-            self.text = self.text[:hit]
+            self.text = self.text[: end_of_stop if self._keep_stop else hit]
         end = len(self.text) if (final or self.stopped) else len(self.text) - self._partial_stop_len()
         end = max(end, self._sent)
         out = self.text[self._sent : end]
@@ -127,15 +141,15 @@ class RequestDetokenizer:
     def __init__(
         self,
         tokenizer: Any,
-        stop: Sequence[str] = (),
-        skip_special_tokens: bool = True,
+        options: TextOptions = TextOptions(),
         stop_token_ids: Iterable[int] = (),
         text_at_end_only: bool = False,
     ) -> None:
-        self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
-        self.matcher = StopStringMatcher(stop)
-        self._stop_token_ids = set(stop_token_ids)
-        self._deferred: list[int] | None = [] if text_at_end_only and not stop else None
+        self.decoder = IncrementalDecoder(tokenizer, options.skip_special_tokens)
+        self.matcher = StopStringMatcher(options.stop, options.keep_stop)
+        self._stop_token_ids = set(stop_token_ids) if not options.keep_stop else set()
+        """Stop tokens whose text is cut off the output (none when the request keeps it)."""
+        self._deferred: list[int] | None = [] if text_at_end_only and not options.stop else None
         """A caller that wants the text only at the end (not streaming) and no stop string
         to look for: ids wait here and are decoded once, at the last step, instead of twice
         a step (the tokenizer's largest per-token cost with thousands of requests open)."""

@@ -78,8 +78,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         ids,
         params,
         rids=[rid],
-        stop=sp.stop_list(),
-        skip_special_tokens=sp.skip_special_tokens,
+        text=sp.text_options(),
         stream=bool(body.stream),
     )
     if body.stream:

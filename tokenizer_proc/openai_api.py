@@ -145,8 +145,7 @@ async def submit_choices(
         prompt_ids,
         [with_seed_offset(params, i) for i in indices],
         rids=[f"{cid}-{i}" for i in indices],
-        stop=body.stop_list(),
-        skip_special_tokens=body.skip_special_tokens,
+        text=body.text_options(),
         stream=bool(body.stream),
         first_index=first_index,
     )

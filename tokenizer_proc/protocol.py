@@ -20,6 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, create_model, field_validator
 
+from tokenizer_proc.detokenizer import TextOptions
 from trident.wire.frontend import ClientRange, SamplingParams
 
 MAX_STOP_STRINGS = 4
@@ -201,6 +202,8 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    """vLLM's: the text keeps the stop string (or stop token) that ended it."""
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """vLLM's extra field: the logprob of every prompt token, with this many top logprobs."""
     structured_outputs: StructuredOutputs | None = None
@@ -208,6 +211,9 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def text_options(self) -> TextOptions:
+        return TextOptions(self.stop_list(), self.include_stop_str_in_output, self.skip_special_tokens)
 
 
 class CompletionRequest(_SamplingFields):
@@ -363,6 +369,11 @@ class NativeSamplingParams(_StopStrings, _Constraints, _NativeKnobs):
     max_new_tokens: int | None = Field(128, ge=0)
     """0 runs the prompt only (for its logprobs: `return_logprob` with `logprob_start_len`)."""
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    """SGLang's: the text keeps the stop string (or stop token) that ended it."""
+
+    def text_options(self) -> TextOptions:
+        return TextOptions(self.stop_list(), self.no_stop_trim, self.skip_special_tokens)
 
 
 class NativeLogprobs(_Strict):

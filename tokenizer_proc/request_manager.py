@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import zmq.asyncio
 
-from tokenizer_proc.detokenizer import RequestDetokenizer
+from tokenizer_proc.detokenizer import RequestDetokenizer, TextOptions
 from tokenizer_proc.errors import SERVER_ERROR, SERVER_UNAVAILABLE, APIError
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.replicas import ReplicaSet
@@ -165,8 +165,7 @@ class RequestManager:
         sampling: Sequence[SamplingParams] | SamplingParams,
         *,
         rids: Sequence[str] | None = None,
-        stop: Sequence[str] = (),
-        skip_special_tokens: bool = True,
+        text: TextOptions = TextOptions(),
         check_capacity: bool = True,
         stream: bool = True,
         first_index: int = 0,
@@ -183,9 +182,7 @@ class RequestManager:
         self.replicas.router.opened(replica, prompt, len(params))
         handles = []
         for index, (rid, sp) in enumerate(zip(rids, params, strict=True), start=first_index):
-            detok = RequestDetokenizer(
-                self.tokenizer, stop, skip_special_tokens, sp.stop_token_ids, text_at_end_only=not stream
-            )
+            detok = RequestDetokenizer(self.tokenizer, text, sp.stop_token_ids, text_at_end_only=not stream)
             req = OpenRequest(rid, index, prompt, sp, detok, replica)
             self._open[rid] = req
             handles.append(RequestHandle(self, req))

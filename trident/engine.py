@@ -18,7 +18,7 @@ calls instead of HTTP), not the logic, and returns what `POST /generate` returns
 
 `sampling_params` are those of `POST /generate` (SGLang's names: `max_new_tokens`,
 `temperature`, `top_p`, `top_k`, `min_p`, the penalties, `stop`, `stop_token_ids`,
-`ignore_eos`, `min_new_tokens`, `seed`, `skip_special_tokens`, `logit_bias`, and one
+`ignore_eos`, `min_new_tokens`, `seed`, `skip_special_tokens`, `no_stop_trim`, `logit_bias`, and one
 decoding constraint of `regex`, `ebnf` or `json_schema`); an unknown name, an out-of-range
 value or a constraint the grammar library refuses raises ValueError before anything is sent.
 
@@ -274,8 +274,7 @@ class Engine:
                         ids,
                         params,
                         rids=[manager.new_rid("engine")],
-                        stop=native.stop_list(),
-                        skip_special_tokens=native.skip_special_tokens,
+                        text=native.text_options(),
                         check_capacity=False,
                     )
                 )
