@@ -82,6 +82,36 @@ def test_a_kept_stop_string_ends_the_text_on_every_route(smollm2_server):
     assert generated["text"] == free[: cut_at + len(stop)]
 
 
+def test_return_token_ids_gives_the_prompt_and_output_ids_streamed_or_not(smollm2_server):
+    """vLLM's `return_token_ids`: the prompt's ids as /tokenize gives them, the output's as
+    many as `completion_tokens` and decoding to the text; a stream's chunks carry the same ids
+    in pieces, the prompt's once (per choice on completions, per stream on chat)."""
+    client, http = smollm2_server.client(), smollm2_server.http()
+    greedy = {"model": "smollm2-135m", "max_tokens": 12, "temperature": 0, "extra_body": {"return_token_ids": True}}
+    prompt, messages = "The capital of France is", [{"role": "user", "content": "Name a color."}]
+    prompt_ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    chat_prompt_ids = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+
+    done = client.completions.create(prompt=prompt, **greedy).model_dump()
+    choice = done["choices"][0]
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == done["usage"]["completion_tokens"]
+    assert http.post("/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"] == choice["text"]
+    chunks = [c.model_dump() for c in client.completions.create(prompt=[prompt, prompt], stream=True, **greedy)]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert [c["prompt_token_ids"] for c in mine if c.get("prompt_token_ids")] == [prompt_ids]
+        assert sum((c["token_ids"] for c in mine), []) == choice["token_ids"]
+
+    chat = client.chat.completions.create(messages=messages, **greedy).model_dump()
+    assert chat["prompt_token_ids"] == chat_prompt_ids
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    chunks = [c.model_dump() for c in client.chat.completions.create(messages=messages, stream=True, **greedy)]
+    assert [c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")] == [chat_prompt_ids]
+    assert sum((c["choices"][0]["token_ids"] for c in chunks if c["choices"]), []) == chat["choices"][0]["token_ids"]
+    plain = client.chat.completions.create(messages=messages, model="smollm2-135m", max_tokens=2).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
 def test_unknown_model_is_404_and_bad_parameter_is_400(smollm2_server):
     client = smollm2_server.client()
     with pytest.raises(openai.NotFoundError):

@@ -234,7 +234,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             logprobs = fmt.merge_completion_logprobs(logprobs, part)
         prompt_lps = prompt_logprobs_of(st, body, prompt_ids, r)
         text = prompt_text + r.text
-        choices.append(fmt.completion_choice(r.index, text, logprobs, r.finish_reason, prompt_lps))
+        ids = fmt.TokenIds(r.token_ids, prompt_ids) if body.return_token_ids else None
+        choices.append(fmt.completion_choice(r.index, text, logprobs, r.finish_reason, prompt_lps, ids))
     return JSONResponse(fmt.completion_body(cid, created, model, choices, usage_of(results, prompt_tokens)))
 
 
@@ -252,11 +253,13 @@ async def _stream_completion(
     want_lp = body.logprobs is not None
     builders = [fmt.CompletionLogprobs(st.strings) for _ in handles]
     results = [ChoiceResult(i) for i in range(len(handles))]
+    ids = fmt.StreamedTokenIds(len(handles), prompt_per_choice=True) if body.return_token_ids else None
 
     def chunk(
         index: int, text: str, logprobs: dict | None, finish: str | None, prompt_lps: list | None = None
     ) -> bytes:
-        choice = fmt.completion_choice(index, text, logprobs, finish, prompt_lps)
+        chunk_ids = ids.take(index, prompt_of[index][1]) if ids else None
+        choice = fmt.completion_choice(index, text, logprobs, finish, prompt_lps, chunk_ids)
         obj = fmt.completion_body(cid, created, model, [choice], None)
         if include_usage:
             obj["usage"] = None
@@ -272,6 +275,8 @@ async def _stream_completion(
         first = out.index not in started
         started.add(out.index)
         results[out.index].add(out)
+        if ids:
+            ids.hold(out.index, out.token_ids)
         if out.finish_reason == "error":
             yield stream_error_event(f"generation failed: {out.error or 'unknown error'}")
             yield SSE_DONE
@@ -342,7 +347,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     outputs = [choice_output(plan, st.tool_format, st.model_reasons, prompt_text) for _ in handles]
 
     if body.stream:
-        stream = _stream_chat(st, body, outputs, handles, cid, created, model, len(prompt_ids))
+        stream = _stream_chat(st, body, outputs, handles, cid, created, model, prompt_ids)
         return EventStreamResponse(stream, handles)
     try:
         results = await collect(request, handles)
@@ -355,9 +360,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         logprobs = (
             fmt.chat_logprobs(st.strings, r.token_ids, r.token_logprobs, r.top_logprobs) if body.logprobs else None
         )
-        choices.append(fmt.chat_choice(r.index, output.message(), logprobs, output.finish_reason))
+        token_ids = r.token_ids if body.return_token_ids else None
+        choices.append(fmt.chat_choice(r.index, output.message(), logprobs, output.finish_reason, token_ids))
     usage = usage_of(results, len(prompt_ids))
     response = fmt.chat_body(cid, created, model, choices, usage)
+    if body.return_token_ids:
+        response["prompt_token_ids"] = prompt_ids
     if body.prompt_logprobs is not None:  # vLLM's place for them in a chat response: the top level
         response["prompt_logprobs"] = prompt_logprobs_of(st, body, prompt_ids, results[0])
     return JSONResponse(response)
@@ -371,18 +379,22 @@ async def _stream_chat(
     cid: str,
     created: int,
     model: str,
-    prompt_len: int,
+    prompt_ids: list[int],
 ) -> AsyncIterator[bytes]:
     include_usage = body.include_usage()
     results = [ChoiceResult(i) for i in range(len(handles))]
+    ids = fmt.StreamedTokenIds(len(handles), prompt_per_choice=False) if body.return_token_ids else None
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
-        return sse(fmt.chat_chunk(cid, created, model, index, delta, finish, logprobs, include_usage))
+        chunk_ids = ids.take(index, prompt_ids) if ids else None
+        return sse(fmt.chat_chunk(cid, created, model, index, delta, finish, logprobs, include_usage, chunk_ids))
 
     for i in range(len(handles)):
         yield chunk(i, {"role": "assistant", "content": ""})
     async for out in merge_outputs(handles):
         results[out.index].add(out)
+        if ids:
+            ids.hold(out.index, out.token_ids)
         if out.finish_reason == "error":
             yield stream_error_event(f"generation failed: {out.error or 'unknown error'}")
             yield SSE_DONE
@@ -397,5 +409,5 @@ async def _stream_chat(
         if out.finish_reason is not None:
             yield chunk(out.index, {}, output.finish_reason)
     if include_usage:
-        yield sse(fmt.usage_chunk(cid, created, model, "chat.completion.chunk", usage_of(results, prompt_len)))
+        yield sse(fmt.usage_chunk(cid, created, model, "chat.completion.chunk", usage_of(results, len(prompt_ids))))
     yield SSE_DONE

@@ -7,6 +7,7 @@ decide when to send what. Token ids become strings here, through `TokenStrings`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizer_proc.prompt_logprobs_format import echo_entries
@@ -20,6 +21,39 @@ def client_finish_reason(reason: str | None) -> str | None:
     if reason is None or reason in ("stop", "length", "tool_calls", "abort"):
         return reason
     return "abort"
+
+
+@dataclass
+class TokenIds:
+    """vLLM's `return_token_ids` fields of one choice or chunk."""
+
+    output: list[int]
+    """The output's ids (a chunk's: those since the previous chunk)."""
+    prompt: list[int] | None = None
+    """The prompt's ids, where the response carries them (a streamed choice: its first chunk)."""
+
+
+class StreamedTokenIds:
+    """vLLM's `return_token_ids` in a stream: each chunk carries the ids its choice produced
+    since that choice's previous chunk (ids whose text is held back, a possible stop string,
+    go with the next chunk), and the prompt's ids go in the first chunk: of each choice
+    (completions: each has its own prompt) or of the stream (chat: one prompt)."""
+
+    def __init__(self, choices: int, prompt_per_choice: bool) -> None:
+        self._held: list[list[int]] = [[] for _ in range(choices)]
+        self._prompt_sent: set[int] = set()
+        self._prompt_per_choice = prompt_per_choice
+
+    def hold(self, index: int, token_ids: Sequence[int]) -> None:
+        self._held[index].extend(token_ids)
+
+    def take(self, index: int, prompt_ids: list[int]) -> TokenIds:
+        """What the next chunk of choice `index` carries."""
+        key = index if self._prompt_per_choice else 0
+        prompt = None if key in self._prompt_sent else prompt_ids
+        self._prompt_sent.add(key)
+        output, self._held[index] = self._held[index], []
+        return TokenIds(output, prompt)
 
 
 class CompletionLogprobs:
@@ -113,11 +147,17 @@ def completion_choice(
     logprobs: dict[str, Any] | None,
     finish: str | None,
     prompt_logprobs: list[Any] | None = None,
+    ids: TokenIds | None = None,
 ) -> dict[str, Any]:
-    """One choice; `prompt_logprobs` (vLLM's field) only when the request asked for it."""
+    """One choice; `prompt_logprobs` and the token ids (vLLM's fields) only when the request
+    asked for them."""
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
     if prompt_logprobs is not None:
         choice["prompt_logprobs"] = prompt_logprobs
+    if ids is not None:
+        if ids.prompt is not None:
+            choice["prompt_token_ids"] = ids.prompt
+        choice["token_ids"] = ids.output
     return choice
 
 
@@ -135,9 +175,17 @@ def chat_body(
 
 
 def chat_choice(
-    index: int, message: dict[str, Any], logprobs: dict[str, Any] | None, finish: str | None
+    index: int,
+    message: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+    finish: str | None,
+    token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
+    """One choice; `token_ids` (vLLM's field) only when the request asked for them."""
+    choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
 
 
 def chat_chunk(
@@ -149,16 +197,22 @@ def chat_chunk(
     finish: str | None = None,
     logprobs: dict[str, Any] | None = None,
     with_usage_field: bool = False,
+    ids: TokenIds | None = None,
 ) -> dict[str, Any]:
+    """`ids`: vLLM's `return_token_ids`: the choice's ids since its previous chunk, and the
+    prompt's at the top level (the first chunk)."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
     chunk: dict[str, Any] = {
         "id": cid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [
-            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
-        ],
+        "choices": [choice],
     }
+    if ids is not None:
+        choice["token_ids"] = ids.output
+        if ids.prompt is not None:
+            chunk["prompt_token_ids"] = ids.prompt
     if with_usage_field:
         chunk["usage"] = None
     return chunk

@@ -204,6 +204,10 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     """vLLM's: the text keeps the stop string (or stop token) that ended it."""
+    return_token_ids: bool = False
+    """vLLM's: each choice also gives its output's `token_ids`, and the response its
+    `prompt_token_ids` (a completion choice its own prompt's; streamed: the ids of each chunk,
+    the prompt's in the first)."""
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """vLLM's extra field: the logprob of every prompt token, with this many top logprobs."""
     structured_outputs: StructuredOutputs | None = None
