@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import openai
@@ -110,6 +111,25 @@ def test_return_token_ids_gives_the_prompt_and_output_ids_streamed_or_not(smollm
     assert sum((c["choices"][0]["token_ids"] for c in chunks if c["choices"]), []) == chat["choices"][0]["token_ids"]
     plain = client.chat.completions.create(messages=messages, model="smollm2-135m", max_tokens=2).model_dump()
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(smollm2_server):
+    """vLLM's `return_tokens_as_token_ids`: `token_id:<id>` for each sampled token (the ids
+    `return_token_ids` gives) and each top-logprob token, on completions and chat."""
+    client = smollm2_server.client()
+    extra = {"extra_body": {"return_tokens_as_token_ids": True, "return_token_ids": True}}
+    greedy = {"model": "smollm2-135m", "max_tokens": 6, "temperature": 0, **extra}
+    done = client.completions.create(prompt="The capital of France is", logprobs=2, **greedy).model_dump()
+    choice = done["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    for top in choice["logprobs"]["top_logprobs"]:
+        assert len(top) == 2 and all(re.fullmatch(r"token_id:\d+", name) for name in top)
+    messages = [{"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **greedy).model_dump()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in chat["choices"][0]["token_ids"]]
+    assert all(e["bytes"] == list(e["token"].encode()) and len(e["top_logprobs"]) == 2 for e in content)
+    assert content[0]["top_logprobs"][0]["token"] == content[0]["token"]  # greedy: the top one was sampled
 
 
 def test_unknown_model_is_404_and_bad_parameter_is_400(smollm2_server):

@@ -56,7 +56,7 @@ from tokenizer_proc.structured import (
     sglang_constraint,
     vllm_constraint,
 )
-from tokenizer_proc.tokenization import apply_chat_template, encode_text
+from tokenizer_proc.tokenization import TokenIdStrings, TokenStrings, apply_chat_template, encode_text
 from tokenizer_proc.tool_parsers import HERMES
 from tokenizer_proc.tools import ToolPlan, forced_call_spec, plan_of, template_messages, template_renders_tools
 from trident.wire.frontend import GrammarSpec
@@ -119,13 +119,21 @@ def sampling_request(
     )
 
 
+TOKEN_ID_STRINGS = TokenIdStrings()
+
+
+def token_strings(st: FrontendState, body: CompletionRequest | ChatCompletionRequest) -> TokenStrings:
+    """How this request's logprobs name tokens: their text, or `token_id:<id>` when asked."""
+    return TOKEN_ID_STRINGS if body.return_tokens_as_token_ids else st.strings
+
+
 def prompt_logprobs_of(
     st: FrontendState, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], r: ChoiceResult
 ) -> list[Any] | None:
     """vLLM's `prompt_logprobs` of a choice, when the request asked for them."""
     if body.prompt_logprobs is None:
         return None
-    return vllm_prompt_logprobs(st.strings, prompt_ids, r.prompt_logprobs, body.prompt_logprobs)
+    return vllm_prompt_logprobs(token_strings(st, body), prompt_ids, r.prompt_logprobs, body.prompt_logprobs)
 
 
 async def submit_choices(
@@ -228,7 +236,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         prompt_text, prompt_ids = prompt_of[r.index]
         logprobs = None
         if want_lp:
-            builder = fmt.CompletionLogprobs(st.strings)
+            builder = fmt.CompletionLogprobs(token_strings(st, body))
             logprobs = builder.prompt_part(prompt_ids, r.prompt_logprobs, body.logprobs) if body.echo else None
             part = builder.part(r.token_ids, r.token_logprobs, r.top_logprobs)
             logprobs = fmt.merge_completion_logprobs(logprobs, part)
@@ -251,7 +259,7 @@ async def _stream_completion(
 ) -> AsyncIterator[bytes]:
     include_usage = body.include_usage()
     want_lp = body.logprobs is not None
-    builders = [fmt.CompletionLogprobs(st.strings) for _ in handles]
+    builders = [fmt.CompletionLogprobs(token_strings(st, body)) for _ in handles]
     results = [ChoiceResult(i) for i in range(len(handles))]
     ids = fmt.StreamedTokenIds(len(handles), prompt_per_choice=True) if body.return_token_ids else None
 
@@ -358,7 +366,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         output = outputs[r.index]
         output.feed(r.text, r.finish_reason)
         logprobs = (
-            fmt.chat_logprobs(st.strings, r.token_ids, r.token_logprobs, r.top_logprobs) if body.logprobs else None
+            fmt.chat_logprobs(token_strings(st, body), r.token_ids, r.token_logprobs, r.top_logprobs)
+            if body.logprobs
+            else None
         )
         token_ids = r.token_ids if body.return_token_ids else None
         choices.append(fmt.chat_choice(r.index, output.message(), logprobs, output.finish_reason, token_ids))
@@ -401,7 +411,7 @@ async def _stream_chat(
             return
         lp = None
         if body.logprobs and out.token_ids:
-            lp = fmt.chat_logprobs(st.strings, out.token_ids, out.token_logprobs, out.top_logprobs)
+            lp = fmt.chat_logprobs(token_strings(st, body), out.token_ids, out.token_logprobs, out.top_logprobs)
         output = outputs[out.index]
         delta = output.feed(out.text, out.finish_reason)  # text a call may begin is held back
         if delta or lp is not None:

@@ -204,6 +204,8 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     """vLLM's: the text keeps the stop string (or stop token) that ended it."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprobs name each token `token_id:<id>` instead of its text."""
     return_token_ids: bool = False
     """vLLM's: each choice also gives its output's `token_ids`, and the response its
     `prompt_token_ids` (a completion choice its own prompt's; streamed: the ids of each chunk,

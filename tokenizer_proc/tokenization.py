@@ -235,3 +235,17 @@ class TokenStrings:
         if piece and all(c in _BYTE_DECODER for c in piece):
             return [_BYTE_DECODER[c] for c in piece]
         return list(piece.replace(_SP_SPACE, " ").encode("utf-8"))
+
+
+class TokenIdStrings(TokenStrings):
+    """Every token written `token_id:<id>`: vLLM's `return_tokens_as_token_ids`, for clients
+    that map logprobs back to ids (several ids can decode to the same text)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def raw_bytes(self, token_id: int) -> list[int]:
+        return list(self.text(token_id).encode("ascii"))
