@@ -132,6 +132,25 @@ def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(smollm2_
     assert content[0]["top_logprobs"][0]["token"] == content[0]["token"]  # greedy: the top one was sampled
 
 
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(smollm2_server, route):
+    """vLLM's `stream_options.continuous_usage_stats`: each chunk's usage counts the tokens
+    so far, up to the final usage chunk's; with include_usage alone, chunks carry null."""
+    client = smollm2_server.client()
+    kw = {"model": "smollm2-135m", "max_tokens": 8, "temperature": 0, "stream": True}
+    if route == "chat":
+        kw["messages"], create = [{"role": "user", "content": "Name a color."}], client.chat.completions.create
+    else:
+        kw["prompt"], create = "The capital of France is", client.completions.create
+    every = list(create(stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw))
+    counts = [c.usage.completion_tokens for c in every if c.choices]
+    assert counts == sorted(counts) and counts[-1] == every[-1].usage.completion_tokens == 8
+    assert all(c.usage.prompt_tokens == every[-1].usage.prompt_tokens for c in every)
+    final_only = list(create(stream_options={"include_usage": True}, **kw))
+    assert all(c.usage is None for c in final_only if c.choices)
+    assert final_only[-1].usage.completion_tokens == 8  # the prompt's cached share differs on a rerun
+
+
 def test_unknown_model_is_404_and_bad_parameter_is_400(smollm2_server):
     client = smollm2_server.client()
     with pytest.raises(openai.NotFoundError):

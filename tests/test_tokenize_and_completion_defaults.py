@@ -149,3 +149,22 @@ def test_version_names_the_installed_package(smollm2_server):
 
     resp = smollm2_server.http().get("/version")
     assert resp.status_code == 200 and resp.json() == {"version": importlib.metadata.version("trident")}
+
+
+def test_truncate_prompt_tokens_reads_only_the_prompts_last_tokens(smollm2_server):
+    """vLLM's `truncate_prompt_tokens: k`: the prompt's last k tokens are the prompt (usage,
+    echo and the greedy text say so); -1 keeps a prompt that fits whole."""
+    client, http = smollm2_server.client(), smollm2_server.http()
+    text = "Once upon a time, in a land far away, there lived a curious fox who loved"
+    ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    greedy = {"model": MODEL, "max_tokens": 5, "temperature": 0}
+    cut = client.completions.create(prompt=text, echo=True, extra_body={"truncate_prompt_tokens": 4}, **greedy)
+    tail = client.completions.create(prompt=ids[-4:], echo=True, **greedy)
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == tail.choices[0].text
+    whole = client.completions.create(prompt=text, extra_body={"truncate_prompt_tokens": -1}, **greedy)
+    assert whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(messages=MESSAGES, extra_body={"truncate_prompt_tokens": 6}, **greedy)
+    assert chat.usage.prompt_tokens == 6
+    _assert_400(
+        http.post("/v1/completions", json={"prompt": text, "truncate_prompt_tokens": -2}), "truncate_prompt_tokens"
+    )

@@ -36,6 +36,7 @@ from tokenizer_proc.sampling import (
     build_sampling_params,
     check_model,
     check_prompt_ids,
+    last_prompt_tokens,
     with_seed_offset,
 )
 from tokenizer_proc.serving import (
@@ -182,18 +183,21 @@ def _model_card(st: FrontendState) -> dict[str, Any]:
     }
 
 
-def completion_prompts(st: FrontendState, prompt: Any, echo: bool) -> list[tuple[str, list[int]]]:
+def completion_prompts(st: FrontendState, body: CompletionRequest) -> list[tuple[str, list[int]]]:
     """(echo, ids) of each prompt of a completions request (a string, token ids, or a batch of
-    either); `echo`: the text that echo shows, the prompt's own or its ids decoded ("" without echo)."""
+    either), each cut to `truncate_prompt_tokens`; `echo`: the text that echo shows, the
+    prompt's own or its ids decoded ("" without echo)."""
+    prompt = body.prompt
     single = isinstance(prompt, str) or not prompt or isinstance(prompt[0], int)
     out = []
     for one in [prompt] if single else prompt:
         if isinstance(one, str) and not one:
             raise APIError("The prompt is empty.", param="prompt", code="empty_prompt")
         ids = encode_text(st.tokenizer, one) if isinstance(one, str) else list(one)
-        check_prompt_ids(ids, st.limits, "prompt")
-        text = one if isinstance(one, str) else st.tokenizer.decode(ids)
-        out.append((text if echo else "", ids))
+        kept = last_prompt_tokens(ids, body.truncate_prompt_tokens, st.limits)
+        check_prompt_ids(kept, st.limits, "prompt")
+        text = one if isinstance(one, str) and kept is ids else st.tokenizer.decode(kept)
+        out.append((text if body.echo else "", kept))
     return out
 
 
@@ -203,7 +207,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompt i's are indices i * n to i * n + n - 1, each with its own prompt's echo."""
     st = get_state(request)
     check_model(body.model, st.limits)
-    prompts = completion_prompts(st, body.prompt, body.echo)
+    prompts = completion_prompts(st, body)
     want_lp = body.logprobs is not None
     cid = f"cmpl-{uuid.uuid4().hex}"
     handles: list[RequestHandle] = []
@@ -257,7 +261,7 @@ async def _stream_completion(
     prompt_of: list[tuple[str, list[int]]],
     prompt_tokens: int,
 ) -> AsyncIterator[bytes]:
-    include_usage = body.include_usage()
+    include_usage, usage_in_every_chunk = body.include_usage(), body.usage_in_every_chunk()
     want_lp = body.logprobs is not None
     builders = [fmt.CompletionLogprobs(token_strings(st, body)) for _ in handles]
     results = [ChoiceResult(i) for i in range(len(handles))]
@@ -270,7 +274,7 @@ async def _stream_completion(
         choice = fmt.completion_choice(index, text, logprobs, finish, prompt_lps, chunk_ids)
         obj = fmt.completion_body(cid, created, model, [choice], None)
         if include_usage:
-            obj["usage"] = None
+            obj["usage"] = usage_of(results, prompt_tokens) if usage_in_every_chunk else None
         return sse(obj)
 
     # Prompt logprobs come with a choice's first output: what shows them waits for it.
@@ -322,6 +326,7 @@ def render_chat(st: FrontendState, prompt: ChatPrompt, plan: ToolPlan) -> tuple[
             add_generation_prompt=prompt.generation_prompt(),
             continue_final_message=prompt.continue_final_message,
             template_kwargs=prompt.chat_template_kwargs,
+            add_special_tokens=prompt.add_special_tokens,
         )
     except Exception as e:  # the template rejects this conversation (e.g. role order)
         raise APIError(f"The messages do not fit the model's chat template: {e}", param="messages") from e
@@ -341,6 +346,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     forced = forced_call_spec(plan, st.tool_format, body.parallel_tool_calls) if plan.forced else None
     grammar = request_constraint(body, forced)
     prompt_text, prompt_ids = render_chat(st, body, plan)
+    prompt_ids = last_prompt_tokens(prompt_ids, body.truncate_prompt_tokens, st.limits)
     if grammar is not None and st.model_reasons and not thinking_skipped_in(prompt_text):
         grammar = after_reasoning(grammar, thinking_open_in(prompt_text))
     check_prompt_ids(prompt_ids, st.limits, "messages")
@@ -397,7 +403,10 @@ async def _stream_chat(
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
         chunk_ids = ids.take(index, prompt_ids) if ids else None
-        return sse(fmt.chat_chunk(cid, created, model, index, delta, finish, logprobs, include_usage, chunk_ids))
+        obj = fmt.chat_chunk(cid, created, model, index, delta, finish, logprobs, include_usage, chunk_ids)
+        if body.usage_in_every_chunk():
+            obj["usage"] = usage_of(results, len(prompt_ids))
+        return sse(obj)
 
     for i in range(len(handles)):
         yield chunk(i, {"role": "assistant", "content": ""})

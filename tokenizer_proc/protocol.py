@@ -79,6 +79,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with include_usage, every chunk carries the usage so far, not null."""
     include_obfuscation: bool | None = None
     """Accepted no-op: this server adds no obfuscation padding to stream chunks."""
 
@@ -212,11 +214,16 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     the prompt's in the first)."""
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """vLLM's extra field: the logprob of every prompt token, with this many top logprobs."""
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    """vLLM's: only the prompt's last k tokens are read (-1: the context length's worth)."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM's decoding constraint; SGLang's `regex`/`ebnf`/`json_schema` say the same."""
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def usage_in_every_chunk(self) -> bool:
+        return self.include_usage() and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def text_options(self) -> TextOptions:
         return TextOptions(self.stop_list(), self.include_stop_str_in_output, self.skip_special_tokens)
@@ -330,6 +337,8 @@ class ChatPrompt(_Strict):
     `add_generation_prompt: true`, which would start a new turn instead."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (vLLM's field), e.g. {"enable_thinking": false}."""
+    add_special_tokens: bool = False
+    """The template already writes the special tokens; True adds the tokenizer's on top."""
 
     @field_validator("continue_final_message")
     @classmethod
@@ -418,8 +427,6 @@ class TokenizeChatRequest(ChatPrompt):
     """POST /tokenize of a conversation, rendered by the chat template as vLLM does."""
 
     model: str | None = None
-    add_special_tokens: bool = False
-    """The template already writes the special tokens; True adds the tokenizer's on top."""
     return_token_strs: bool = False
 
 

@@ -71,6 +71,18 @@ def check_prompt_ids(ids: Sequence[int], limits: ModelLimits, param: str = "prom
         )
 
 
+def last_prompt_tokens(ids: list[int], keep: int | None, limits: ModelLimits) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as the
+    context holds; None: all). Returns `ids` itself when nothing is cut."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = limits.context_length
+    if keep >= len(ids):
+        return ids
+    return ids[len(ids) - keep :]
+
+
 def resolve_max_tokens(
     prompt_len: int, max_tokens: int | None, limits: ModelLimits, param: str, prompt_param: str = "prompt"
 ) -> int:

@@ -154,6 +154,7 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
 ) -> tuple[str, list[int]]:
     """The prompt text and ids of a chat, by default ending with the assistant turn's header;
     `continue_final_message` ends it inside the final message instead (see `open_final_message`).
@@ -168,8 +169,8 @@ def apply_chat_template(
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
     if continue_final_message:
         text = open_final_message(text, messages[-1].get("content") or "")
-    # The template already holds every special token (BOS included): do not add them twice.
-    return text, list(tokenizer.encode(text, add_special_tokens=False))
+    # The template already holds every special token (BOS included): added again only when asked.
+    return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def open_final_message(rendered: str, final_text: str) -> str:

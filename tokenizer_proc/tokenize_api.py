@@ -38,10 +38,9 @@ async def tokenize(request: Request, raw: dict[str, Any] = Body(...)) -> dict[st
     body = tokenize_request(raw)
     check_model(body.model, st.limits)
     if isinstance(body, TokenizeChatRequest):
-        text, _ = render_chat(st, body, ToolPlan([], "none"))
+        _, tokens = render_chat(st, body, ToolPlan([], "none"))
     else:
-        text = body.prompt
-    tokens = list(st.tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
+        tokens = list(st.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     out: dict[str, Any] = {"count": len(tokens), "max_model_len": st.limits.context_length, "tokens": tokens}
     if body.return_token_strs:
         out["token_strs"] = st.tokenizer.convert_ids_to_tokens(tokens)
