@@ -107,6 +107,31 @@ def test_post_abort_with_the_openai_id_ends_the_stream_with_abort(server, model_
     assert_freed_soon(server, aborted_at)
 
 
+def test_a_request_named_by_the_client_answers_and_aborts_under_that_name(server, model_name):
+    """vLLM's `request_id` (or the X-Request-Id header) names the request: the response id
+    is `cmpl-<name>`, /abort stops it by that id, and the name cannot be reused while open."""
+    name = f"client-{uuid.uuid4().hex}"
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        with c.stream(
+            "POST", "/v1/completions", json={**long_request(model_name, stream=True), "request_id": name}
+        ) as r:
+            lines = r.iter_lines()
+            first = json.loads(next(ln for ln in lines if ln.startswith("data: "))[6:])
+            assert first["id"] == f"cmpl-{name}"
+            again = c.post("/v1/completions", json={**long_request(model_name), "request_id": name})
+            assert again.status_code == 400 and again.json()["error"]["param"] == "request_id", again.text
+            aborted_at = time.monotonic()
+            assert c.post("/abort", json={"rid": f"cmpl-{name}"}).json()["aborted"] == [f"cmpl-{name}-0"]
+            rest = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ") and ln != "data: [DONE]"]
+        assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+        assert_freed_soon(server, aborted_at)
+        chat = {"model": model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        by_header = c.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": name})
+        assert by_header.json()["id"] == f"chatcmpl-{name}"
+        too_long = c.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "x" * 257})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "X-Request-Id"
+
+
 def test_post_abort_with_a_client_rid_ends_a_generate_request(server):
     rid = f"mine-{uuid.uuid4().hex[:8]}"
     result: dict = {}

@@ -25,6 +25,7 @@ from tokenizer_proc.errors import APIError
 from tokenizer_proc.prompt_logprobs_format import vllm_prompt_logprobs
 from tokenizer_proc.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
+    MAX_REQUEST_ID_CHARS,
     ChatCompletionRequest,
     ChatPrompt,
     CompletionRequest,
@@ -120,6 +121,19 @@ def sampling_request(
     )
 
 
+def request_name(body: CompletionRequest | ChatCompletionRequest, request: Request) -> str:
+    """The client's name for the request (`request_id`, else the X-Request-Id header), else a
+    random one."""
+    if body.request_id is not None:
+        return body.request_id
+    header = request.headers.get("x-request-id")
+    if header is None:
+        return uuid.uuid4().hex
+    if not 0 < len(header) <= MAX_REQUEST_ID_CHARS:
+        raise APIError(f"X-Request-Id must be 1-{MAX_REQUEST_ID_CHARS} characters.", param="X-Request-Id")
+    return header
+
+
 TOKEN_ID_STRINGS = TokenIdStrings()
 
 
@@ -154,6 +168,7 @@ async def submit_choices(
         prompt_ids,
         [with_seed_offset(params, i) for i in indices],
         rids=[f"{cid}-{i}" for i in indices],
+        rids_param="request_id",
         text=body.text_options(),
         stream=bool(body.stream),
         first_index=first_index,
@@ -209,7 +224,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     check_model(body.model, st.limits)
     prompts = completion_prompts(st, body)
     want_lp = body.logprobs is not None
-    cid = f"cmpl-{uuid.uuid4().hex}"
+    cid = f"cmpl-{request_name(body, request)}"
     handles: list[RequestHandle] = []
     try:
         for i, (_, prompt_ids) in enumerate(prompts):
@@ -353,7 +368,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     use_mct = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
     sreq = sampling_request(body, max_tokens, body.logprobs, body.top_logprobs or 0, grammar)
-    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    cid = f"chatcmpl-{request_name(body, request)}"
     param = "max_completion_tokens" if use_mct else "max_tokens"
     handles = await submit_choices(st, prompt_ids, body, sreq, cid, param)
     created = int(time.time())

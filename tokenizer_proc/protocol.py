@@ -26,6 +26,7 @@ from trident.wire.frontend import ClientRange, SamplingParams
 MAX_STOP_STRINGS = 4
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_REQUEST_ID_CHARS = 256
 
 RESOLVED_FIELDS = frozenset(
     {
@@ -206,6 +207,9 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     """vLLM's: the text keeps the stop string (or stop token) that ended it."""
+    request_id: StrictStr | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
+    """vLLM's: names the request (else the X-Request-Id header does, else a random id): the
+    response's id is `cmpl-<it>` / `chatcmpl-<it>`, and POST /abort with that id stops it."""
     return_tokens_as_token_ids: bool = False
     """vLLM's: logprobs name each token `token_id:<id>` instead of its text."""
     return_token_ids: bool = False

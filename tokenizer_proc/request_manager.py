@@ -165,6 +165,7 @@ class RequestManager:
         sampling: Sequence[SamplingParams] | SamplingParams,
         *,
         rids: Sequence[str] | None = None,
+        rids_param: str = "rid",
         text: TextOptions = TextOptions(),
         check_capacity: bool = True,
         stream: bool = True,
@@ -172,10 +173,11 @@ class RequestManager:
     ) -> list[RequestHandle]:
         """Open one request per SamplingParams (n > 1) and send them, their choice indices
         `first_index` on (a batch of prompts numbers its choices across them); raises
-        Overloaded (503)."""
+        Overloaded (503), or a 400 naming `rids_param` (the field the client named them in)
+        for an id already open."""
         params = [sampling] if isinstance(sampling, SamplingParams) else list(sampling)
         rids = list(rids) if rids is not None else [self.new_rid() for _ in params]
-        self._check_can_open(rids, check_capacity)
+        self._check_can_open(rids, check_capacity, rids_param)
         prompt = list(prompt_ids)
         packed = pack_int32(prompt)
         replica = self.replicas.router.choose(prompt)  # the n choices share their prompt's cache
@@ -201,7 +203,7 @@ class RequestManager:
     async def submit_embeddings(self, inputs: Sequence[Sequence[int]], rids: Sequence[str]) -> list[RequestHandle]:
         """Open one embedding request (`EmbedReq`) per tokenized input and send them, each to
         the replica its tokens route to; raises Overloaded (503)."""
-        self._check_can_open(rids, check_capacity=True)
+        self._check_can_open(rids, check_capacity=True, rids_param="rid")
         reqs, handles = [], []
         for index, (rid, ids) in enumerate(zip(rids, inputs, strict=True)):
             prompt = list(ids)
@@ -226,7 +228,7 @@ class RequestManager:
     def _embed_req(self, req: OpenRequest) -> EmbedReq:
         return EmbedReq(req.rid, pack_int32(req.prompt_ids), self.replicas.boot_id(req.replica))
 
-    def _check_can_open(self, rids: Sequence[str], check_capacity: bool) -> None:
+    def _check_can_open(self, rids: Sequence[str], check_capacity: bool, rids_param: str) -> None:
         """Raises the 503 of a draining or unhealthy server or a full queue (`check_capacity`),
         or a 400 for a rid already open."""
         if self.draining:
@@ -239,7 +241,7 @@ class RequestManager:
             raise Overloaded(self.capacity)
         for rid in rids:
             if rid in self._open:
-                raise APIError(f"Request id {rid!r} is already in use.", param="rid")
+                raise APIError(f"Request id {rid!r} is already in use.", param=rids_param)
 
     def abort(self, rid: str) -> list[str]:
         """Abort `rid` and its choices (`rid-0`, `rid-1`...); they finish with "abort"."""
