@@ -47,7 +47,7 @@ class KVCacheManager:
     def match_prefix(self, req: Req) -> None:
         """Takes the longest cached prefix of req.fill_ids (leaving at least one token to run,
         and no more than the request may reuse: `Req.reusable_prefix`)."""
-        pages, matched = self.radix.match_prefix(req.fill_ids)
+        pages, matched = self.radix.match_prefix(req.fill_ids, req.cache_salt)
         max_match = (min(len(req.fill_ids) - 1, req.reusable_prefix()) // self.page_size) * self.page_size
         if matched > max_match:
             matched = max_match
@@ -98,7 +98,7 @@ class KVCacheManager:
     def cache_prefix(self, token_ids: np.ndarray, req: Req, kv_len: int) -> None:
         """Offers the request's written KV to the prefix cache, whole pages only."""
         full = min(kv_len, len(token_ids)) // self.page_size
-        self.radix.insert(token_ids[: full * self.page_size], req.pages[:full])
+        self.radix.insert(token_ids[: full * self.page_size], req.pages[:full], req.cache_salt)
 
     def release(self, req: Req, kv_len: int) -> None:
         """The request leaves the batch: cache what it computed, drop its references."""

@@ -45,7 +45,7 @@ class WaitingQueue:
     def ordered(self) -> list[Req]:
         if self.policy == "lpm" and len(self.queue) > 1:
             # Longest cached prefix first; the stable sort keeps arrival order among equals.
-            return sorted(self.queue, key=lambda r: -self.kv.radix.match_prefix(r.fill_ids)[1])
+            return sorted(self.queue, key=lambda r: -self.kv.radix.match_prefix(r.fill_ids, r.cache_salt)[1])
         return list(self.queue)
 
 

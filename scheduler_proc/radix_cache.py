@@ -19,6 +19,11 @@ Layout of one node (P = 4, the edge from its parent holds 3 pages)::
 A node is evictable when it has no children and every one of its pages has refcount 1
 (only the tree holds it). Evicting it decrefs its pages, which frees all of them; its
 parent may then become an evictable leaf in turn.
+
+Cache salts (vLLM's `cache_salt`): each salt has a tree of its own, a root beside the
+unsalted one, so a request matches only what requests of its salt cached (a tenant cannot
+time another's prompts). Eviction is one LRU over every tree; a salt's root goes when its
+last node does.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ TokenIds = Sequence[int] | np.ndarray
 
 
 class _Node:
-    """One edge of the tree plus the node it leads to. The root has an empty key."""
+    """One edge of the tree plus the node it leads to. A root (one per cache salt) has an
+    empty key and no parent."""
 
     __slots__ = ("children", "key", "last_access", "pages", "parent", "uid")
 
@@ -58,26 +64,30 @@ class RadixCache:
         self.disabled: bool = disabled
         self._clock: int = 0
         self._next_uid: int = 0
-        self._root: _Node = self._new_node(np.empty(0, dtype=np.int32), [], None)
+        self._roots: dict[str, _Node] = {"": self._new_root()}
+        """The root of each cache salt's tree ("": requests without one)."""
+        self._salt_of: dict[_Node, str] = {}
+        """A salted tree's root -> its salt (to drop the root with its last node)."""
         self._leaves: set[_Node] = set()  # nodes without children, root excluded
         self._num_nodes: int = 0
         self._cached_tokens: int = 0
 
     # ------------------------------------------------------------------ queries
 
-    def match_prefix(self, token_ids: TokenIds) -> tuple[list[int], int]:
-        """Longest cached page-aligned prefix of ``token_ids``: (page ids, token count).
+    def match_prefix(self, token_ids: TokenIds, salt: str = "") -> tuple[list[int], int]:
+        """Longest page-aligned prefix of ``token_ids`` cached under ``salt``: (page ids, token count).
 
         Touches the LRU clock of every node on the matched path. Does NOT incref: a
         caller that keeps the pages increfs them before anything can be evicted.
         """
-        if self.disabled:
+        root = self._roots.get(salt)
+        if self.disabled or root is None:
             return [], 0
         tokens = _as_tokens(token_ids)
         p = self.page_size
         end = len(tokens) // p * p
         self._clock += 1
-        node, pos, pages = self._root, 0, []
+        node, pos, pages = root, 0, []
         while pos < end:
             child = node.children.get(tokens[pos : pos + p].tobytes())
             if child is None:
@@ -105,7 +115,7 @@ class RadixCache:
         rc = self.allocator.refcount
         # Iterative post-order: children are finished before their parent.
         order: list[_Node] = []
-        stack = list(self._root.children.values())
+        stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             order.append(node)
@@ -125,8 +135,8 @@ class RadixCache:
 
     # ---------------------------------------------------------------- mutations
 
-    def insert(self, token_ids: TokenIds, page_ids: Sequence[int] | np.ndarray) -> int:
-        """Cache the first ``len(page_ids) * page_size`` tokens, backed by ``page_ids``.
+    def insert(self, token_ids: TokenIds, page_ids: Sequence[int] | np.ndarray, salt: str = "") -> int:
+        """Cache the first ``len(page_ids) * page_size`` tokens under ``salt``, backed by ``page_ids``.
 
         Where the prefix is already cached nothing changes: the caller keeps (and later
         decrefs) its own duplicate pages. For the new suffix the tree increfs the given
@@ -141,7 +151,12 @@ class RadixCache:
             raise ValueError(f"{len(page_ids)} pages need {end} tokens, got {len(tokens)}")
         tokens = tokens[:end]
         self._clock += 1
-        node, pos = self._root, 0
+        if end == 0:
+            return 0
+        if salt not in self._roots:
+            self._roots[salt] = root = self._new_root()
+            self._salt_of[root] = salt
+        node, pos = self._roots[salt], 0
         while pos < end:
             child = node.children.get(tokens[pos : pos + p].tobytes())
             if child is None:
@@ -173,7 +188,7 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             freed += self.allocator.decref(node.pages)
             parent = self._detach(node)
-            if parent is not self._root and not parent.children and self._unshared(parent):
+            if parent.parent is not None and not parent.children and self._unshared(parent):
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
         return freed
 
@@ -184,18 +199,23 @@ class RadixCache:
         Returns the number of pages freed now.
         """
         freed = 0
-        stack = list(self._root.children.values())
+        stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             freed += self.allocator.decref(node.pages)
             stack.extend(node.children.values())
-        self._root.children.clear()
+        self._roots = {"": self._roots[""]}
+        self._roots[""].children.clear()
+        self._salt_of.clear()
         self._leaves.clear()
         self._num_nodes = 0
         self._cached_tokens = 0
         return freed
 
     # ------------------------------------------------------------------ helpers
+
+    def _new_root(self) -> _Node:
+        return self._new_node(np.empty(0, dtype=np.int32), [], None)
 
     def _new_node(self, key: np.ndarray, pages: list[int], parent: _Node | None) -> _Node:
         self._next_uid += 1
@@ -217,8 +237,10 @@ class RadixCache:
         assert parent is not None and not node.children
         del parent.children[node.key[: self.page_size].tobytes()]
         self._leaves.discard(node)
-        if parent is not self._root and not parent.children:
+        if parent.parent is not None and not parent.children:
             self._leaves.add(parent)
+        elif not parent.children and parent in self._salt_of:
+            del self._roots[self._salt_of.pop(parent)]
         self._num_nodes -= 1
         self._cached_tokens -= len(node.key)
         return parent

@@ -31,6 +31,7 @@ class Req:
     # A decode step touches several of these per running request: slots make that cheaper.
     __slots__ = (
         "arrival_time",
+        "cache_salt",
         "cached_tokens",
         "decoding",
         "embedding",
@@ -64,8 +65,11 @@ class Req:
         context_length: int = 1 << 62,
         resumed_ids: list[int] | None = None,
         embedding: bool = False,
+        cache_salt: str = "",
     ) -> None:
         self.rid = rid
+        self.cache_salt = cache_salt
+        """Which of the prefix cache's trees it reads and writes (`GenerateReq.cache_salt`)."""
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.resumed_ids: list[int] = resumed_ids or []

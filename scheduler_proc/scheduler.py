@@ -189,6 +189,7 @@ class Scheduler:
             self.eos_ids,
             self.worker.context_length,
             unpack_int32(msg.resumed_ids).tolist(),
+            cache_salt=msg.cache_salt,
         )
         self.admit(req, need=len(req.prompt_ids) + 1)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from typing import Any
 
 import openai
@@ -149,6 +150,23 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(smollm2_serv
     final_only = list(create(stream_options={"include_usage": True}, **kw))
     assert all(c.usage is None for c in final_only if c.choices)
     assert final_only[-1].usage.completion_tokens == 8  # the prompt's cached share differs on a rerun
+
+
+def test_a_cache_salt_shares_cached_prompt_prefixes_only_within_the_salt(smollm2_server):
+    """vLLM's `cache_salt`: a prompt cached under one salt is a hit again under that salt
+    only, not under another salt nor without one (and the unsalted cache stays shared)."""
+    client = smollm2_server.client()
+    prompt = f"Notes of tenant {uuid.uuid4().hex}: " + "the quick brown fox jumps over the lazy dog. " * 6
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt else {}
+        res = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=1, extra_body=extra)
+        return res.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached(None) > 0 and cached("tenant-c") == 0
 
 
 def test_unknown_model_is_404_and_bad_parameter_is_400(smollm2_server):

@@ -201,6 +201,23 @@ def test_reset_releases_tree_refs_but_not_request_locks() -> None:
     assert a.available == a.total
 
 
+def test_a_salted_prefix_is_matched_only_under_its_own_salt_and_evicted_with_the_rest() -> None:
+    a, cache = _cache(4)
+    s = list(range(12))
+    for salt in ("tenant-a", ""):
+        pages = _request(a, s, 4)
+        cache.insert(s, pages, salt)
+        a.decref(pages)
+    assert cache.match_prefix(s, "tenant-a")[1] == 12 and cache.match_prefix(s)[1] == 12
+    assert cache.match_prefix(s, "tenant-b") == ([], 0)
+    assert cache.match_prefix(s, "tenant-a")[0] != cache.match_prefix(s)[0]  # each tree its own pages
+    assert cache.cached_tokens() == 24 and cache.evictable_pages() == 6
+    cache.match_prefix(s)  # the unsalted copy is now the more recently used
+    assert cache.evict(3) == 3
+    assert cache.match_prefix(s, "tenant-a") == ([], 0) and cache.match_prefix(s)[1] == 12
+    assert cache.reset() == 3 and a.available == a.total
+
+
 def test_disabled_cache_matches_nothing_and_holds_nothing() -> None:
     a = PageAllocator(16)
     cache = RadixCache(4, a, disabled=True)
@@ -217,9 +234,10 @@ def test_disabled_cache_matches_nothing_and_holds_nothing() -> None:
 # --------------------------------------------------------------------------- property-based
 
 _ALPHABET = st.integers(min_value=0, max_value=3)  # tiny alphabet: many shared prefixes
+_SALTS = ["", "tenant-a", "tenant-b"]
 _OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("start"), st.lists(_ALPHABET, min_size=0, max_size=24)),
+        st.tuples(st.just("start"), st.tuples(st.lists(_ALPHABET, min_size=0, max_size=24), st.sampled_from(_SALTS))),
         st.tuples(st.just("finish"), st.integers(min_value=0, max_value=1000)),
         st.tuples(st.just("evict"), st.integers(min_value=0, max_value=20)),
         st.tuples(st.just("reset"), st.just(0)),
@@ -237,7 +255,7 @@ def _check_invariants(a: PageAllocator, cache: RadixCache, requests: list[list[i
     for pages in requests:
         for p in pages:
             expected[p] += 1
-    stack = list(cache._root.children.values())
+    stack = [child for root in cache._roots.values() for child in root.children.values()]
     tree_tokens = 0
     while stack:
         node = stack.pop()
@@ -255,12 +273,12 @@ def _run_ops(page_size: int, ops: list[tuple[str, object]]) -> None:
     """Simulate a scheduler: requests lock a matched prefix, alloc the rest, insert on finish."""
     a = PageAllocator(48)
     cache = RadixCache(page_size, a)
-    running: list[tuple[list[int], list[int]]] = []  # (tokens, page table)
+    running: list[tuple[list[int], list[int], str]] = []  # (tokens, page table, cache salt)
     for op, arg in ops:
         if op == "start":
-            tokens = list(arg)  # type: ignore[call-overload]
+            tokens, salt = list(arg[0]), arg[1]  # type: ignore[index]
             need_pages = -(-len(tokens) // page_size)
-            prefix, n = cache.match_prefix(tokens)
+            prefix, n = cache.match_prefix(tokens, salt)
             assert n % page_size == 0 and len(prefix) * page_size == n <= len(tokens)
             a.incref(prefix)  # lock before anything can be evicted
             rest = need_pages - len(prefix)
@@ -270,11 +288,11 @@ def _run_ops(page_size: int, ops: list[tuple[str, object]]) -> None:
             if new is None:
                 a.decref(prefix)  # cannot admit: release the lock
             else:
-                running.append((tokens, prefix + new))
+                running.append((tokens, prefix + new, salt))
         elif op == "finish" and running:
-            tokens, pages = running.pop(int(arg) % len(running))  # type: ignore[call-overload]
+            tokens, pages, salt = running.pop(int(arg) % len(running))  # type: ignore[call-overload]
             full = len(tokens) // page_size
-            cache.insert(tokens, pages[:full])
+            cache.insert(tokens, pages[:full], salt)
             a.decref(pages)
         elif op == "evict":
             before = a.available
@@ -284,13 +302,14 @@ def _run_ops(page_size: int, ops: list[tuple[str, object]]) -> None:
             assert freed >= min(int(arg), evictable)  # type: ignore[call-overload]
         elif op == "reset":
             cache.reset()
-        _check_invariants(a, cache, [pages for _, pages in running])
-    for _, pages in running:
+        _check_invariants(a, cache, [pages for _, pages, _ in running])
+    for _, pages, _ in running:
         a.decref(pages)
     _check_invariants(a, cache, [])
     assert cache.evictable_pages() == a.total - a.available
     cache.evict(a.total)
     assert a.available == a.total and len(cache) == 0
+    assert list(cache._roots) == [""]  # a salt's tree goes with its last node
     with pytest.raises(ValueError):
         a.decref([1])  # everything is free now: any decref is a double free
 

@@ -170,6 +170,7 @@ async def submit_choices(
         rids=[f"{cid}-{i}" for i in indices],
         rids_param="request_id",
         text=body.text_options(),
+        cache_salt=body.cache_salt or "",
         stream=bool(body.stream),
         first_index=first_index,
     )

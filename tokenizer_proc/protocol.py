@@ -27,6 +27,7 @@ MAX_STOP_STRINGS = 4
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
 
 RESOLVED_FIELDS = frozenset(
     {
@@ -207,6 +208,9 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     """vLLM's: the text keeps the stop string (or stop token) that ended it."""
+    cache_salt: StrictStr | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    """vLLM's: this request shares cached prompt prefixes only with requests of the same salt
+    (a secret per tenant, e.g. 43 base64 characters), so no tenant can time another's prompts."""
     request_id: StrictStr | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     """vLLM's: names the request (else the X-Request-Id header does, else a random id): the
     response's id is `cmpl-<it>` / `chatcmpl-<it>`, and POST /abort with that id stops it."""

@@ -121,6 +121,8 @@ class OpenRequest:
     """An /v1/embeddings input (`EmbedReq`): it samples nothing, `sampling` is unused."""
     prompt_logprobs_received: bool = False
     """Its prompt logprobs arrived: a resubmission asks for none again."""
+    cache_salt: str = ""
+    """`GenerateReq.cache_salt`, sent again with a resubmission."""
 
 
 class RequestHandle:

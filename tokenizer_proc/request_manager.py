@@ -167,6 +167,7 @@ class RequestManager:
         rids: Sequence[str] | None = None,
         rids_param: str = "rid",
         text: TextOptions = TextOptions(),
+        cache_salt: str = "",
         check_capacity: bool = True,
         stream: bool = True,
         first_index: int = 0,
@@ -185,14 +186,15 @@ class RequestManager:
         handles = []
         for index, (rid, sp) in enumerate(zip(rids, params, strict=True), start=first_index):
             detok = RequestDetokenizer(self.tokenizer, text, sp.stop_token_ids, text_at_end_only=not stream)
-            req = OpenRequest(rid, index, prompt, sp, detok, replica)
+            req = OpenRequest(rid, index, prompt, sp, detok, replica, cache_salt=cache_salt)
             self._open[rid] = req
             handles.append(RequestHandle(self, req))
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(prompt) * len(params))
         try:
             for handle, sp in zip(handles, params, strict=True):
-                msg = GenerateReq(handle.rid, packed, sp, scheduler_boot_id=self.replicas.boot_id(replica))
+                boot_id = self.replicas.boot_id(replica)
+                msg = GenerateReq(handle.rid, packed, sp, scheduler_boot_id=boot_id, cache_salt=cache_salt)
                 await self.replicas.send(replica, msg)
         except BaseException:
             for handle in handles:
@@ -372,5 +374,5 @@ class RequestManager:
             if req.prompt_logprobs_received:
                 sp = msgspec.structs.replace(sp, prompt_logprobs_from=-1, prompt_top_logprobs=0)
             ids, resumed = pack_int32(req.prompt_ids + req.generated), pack_int32(req.generated)
-            self._send_soon(req.replica, GenerateReq(req.rid, ids, sp, resumed, info.boot_id))
+            self._send_soon(req.replica, GenerateReq(req.rid, ids, sp, resumed, info.boot_id, req.cache_salt))
             self.metrics.resumed_requests.inc()

@@ -133,6 +133,9 @@ class GenerateReq(msgspec.Struct, array_like=True, tag="generate"):
     successor, to which the tokenizer also resubmits every open request once it sees the
     successor's ServerInfo: the scheduler drops one addressed to another boot, so each runs
     once. Empty: any scheduler (tools that drive a scheduler directly)."""
+    cache_salt: str = ""
+    """The client's `cache_salt`: the scheduler's prefix cache gives this request only what
+    requests of the same salt cached (scheduler_proc/radix_cache.py); empty: the shared cache."""
 
 
 class EmbedReq(msgspec.Struct, array_like=True, tag="embed"):
