@@ -46,6 +46,8 @@ class WaitingQueue:
         if self.policy == "lpm" and len(self.queue) > 1:
             # Longest cached prefix first; the stable sort keeps arrival order among equals.
             return sorted(self.queue, key=lambda r: -self.kv.radix.match_prefix(r.fill_ids, r.cache_salt)[1])
+        if self.policy == "priority":
+            return sorted(self.queue, key=lambda r: r.priority)  # stable: arrival order among equals
         return list(self.queue)
 
 

@@ -46,6 +46,7 @@ class Req:
         "pending_results",
         "prefill_only",
         "prefix_len",
+        "priority",
         "prompt_ids",
         "prompt_logprobs",
         "prompt_logprobs_sent",
@@ -66,10 +67,13 @@ class Req:
         resumed_ids: list[int] | None = None,
         embedding: bool = False,
         cache_salt: str = "",
+        priority: int = 0,
     ) -> None:
         self.rid = rid
         self.cache_salt = cache_salt
         """Which of the prefix cache's trees it reads and writes (`GenerateReq.cache_salt`)."""
+        self.priority = priority
+        """`GenerateReq.priority`: lower is admitted first and retracted last."""
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.resumed_ids: list[int] = resumed_ids or []

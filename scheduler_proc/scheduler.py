@@ -190,6 +190,7 @@ class Scheduler:
             self.worker.context_length,
             unpack_int32(msg.resumed_ids).tolist(),
             cache_salt=msg.cache_salt,
+            priority=msg.priority,
         )
         self.admit(req, need=len(req.prompt_ids) + 1)
 
@@ -305,7 +306,7 @@ class Scheduler:
                 self.io.tokenizer.send(finished_alone(req))
                 self.remove_rows([req])
                 break
-            self.retract(max(self.batch.reqs, key=lambda r: (r.remaining_new_tokens(), r.arrival_time)))
+            self.retract(max(self.batch.reqs, key=lambda r: (r.priority, r.remaining_new_tokens(), r.arrival_time)))
             i = 0  # rows moved; rows already grown pass straight through
         return self.decoding_rows()
 

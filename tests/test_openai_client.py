@@ -169,6 +169,15 @@ def test_a_cache_salt_shares_cached_prompt_prefixes_only_within_the_salt(smollm2
     assert cached(None) > 0 and cached("tenant-c") == 0
 
 
+def test_a_priority_on_a_server_that_does_not_schedule_by_it_is_a_400(smollm2_server):
+    """As vLLM: `priority` other than 0 needs `--schedule-policy priority`."""
+    body = {"prompt": "Hi", "max_tokens": 1, "priority": 1}
+    resp = smollm2_server.http().post("/v1/completions", json=body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "priority", resp.text
+    assert "--schedule-policy priority" in resp.json()["error"]["message"]
+    assert smollm2_server.http().post("/v1/completions", json={**body, "priority": 0}).status_code == 200
+
+
 def test_unknown_model_is_404_and_bad_parameter_is_400(smollm2_server):
     client = smollm2_server.client()
     with pytest.raises(openai.NotFoundError):

@@ -31,7 +31,7 @@ from tokenizer_proc.protocol import (
     CompletionRequest,
 )
 from tokenizer_proc.reasoning import thinking_open_in, thinking_skipped_in
-from tokenizer_proc.request_handle import RequestHandle
+from tokenizer_proc.request_handle import RequestHandle, SchedulingOptions
 from tokenizer_proc.sampling import (
     SamplingRequest,
     build_sampling_params,
@@ -121,6 +121,16 @@ def sampling_request(
     )
 
 
+def scheduling_options(st: FrontendState, body: CompletionRequest | ChatCompletionRequest) -> SchedulingOptions:
+    """The request's cache salt and priority; a priority needs a server that schedules by it."""
+    if body.priority and st.args.schedule_policy != "priority":
+        raise APIError(
+            f"priority needs a server started with --schedule-policy priority (this one: {st.args.schedule_policy}).",
+            param="priority",
+        )
+    return SchedulingOptions(body.cache_salt or "", body.priority)
+
+
 def request_name(body: CompletionRequest | ChatCompletionRequest, request: Request) -> str:
     """The client's name for the request (`request_id`, else the X-Request-Id header), else a
     random one."""
@@ -170,7 +180,7 @@ async def submit_choices(
         rids=[f"{cid}-{i}" for i in indices],
         rids_param="request_id",
         text=body.text_options(),
-        cache_salt=body.cache_salt or "",
+        scheduling=scheduling_options(st, body),
         stream=bool(body.stream),
         first_index=first_index,
     )

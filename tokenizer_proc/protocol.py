@@ -21,7 +21,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, create_model, field_validator
 
 from tokenizer_proc.detokenizer import TextOptions
-from trident.wire.frontend import ClientRange, SamplingParams
+from trident.wire.frontend import INT32_MAX, ClientRange, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_N = 16
@@ -211,6 +211,8 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     """vLLM's: this request shares cached prompt prefixes only with requests of the same salt
     (a secret per tenant, e.g. 43 base64 characters), so no tenant can time another's prompts."""
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    """vLLM's: under `--schedule-policy priority`, lower is admitted first; 0 elsewhere."""
     request_id: StrictStr | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     """vLLM's: names the request (else the X-Request-Id header does, else a random id): the
     response's id is `cmpl-<it>` / `chatcmpl-<it>`, and POST /abort with that id stops it."""

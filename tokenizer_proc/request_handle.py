@@ -102,6 +102,15 @@ class GenerationOutput:
     """Once, with the first output, when the request asked for prompt logprobs."""
 
 
+@dataclass(frozen=True)
+class SchedulingOptions:
+    """How the scheduler treats a request beyond its prompt and sampling: the client's fields,
+    written by the route (`GenerateReq.cache_salt`, `GenerateReq.priority`)."""
+
+    cache_salt: str = ""
+    priority: int = 0
+
+
 @dataclass
 class OpenRequest:
     rid: str
@@ -121,8 +130,8 @@ class OpenRequest:
     """An /v1/embeddings input (`EmbedReq`): it samples nothing, `sampling` is unused."""
     prompt_logprobs_received: bool = False
     """Its prompt logprobs arrived: a resubmission asks for none again."""
-    cache_salt: str = ""
-    """`GenerateReq.cache_salt`, sent again with a resubmission."""
+    scheduling: SchedulingOptions = SchedulingOptions()
+    """Sent with the request, and again with a resubmission."""
 
 
 class RequestHandle:

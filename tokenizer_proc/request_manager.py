@@ -29,7 +29,7 @@ from tokenizer_proc.detokenizer import RequestDetokenizer, TextOptions
 from tokenizer_proc.errors import SERVER_ERROR, SERVER_UNAVAILABLE, APIError
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.replicas import ReplicaSet
-from tokenizer_proc.request_handle import OpenRequest, RequestHandle, TokenOut
+from tokenizer_proc.request_handle import OpenRequest, RequestHandle, SchedulingOptions, TokenOut
 from trident.wire.codec import pack_int32
 from trident.wire.control import PROTOCOL_VERSION, check_protocol_version
 from trident.wire.frontend import (
@@ -167,7 +167,7 @@ class RequestManager:
         rids: Sequence[str] | None = None,
         rids_param: str = "rid",
         text: TextOptions = TextOptions(),
-        cache_salt: str = "",
+        scheduling: SchedulingOptions = SchedulingOptions(),
         check_capacity: bool = True,
         stream: bool = True,
         first_index: int = 0,
@@ -186,7 +186,7 @@ class RequestManager:
         handles = []
         for index, (rid, sp) in enumerate(zip(rids, params, strict=True), start=first_index):
             detok = RequestDetokenizer(self.tokenizer, text, sp.stop_token_ids, text_at_end_only=not stream)
-            req = OpenRequest(rid, index, prompt, sp, detok, replica, cache_salt=cache_salt)
+            req = OpenRequest(rid, index, prompt, sp, detok, replica, scheduling=scheduling)
             self._open[rid] = req
             handles.append(RequestHandle(self, req))
         if self.metrics is not None:
@@ -194,7 +194,7 @@ class RequestManager:
         try:
             for handle, sp in zip(handles, params, strict=True):
                 boot_id = self.replicas.boot_id(replica)
-                msg = GenerateReq(handle.rid, packed, sp, scheduler_boot_id=boot_id, cache_salt=cache_salt)
+                msg = GenerateReq(handle.rid, packed, sp, b"", boot_id, scheduling.cache_salt, scheduling.priority)
                 await self.replicas.send(replica, msg)
         except BaseException:
             for handle in handles:
@@ -374,5 +374,6 @@ class RequestManager:
             if req.prompt_logprobs_received:
                 sp = msgspec.structs.replace(sp, prompt_logprobs_from=-1, prompt_top_logprobs=0)
             ids, resumed = pack_int32(req.prompt_ids + req.generated), pack_int32(req.generated)
-            self._send_soon(req.replica, GenerateReq(req.rid, ids, sp, resumed, info.boot_id, req.cache_salt))
+            salt, priority = req.scheduling.cache_salt, req.scheduling.priority
+            self._send_soon(req.replica, GenerateReq(req.rid, ids, sp, resumed, info.boot_id, salt, priority))
             self.metrics.resumed_requests.inc()

@@ -136,6 +136,9 @@ class GenerateReq(msgspec.Struct, array_like=True, tag="generate"):
     cache_salt: str = ""
     """The client's `cache_salt`: the scheduler's prefix cache gives this request only what
     requests of the same salt cached (scheduler_proc/radix_cache.py); empty: the shared cache."""
+    priority: int = 0
+    """The client's `priority` under `--schedule-policy priority`: lower is admitted first (ties
+    by arrival) and retracted last. The tokenizer refuses non-zero under other policies."""
 
 
 class EmbedReq(msgspec.Struct, array_like=True, tag="embed"):

@@ -227,8 +227,9 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str,
         Flag(
             SCHEDULING,
-            "queue order: first come first served, or longest cached prefix first",
-            choices=("fcfs", "lpm"),
+            "queue order: first come first served, longest cached prefix first, or by each request's"
+            " priority (lower first, ties by arrival; lower is also retracted last)",
+            choices=("fcfs", "lpm", "priority"),
         ),
     ] = "fcfs"
     disable_radix_cache: Annotated[bool, Flag(SCHEDULING, "do not reuse the KV of shared prefixes")] = False
