@@ -1,17 +1,17 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
 
-Each handler validates (protocol models, then `sampling` against the model), tokenizes,
-submits n requests with rids `{id}-{i}` through the `RequestManager`, and answers either
-with one JSON body (`serving.collect`) or with server-sent events. Response shapes are
-built by `openai_format`; decoding constraints come from `structured`, tool calls from
-`tools`. A chat choice's text goes through `chat_output` (reasoning and tool-call parsers)
-whether streamed or not; a stream holds back only the text that may begin a call or a tag.
+Each handler validates (protocol models, then `sampling` against the model), resolves the
+body (`openai_request`: prompts, constraint, sampling, scheduling options, name), submits n
+requests with rids `{id}-{i}` through the `RequestManager`, and answers either with one
+JSON body (`serving.collect`) or with server-sent events. Response shapes are built by
+`openai_format`; decoding constraints come from `structured`, tool calls from `tools`. A
+chat choice's text goes through `chat_output` (reasoning and tool-call parsers) whether
+streamed or not; a stream holds back only the text that may begin a call or a tag.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -22,16 +22,19 @@ from starlette.types import Receive, Scope, Send
 from tokenizer_proc import openai_format as fmt
 from tokenizer_proc.chat_output import ChoiceOutput, choice_output
 from tokenizer_proc.errors import APIError
-from tokenizer_proc.prompt_logprobs_format import vllm_prompt_logprobs
-from tokenizer_proc.protocol import (
-    COMPLETION_DEFAULT_MAX_TOKENS,
-    MAX_REQUEST_ID_CHARS,
-    ChatCompletionRequest,
-    ChatPrompt,
-    CompletionRequest,
+from tokenizer_proc.openai_request import (
+    completion_prompts,
+    prompt_logprobs_of,
+    render_chat,
+    request_constraint,
+    request_name,
+    sampling_request,
+    scheduling_options,
+    token_strings,
 )
+from tokenizer_proc.protocol import COMPLETION_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from tokenizer_proc.reasoning import thinking_open_in, thinking_skipped_in
-from tokenizer_proc.request_handle import RequestHandle, SchedulingOptions
+from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.sampling import (
     SamplingRequest,
     build_sampling_params,
@@ -51,17 +54,8 @@ from tokenizer_proc.serving import (
     usage_of,
 )
 from tokenizer_proc.state import FrontendState, get_state
-from tokenizer_proc.structured import (
-    after_reasoning,
-    one_constraint,
-    response_format_spec,
-    sglang_constraint,
-    vllm_constraint,
-)
-from tokenizer_proc.tokenization import TokenIdStrings, TokenStrings, apply_chat_template, encode_text
-from tokenizer_proc.tool_parsers import HERMES
-from tokenizer_proc.tools import ToolPlan, forced_call_spec, plan_of, template_messages, template_renders_tools
-from trident.wire.frontend import GrammarSpec
+from tokenizer_proc.structured import after_reasoning
+from tokenizer_proc.tools import forced_call_spec, plan_of
 
 router = APIRouter()
 
@@ -82,83 +76,6 @@ class EventStreamResponse(StreamingResponse):
         finally:
             for handle in self._handles:
                 handle.close()
-
-
-def request_constraint(
-    body: CompletionRequest | ChatCompletionRequest, forced_call: GrammarSpec | None = None
-) -> GrammarSpec | None:
-    """The one constraint of an OpenAI request: response_format, an SGLang field, vLLM's
-    structured_outputs, or a tool_choice that forces a call."""
-    return one_constraint(
-        {
-            "response_format": response_format_spec(body.response_format),
-            "regex/ebnf/json_schema": sglang_constraint(body.regex, body.ebnf, body.json_schema),
-            "structured_outputs": vllm_constraint(body.structured_outputs),
-            "tool_choice": forced_call,
-        }
-    )
-
-
-def sampling_request(
-    body: CompletionRequest | ChatCompletionRequest,
-    max_tokens: int | None,
-    logprobs: bool,
-    top_logprobs: int,
-    grammar: GrammarSpec | None,
-    echo_logprobs: int | None = None,
-) -> SamplingRequest:
-    """`echo_logprobs`: the top logprobs an echoed prompt shows (completions' echo with logprobs)."""
-    prompt_tops = [k for k in (echo_logprobs, body.prompt_logprobs) if k is not None]
-    return SamplingRequest(
-        body.knobs(),
-        max_tokens,
-        logprobs,
-        top_logprobs,
-        body.logit_bias,
-        grammar,
-        prompt_logprobs_from=0 if prompt_tops else -1,
-        prompt_top_logprobs=max(prompt_tops, default=0),
-    )
-
-
-def scheduling_options(st: FrontendState, body: CompletionRequest | ChatCompletionRequest) -> SchedulingOptions:
-    """The request's cache salt and priority; a priority needs a server that schedules by it."""
-    if body.priority and st.args.schedule_policy != "priority":
-        raise APIError(
-            f"priority needs a server started with --schedule-policy priority (this one: {st.args.schedule_policy}).",
-            param="priority",
-        )
-    return SchedulingOptions(body.cache_salt or "", body.priority)
-
-
-def request_name(body: CompletionRequest | ChatCompletionRequest, request: Request) -> str:
-    """The client's name for the request (`request_id`, else the X-Request-Id header), else a
-    random one."""
-    if body.request_id is not None:
-        return body.request_id
-    header = request.headers.get("x-request-id")
-    if header is None:
-        return uuid.uuid4().hex
-    if not 0 < len(header) <= MAX_REQUEST_ID_CHARS:
-        raise APIError(f"X-Request-Id must be 1-{MAX_REQUEST_ID_CHARS} characters.", param="X-Request-Id")
-    return header
-
-
-TOKEN_ID_STRINGS = TokenIdStrings()
-
-
-def token_strings(st: FrontendState, body: CompletionRequest | ChatCompletionRequest) -> TokenStrings:
-    """How this request's logprobs name tokens: their text, or `token_id:<id>` when asked."""
-    return TOKEN_ID_STRINGS if body.return_tokens_as_token_ids else st.strings
-
-
-def prompt_logprobs_of(
-    st: FrontendState, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], r: ChoiceResult
-) -> list[Any] | None:
-    """vLLM's `prompt_logprobs` of a choice, when the request asked for them."""
-    if body.prompt_logprobs is None:
-        return None
-    return vllm_prompt_logprobs(token_strings(st, body), prompt_ids, r.prompt_logprobs, body.prompt_logprobs)
 
 
 async def submit_choices(
@@ -207,24 +124,6 @@ def _model_card(st: FrontendState) -> dict[str, Any]:
         "owned_by": "trident",
         "max_model_len": st.limits.context_length,
     }
-
-
-def completion_prompts(st: FrontendState, body: CompletionRequest) -> list[tuple[str, list[int]]]:
-    """(echo, ids) of each prompt of a completions request (a string, token ids, or a batch of
-    either), each cut to `truncate_prompt_tokens`; `echo`: the text that echo shows, the
-    prompt's own or its ids decoded ("" without echo)."""
-    prompt = body.prompt
-    single = isinstance(prompt, str) or not prompt or isinstance(prompt[0], int)
-    out = []
-    for one in [prompt] if single else prompt:
-        if isinstance(one, str) and not one:
-            raise APIError("The prompt is empty.", param="prompt", code="empty_prompt")
-        ids = encode_text(st.tokenizer, one) if isinstance(one, str) else list(one)
-        kept = last_prompt_tokens(ids, body.truncate_prompt_tokens, st.limits)
-        check_prompt_ids(kept, st.limits, "prompt")
-        text = one if isinstance(one, str) and kept is ids else st.tokenizer.decode(kept)
-        out.append((text if body.echo else "", kept))
-    return out
 
 
 @router.post("/v1/completions", response_model=None)
@@ -336,26 +235,6 @@ async def _stream_completion(
     if include_usage:
         yield sse(fmt.usage_chunk(cid, created, model, "text_completion", usage_of(results, prompt_tokens)))
     yield SSE_DONE
-
-
-def render_chat(st: FrontendState, prompt: ChatPrompt, plan: ToolPlan) -> tuple[str, list[int]]:
-    """(text, ids) of a conversation through the model's chat template; a 400 when the
-    template refuses it."""
-    native_tools = template_renders_tools(st.tokenizer)
-    as_template_takes = template_messages(prompt.messages, plan, native_tools, st.tool_format or HERMES)
-    tools = [{"type": "function", "function": t} for t in plan.tools] if native_tools and plan.mode != "none" else None
-    try:
-        return apply_chat_template(
-            st.tokenizer,
-            as_template_takes,
-            tools,
-            add_generation_prompt=prompt.generation_prompt(),
-            continue_final_message=prompt.continue_final_message,
-            template_kwargs=prompt.chat_template_kwargs,
-            add_special_tokens=prompt.add_special_tokens,
-        )
-    except Exception as e:  # the template rejects this conversation (e.g. role order)
-        raise APIError(f"The messages do not fit the model's chat template: {e}", param="messages") from e
 
 
 @router.post("/v1/chat/completions", response_model=None)
