@@ -211,7 +211,7 @@ class RequestManager:
             prompt = list(ids)
             replica = self.replicas.router.choose(prompt)
             self.replicas.router.opened(replica, prompt, 1)
-            detok = RequestDetokenizer(self.tokenizer, (), True, (), text_at_end_only=True)
+            detok = RequestDetokenizer(self.tokenizer, text_at_end_only=True)
             req = OpenRequest(rid, index, prompt, SamplingParams(max_new_tokens=0), detok, replica, embedding=True)
             self._open[rid] = req
             reqs.append(req)
