@@ -304,12 +304,13 @@ async def _stream_chat(
 ) -> AsyncIterator[bytes]:
     include_usage = body.include_usage()
     results = [ChoiceResult(i) for i in range(len(handles))]
+    usage_in_every_chunk = body.usage_in_every_chunk()
     ids = fmt.StreamedTokenIds(len(handles), prompt_per_choice=False) if body.return_token_ids else None
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
         chunk_ids = ids.take(index, prompt_ids) if ids else None
         obj = fmt.chat_chunk(cid, created, model, index, delta, finish, logprobs, include_usage, chunk_ids)
-        if body.usage_in_every_chunk():
+        if usage_in_every_chunk:
             obj["usage"] = usage_of(results, len(prompt_ids))
         return sse(obj)
 

@@ -194,7 +194,14 @@ class RequestManager:
         try:
             for handle, sp in zip(handles, params, strict=True):
                 boot_id = self.replicas.boot_id(replica)
-                msg = GenerateReq(handle.rid, packed, sp, b"", boot_id, scheduling.cache_salt, scheduling.priority)
+                msg = GenerateReq(
+                    handle.rid,
+                    packed,
+                    sp,
+                    scheduler_boot_id=boot_id,
+                    cache_salt=scheduling.cache_salt,
+                    priority=scheduling.priority,
+                )
                 await self.replicas.send(replica, msg)
         except BaseException:
             for handle in handles:
