@@ -48,6 +48,19 @@ inline float peak_of(const float* p, int64_t len) {
   const __mmask16 rest = static_cast<__mmask16>((1u << (len - t)) - 1);
   peak = _mm512_mask_max_ps(peak, rest, peak, _mm512_maskz_loadu_ps(rest, p + t));
   return _mm512_reduce_max_ps(peak);
+#elif defined(TRIDENT_FAST_DECODE_BF16)
+  __m256 peaks[2] = {_mm256_set1_ps(p[0]), _mm256_set1_ps(p[0])};  // two chains: a max's latency is 2-3 cycles
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16) {
+    peaks[0] = _mm256_max_ps(peaks[0], _mm256_loadu_ps(p + t));
+    peaks[1] = _mm256_max_ps(peaks[1], _mm256_loadu_ps(p + t + 8));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(peaks[0], peaks[1]));
+  float peak = lanes[0];
+  for (int l = 1; l < 8; ++l) peak = std::max(peak, lanes[l]);
+  for (; t < len; ++t) peak = std::max(peak, p[t]);
+  return peak;
 #else
   float peak = p[0];
   for (int64_t t = 1; t < len; ++t) peak = std::max(peak, p[t]);
@@ -217,20 +230,45 @@ void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const 
 }
 
 #elif defined(TRIDENT_FAST_DECODE_BF16)
-// The AVX2 path (CPUs without AVX-512), the same work items: a GQA
-// group's queries do not fit in 16 registers, so they stay in L1 and feed the multiply-adds
-// from memory. Scores: a token's K row is widened kChunk vectors at a time (a head of 64
-// at once), each query head summing into its own kChains accumulators. Outputs: kColumns
-// vectors at a time, in passes over the row's V rows (later passes read them from cache).
+// The AVX2 path (CPUs without AVX-512), the same work items. A GQA group's queries do not fit
+// in 16 registers, so they stay float32 in L1 and feed the multiply-adds from memory. Scores: a
+// token's K row is widened kChunk vectors at a time (a head of 64 at once), each query head
+// summing into its own kChains accumulators; each score's lanes wait in L1 and eight scores'
+// are summed at once (sum_lanes_of_8). Outputs: kColumns vectors at a time, in passes over the
+// row's V rows (later passes read them from cache).
 inline __m256 widen8(const uint16_t* src) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-inline float horizontal_sum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+constexpr int64_t kKeysAtOnce = 8;  // scores whose lanes are summed together
+
+// Lane j: the sum of v[j]'s lanes as a halving tree (l and l + 4, then l and l + 2, then l and
+// l + 1), eight sums in 12 vector additions and shuffles where one at a time took 48 instructions.
+inline __m256 sum_lanes_of_8(const __m256 (&v)[8]) {
+  // fourths[m]: lanes 0-3 the pairs (l, l + 4) of v[2m], lanes 4-7 those of v[2m + 1].
+  __m256 fourths[4];
+#pragma GCC unroll 4
+  for (int m = 0; m < 4; ++m)
+    fourths[m] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * m], v[2 * m + 1], 0x20),
+                               _mm256_permute2f128_ps(v[2 * m], v[2 * m + 1], 0x31));
+  // halves[m]: in 128-bit lane q, the pairs (l, l + 2) of v[4m + q] (lanes 0-1) and v[4m + 2 + q] (2-3).
+  __m256 halves[2];
+#pragma GCC unroll 2
+  for (int m = 0; m < 2; ++m)
+    halves[m] = _mm256_add_ps(_mm256_shuffle_ps(fourths[2 * m], fourths[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(fourths[2 * m], fourths[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // In 128-bit lane q, the sums of v[q], v[2 + q], v[4 + q], v[6 + q].
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// The first n lanes of v to dst (AMD's masked stores are slow: a whole vector where it can).
+inline void store_first(float* dst, __m256 v, int64_t n) {
+  if (n == kKeysAtOnce) return _mm256_storeu_ps(dst, v);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  _mm256_maskstore_ps(dst, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane), v);
 }
 
 template <int kGroup, int kDim>
@@ -242,30 +280,42 @@ void decode_item_bf16(const uint16_t* q, float scale, const uint16_t* kv, const 
   constexpr int kColumns = kGroup <= 3 ? 4 : kGroup <= 6 ? 2 : 1;  // accumulators: kGroup x kColumns <= 12
   alignas(32) float qf[kGroup * kDim];
   for (int i = 0; i < kGroup * kDim; ++i) qf[i] = trident_kernels::widen(trident_kernels::Bf16Bits{q[i]}) * scale;
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchAhead < len) prefetch_head<kDim>(kv + tokens[t + kPrefetchAhead] * token_stride + k_offset);
-    const uint16_t* k = kv + tokens[t] * token_stride + k_offset;
-    __m256 s[kGroup][kChains];
-#pragma GCC unroll 8
-    for (int g = 0; g < kGroup; ++g)
-#pragma GCC unroll 2
-      for (int i = 0; i < kChains; ++i) s[g][i] = _mm256_setzero_ps();
-#pragma GCC unroll 8
-    for (int chunk0 = 0; chunk0 < kVecs; chunk0 += kChunk) {
-      __m256 kc[kChunk];
-#pragma GCC unroll 8
-      for (int c = 0; c < kChunk; ++c) kc[c] = widen8(k + (chunk0 + c) * 8);
+  alignas(32) float lanes[kGroup][kKeysAtOnce][8] = {};  // each score's lanes, summed eight at a time
+  for (int64_t t0 = 0; t0 < len; t0 += kKeysAtOnce) {
+    const int64_t n = std::min(kKeysAtOnce, len - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = t0 + j;
+      if (t + kPrefetchAhead < len) prefetch_head<kDim>(kv + tokens[t + kPrefetchAhead] * token_stride + k_offset);
+      const uint16_t* k = kv + tokens[t] * token_stride + k_offset;
+      __m256 s[kGroup][kChains];
 #pragma GCC unroll 8
       for (int g = 0; g < kGroup; ++g)
+#pragma GCC unroll 2
+        for (int i = 0; i < kChains; ++i) s[g][i] = _mm256_setzero_ps();
 #pragma GCC unroll 8
-        for (int c = 0; c < kChunk; ++c)
-          s[g][c % kChains] =
-              _mm256_fmadd_ps(_mm256_load_ps(qf + g * kDim + (chunk0 + c) * 8), kc[c], s[g][c % kChains]);
+      for (int chunk0 = 0; chunk0 < kVecs; chunk0 += kChunk) {
+        __m256 kc[kChunk];
+#pragma GCC unroll 8
+        for (int c = 0; c < kChunk; ++c) kc[c] = widen8(k + (chunk0 + c) * 8);
+#pragma GCC unroll 8
+        for (int g = 0; g < kGroup; ++g)
+#pragma GCC unroll 8
+          for (int c = 0; c < kChunk; ++c)
+            s[g][c % kChains] =
+                _mm256_fmadd_ps(_mm256_load_ps(qf + g * kDim + (chunk0 + c) * 8), kc[c], s[g][c % kChains]);
+      }
+#pragma GCC unroll 8
+      for (int g = 0; g < kGroup; ++g) {
+        if constexpr (kChains == 2) s[g][0] = _mm256_add_ps(s[g][0], s[g][1]);
+        _mm256_store_ps(lanes[g][j], s[g][0]);
+      }
     }
 #pragma GCC unroll 8
     for (int g = 0; g < kGroup; ++g) {
-      if constexpr (kChains == 2) s[g][0] = _mm256_add_ps(s[g][0], s[g][1]);
-      probs[g * len + t] = horizontal_sum(s[g][0]);
+      __m256 v[kKeysAtOnce];
+#pragma GCC unroll 8
+      for (int j = 0; j < kKeysAtOnce; ++j) v[j] = _mm256_load_ps(lanes[g][j]);
+      store_first(probs + g * len + t0, sum_lanes_of_8(v), n);
     }
   }
   for (int g = 0; g < kGroup; ++g) softmax_in_place(probs + g * len, len);
