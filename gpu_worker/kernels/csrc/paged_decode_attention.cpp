@@ -244,7 +244,7 @@ inline __m256 widen8(const uint16_t* src) {
 constexpr int64_t kKeysAtOnce = 8;  // scores whose lanes are summed together
 
 // Lane j: the sum of v[j]'s lanes as a halving tree (l and l + 4, then l and l + 2, then l and
-// l + 1), eight sums in 12 vector additions and shuffles where one at a time took 48 instructions.
+// l + 1), eight sums at once: vertical additions and shuffles in place of eight horizontal sums.
 inline __m256 sum_lanes_of_8(const __m256 (&v)[8]) {
   // fourths[m]: lanes 0-3 the pairs (l, l + 4) of v[2m], lanes 4-7 those of v[2m + 1].
   __m256 fourths[4];
