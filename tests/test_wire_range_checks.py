@@ -85,6 +85,10 @@ FORGED_DESCRIPTORS = {
     "prompt token past the vocabulary": desc(
         added=[AddedRequest(2, 0, SamplingParams(8))], extends=[ExtendChunk(2, pack_int32([VOCAB]), True)]
     ),
+    "stop token past the vocabulary": desc(added=[AddedRequest(2, 0, SamplingParams(8, stop_token_ids=[VOCAB]))]),
+    "biased token past the vocabulary": desc(added=[AddedRequest(2, 0, SamplingParams(8, logit_bias=[(VOCAB, 1.0)]))]),
+    "negative allowed token": desc(added=[AddedRequest(2, 0, SamplingParams(8, allowed_token_ids=[-1]))]),
+    "bad word past the vocabulary": desc(added=[AddedRequest(2, 0, SamplingParams(8, bad_words_ids=[[1, VOCAB]]))]),
     "chunk past the page table": desc(
         added=[AddedRequest(2, 0, SamplingParams(8))],
         extends=[ExtendChunk(2, pack_int32([1] * (PAGES_PER_ROW * PAGE + 1)), True)],

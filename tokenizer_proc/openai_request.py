@@ -24,7 +24,13 @@ from tokenizer_proc.structured import (
     sglang_constraint,
     vllm_constraint,
 )
-from tokenizer_proc.tokenization import TokenIdStrings, TokenStrings, apply_chat_template, encode_text
+from tokenizer_proc.tokenization import (
+    TokenIdStrings,
+    TokenStrings,
+    apply_chat_template,
+    bad_word_sequences,
+    encode_text,
+)
 from tokenizer_proc.tool_parsers import HERMES
 from tokenizer_proc.tools import ToolPlan, template_messages, template_renders_tools
 from trident.wire.frontend import GrammarSpec
@@ -46,6 +52,7 @@ def request_constraint(
 
 
 def sampling_request(
+    st: FrontendState,
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int | None,
     logprobs: bool,
@@ -64,6 +71,7 @@ def sampling_request(
         grammar,
         prompt_logprobs_from=0 if prompt_tops else -1,
         prompt_top_logprobs=max(prompt_tops, default=0),
+        bad_words_ids=bad_word_sequences(st.tokenizer, body.bad_words),
     )
 
 

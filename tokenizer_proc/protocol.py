@@ -28,6 +28,7 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
+MAX_BAD_WORDS = 256
 
 RESOLVED_FIELDS = frozenset(
     {
@@ -38,13 +39,14 @@ RESOLVED_FIELDS = frozenset(
         "grammar",
         "prompt_logprobs_from",
         "prompt_top_logprobs",
+        "bad_words_ids",
     }
 )
 """`SamplingParams` fields no request takes under their own name: `sampling` resolves each
 from the endpoint's own fields (max_tokens and the context left; completions' logprobs
 count or chat's logprobs/top_logprobs; logit_bias's JSON map; response_format, regex,
 ebnf, json_schema or a forced tool call; echo with logprobs, vLLM's prompt_logprobs or
-SGLang's logprob_start_len). Every other field is a knob, taken as is."""
+SGLang's logprob_start_len; vLLM's bad_words, tokenized). Every other field is a knob, taken as is."""
 
 OPENAI_NAMES = {"min_new_tokens": "min_tokens"}
 """Knobs the OpenAI routes name as vLLM does; /generate and the Engine take SGLang's names,
@@ -53,7 +55,7 @@ which are the wire's."""
 KNOB_NAMES = tuple(f.name for f in msgspec.structs.fields(SamplingParams) if f.name not in RESOLVED_FIELDS)
 """The `SamplingParams` fields every request takes as the client sends them."""
 
-_API_TYPES: dict[str, Any] = {"stop_token_ids": list[StrictInt] | None}
+_API_TYPES: dict[str, Any] = {"stop_token_ids": list[StrictInt] | None, "allowed_token_ids": list[StrictInt] | None}
 """Knobs whose JSON type differs from the wire's: token ids must be JSON integers, and
 null means none."""
 
@@ -228,6 +230,8 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     """vLLM's: only the prompt's last k tokens are read (-1: the context length's worth)."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM's decoding constraint; SGLang's `regex`/`ebnf`/`json_schema` say the same."""
+    bad_words: list[StrictStr] | None = Field(None, max_length=MAX_BAD_WORDS)
+    """vLLM's: words the output must not contain, at its start or after a space."""
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

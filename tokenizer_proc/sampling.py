@@ -47,6 +47,8 @@ class SamplingRequest:
     prompt_logprobs_from: int = -1
     """The first prompt position whose logprob is returned; -1: none."""
     prompt_top_logprobs: int = 0
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    """vLLM's `bad_words`, tokenized (tokenization.bad_word_sequences)."""
 
 
 def check_model(requested: str | None, limits: ModelLimits) -> None:
@@ -125,7 +127,12 @@ def build_sampling_params(
         grammar=req.grammar,
         prompt_logprobs_from=req.prompt_logprobs_from,
         prompt_top_logprobs=req.prompt_top_logprobs if req.prompt_logprobs_from >= 0 else 0,
-        **{**req.knobs, "stop_token_ids": list(req.knobs.get("stop_token_ids") or ())},
+        bad_words_ids=req.bad_words_ids,
+        **{
+            **req.knobs,
+            "stop_token_ids": list(req.knobs.get("stop_token_ids") or ()),
+            "allowed_token_ids": list(req.knobs.get("allowed_token_ids") or ()),
+        },
     )
     if req.prompt_logprobs_from >= prompt_len:
         raise APIError(
@@ -136,9 +143,10 @@ def build_sampling_params(
         raise APIError(
             f"min_tokens ({params.min_new_tokens}) must not exceed max_tokens ({max_new}).", param="min_tokens"
         )
-    bad = next((t for t in params.stop_token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise APIError(f"stop_token_ids holds {bad}, outside [0, {limits.vocab_size}).", param="stop_token_ids")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        bad = next((t for t in getattr(params, name) if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"{name} holds {bad}, outside [0, {limits.vocab_size}).", param=name)
     if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise APIError(f"top logprobs must be in [0, {MAX_LOGPROBS}].", param="logprobs")
     params.logit_bias = logit_bias_pairs(req.logit_bias, limits.vocab_size)

@@ -129,6 +129,18 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
+def bad_word_sequences(tokenizer: Any, words: list[str] | None) -> list[list[int]]:
+    """vLLM's `bad_words` as the token sequences to ban: each word as it would start the text
+    and as it would follow a space (one sequence where both tokenize alike)."""
+    sequences: list[list[int]] = []
+    for word in words or ():
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
 Decode = Callable[[Sequence[int], bool], str]
 """(token ids, skip special tokens) -> text."""
 

@@ -18,7 +18,8 @@ calls instead of HTTP), not the logic, and returns what `POST /generate` returns
 
 `sampling_params` are those of `POST /generate` (SGLang's names: `max_new_tokens`,
 `temperature`, `top_p`, `top_k`, `min_p`, the penalties, `stop`, `stop_token_ids`,
-`ignore_eos`, `min_new_tokens`, `seed`, `skip_special_tokens`, `no_stop_trim`, `logit_bias`, and one
+`ignore_eos`, `min_new_tokens`, `seed`, `skip_special_tokens`, `no_stop_trim`, `logit_bias`,
+`allowed_token_ids`, and one
 decoding constraint of `regex`, `ebnf` or `json_schema`); an unknown name, an out-of-range
 value or a constraint the grammar library refuses raises ValueError before anything is sent.
 

@@ -232,7 +232,8 @@ class BatchState:
     def check_ranges(self, desc: BatchDescriptor) -> None:
         """Every index of the descriptor against this worker's tables, before any is used:
         slots in the table and in the batch (or free, for an added one), page-table columns
-        and page ids in range, token ids in the vocabulary, and every row's KV length after
+        and page ids in range, token ids in the vocabulary (prompts', and those an added row's
+        sampling names: stop, biased, allowed and banned tokens), and every row's KV length after
         this step (prefix, chunk, or one decoded token) within what its page table addresses.
         Raises DescriptorOutOfRange; a few numpy passes per step, nothing per element.
 
@@ -263,6 +264,9 @@ class BatchState:
             lens[added] = [a.prefix_len for a in desc.added]
             _within("prefix length", lens[added], 0, capacity + 1)
             _within("generated token", unpack_int32(b"".join(a.generated_ids for a in desc.added)), 0, vocab)
+            _within(
+                "sampling token", np.asarray([t for a in desc.added for t in a.sampling.named_token_ids()]), 0, vocab
+            )
         if desc.page_appends.slots:
             slots, cols, ids = desc.page_appends.scatter_indices()
             _within("page-append slot", slots, 0, max_slots)

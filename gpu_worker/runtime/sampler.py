@@ -6,7 +6,9 @@ step launches a kernel per row. Penalties use per-slot token counts that the tab
 current. A row with a seed draws its noise from a hash of (seed, tokens generated, token
 id), so its tokens do not depend on what else shares the batch. A row under a grammar
 has its matcher in the table's `GrammarTable` (grammar.py): its mask is applied last,
-after penalties and `logit_bias`, and the matcher advances on the token the row sampled.
+after penalties, `logit_bias`, allowed tokens and banned ones, and the matcher advances on
+the token the row sampled. A row with bad words keeps its last few tokens here, on the
+host (`recent_ids`), to find the words' last tokens to ban.
 """
 
 from __future__ import annotations
@@ -45,12 +47,17 @@ class SamplingTable:
         """The C++ greedy argmax for bf16 logits on CPU (cpu_kernels.py), set by the worker."""
         self.grammars: GrammarTable | None = None
         """Matchers of constrained rows; set by a worker that serves a real vocabulary."""
+        self.recent_ids: dict[int, list[int]] = {}
+        """Rows with bad words: their last generated tokens, as many as the longest word less one."""
 
     def add(self, slot: int, params: SamplingParams, generated_ids: list[int]) -> None:
         self.params[slot] = params
         if self.grammars is not None:
             self.grammars.add(slot, params.grammar, generated_ids)
         self.generated[slot] = len(generated_ids)
+        self.recent_ids.pop(slot, None)
+        if params.bad_words_ids:
+            self.recent_ids[slot] = generated_ids[len(generated_ids) - _history_needed(params) :]
         if _uses_penalties(params):
             self._ensure_penalty_tables()
             self.output_counts[slot].zero_()
@@ -61,6 +68,7 @@ class SamplingTable:
 
     def remove(self, slot: int) -> None:
         self.params[slot] = None
+        self.recent_ids.pop(slot, None)
         if self.grammars is not None:
             self.grammars.remove(slot)
 
@@ -77,6 +85,12 @@ class SamplingTable:
         if self.grammars is not None and self.grammars.constrained(slots):
             for s, t in zip(slots, tokens.tolist()):
                 self.grammars.advance(s, t)
+        if self.recent_ids and any(s in self.recent_ids for s in slots):
+            for s, t in zip(slots, tokens.tolist()):
+                if s in self.recent_ids:
+                    recent = self.recent_ids[s]
+                    recent.append(t)
+                    del recent[: len(recent) - _history_needed(self.params[s])]
         if self.output_counts is not None:
             assert slots_dev is not None
             ones = torch.ones(len(slots), dtype=torch.int32, device=self.device)
@@ -98,6 +112,17 @@ class SamplingTable:
         if self.bf16_argmax is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
             return self.bf16_argmax(logits)
         return greedy_tokens(logits)
+
+
+def _history_needed(p: SamplingParams | None) -> int:
+    """Generated tokens a row with bad words keeps: its longest word's length less one."""
+    return max((len(w) for w in p.bad_words_ids), default=1) - 1 if p is not None else 0
+
+
+def banned_tokens(p: SamplingParams, recent: list[int]) -> list[int]:
+    """The last token of each of the row's bad words whose other tokens end its output so far
+    (a one-token word always)."""
+    return [w[-1] for w in p.bad_words_ids if len(w) == 1 or recent[len(recent) - len(w) + 1 :] == w[:-1]]
 
 
 def _uses_penalties(p: SamplingParams | None) -> bool:
@@ -177,13 +202,22 @@ class RowParams:
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
         self.bias_at = stage([[i for i, _, _ in bias], [t for _, t, _ in bias]], torch.int64, (2, len(bias)))
         self.bias_values = stage([b for _, _, b in bias], torch.float32)
-        stops = [
+        allowed = [(i, t) for i, p in enumerate(params) for t in p.allowed_token_ids]
+        self.allowed_rows = stage(sorted({i for i, _ in allowed}), torch.int64)
+        self.allowed_at = stage([[i for i, _ in allowed], [t for _, t in allowed]], torch.int64, (2, len(allowed)))
+        banned = [
             (i, t)
             for i, (s, p) in enumerate(zip(slots, params))
             if table.generated[s] < p.min_new_tokens
             for t in list(p.stop_token_ids) + ([] if p.ignore_eos else table.eos_token_ids)
         ]
-        self.stops_at = stage([[i for i, _ in stops], [t for _, t in stops]], torch.int64, (2, len(stops)))
+        banned += [
+            (i, t)
+            for i, (s, p) in enumerate(zip(slots, params))
+            if s in table.recent_ids
+            for t in banned_tokens(p, table.recent_ids[s])
+        ]
+        self.banned_at = stage([[i for i, _ in banned], [t for _, t in banned]], torch.int64, (2, len(banned)))
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         self.seeded_rows = stage(seeded, torch.int64)
         self.seeded_keys = stage([row_key(params[i].seed, table.generated[slots[i]]) for i in seeded], torch.int64)
@@ -210,7 +244,10 @@ def sample(
     per-row state (penalty counts, logprobs, grammar matchers) is updated from them."""
     params = [table.params[s] for s in slots]
     all_greedy = all(p.temperature <= 0.0 for p in params)
-    greedy_as_is = all_greedy and not any(p.logprobs or p.logit_bias or p.grammar or _uses_penalties(p) for p in params)
+    greedy_as_is = all_greedy and not any(
+        p.logprobs or p.logit_bias or p.allowed_token_ids or p.bad_words_ids or p.grammar or _uses_penalties(p)
+        for p in params
+    )
     plain = greedy_as_is and not any(table.generated[s] < p.min_new_tokens for s, p in zip(slots, params))
     rows = None if plain and table.output_counts is None else RowParams(params, slots, table)
     if not greedy_as_is:
@@ -220,7 +257,7 @@ def sample(
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     if rows is not None:
         logits = _apply_penalties(logits, rows, params, table)
-        logits = _apply_logit_bias_and_stops(logits, rows)
+        logits = _apply_logit_bias_and_bans(logits, rows)
     constrained = table.grammars.constrained(slots) if table.grammars is not None else []
     if constrained:
         logits = table.grammars.apply_masks(logits, slots, constrained)
@@ -249,16 +286,21 @@ def _apply_penalties(logits, rows: RowParams, params, table: SamplingTable) -> t
     return logits - freq * counts - pres * (counts > 0).float()
 
 
-def _apply_logit_bias_and_stops(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
-    """OpenAI's logit_bias (each (token, bias) pair added to its row's logit), then -inf on
-    the stop tokens of rows short of min_new_tokens: one indexed op each, for all rows."""
-    if rows.bias_at.shape[1] == 0 and rows.stops_at.shape[1] == 0:
+def _apply_logit_bias_and_bans(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """OpenAI's logit_bias (each (token, bias) pair added to its row's logit); then -inf on every
+    token but the allowed ones of rows that name some; then -inf on the banned tokens (stop
+    tokens of rows short of min_new_tokens, bad words' last tokens): a few indexed ops for all rows."""
+    if not (rows.bias_at.shape[1] or rows.allowed_at.shape[1] or rows.banned_at.shape[1]):
         return logits
     logits = logits.clone()
     if rows.bias_at.shape[1]:
         logits.index_put_((rows.bias_at[0], rows.bias_at[1]), rows.bias_values.to(logits.dtype), accumulate=True)
-    if rows.stops_at.shape[1]:
-        logits[rows.stops_at[0], rows.stops_at[1]] = NEG_INF
+    if rows.allowed_at.shape[1]:
+        kept = logits[rows.allowed_at[0], rows.allowed_at[1]]
+        logits[rows.allowed_rows] = NEG_INF
+        logits[rows.allowed_at[0], rows.allowed_at[1]] = kept
+    if rows.banned_at.shape[1]:
+        logits[rows.banned_at[0], rows.banned_at[1]] = NEG_INF
     return logits
 
 

@@ -91,12 +91,27 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     The scheduler reuses no cached prefix past the position before it (scheduler_proc/prefill.py)."""
     prompt_top_logprobs: int = 0
     """Top logprobs returned per scored prompt position."""
+    allowed_token_ids: list[int] = []
+    """vLLM's: the only tokens the request may sample (after logit_bias); empty: every token."""
+    bad_words_ids: list[list[int]] = []
+    """Resolved by the tokenizer from vLLM's `bad_words`: token sequences the output must not
+    contain. The last token of each is banned wherever the output so far ends with the rest."""
+
+    def named_token_ids(self) -> list[int]:
+        """Every token id these parameters name (stop, biased, allowed, banned): the worker
+        checks them against its vocabulary before it indexes logits with them."""
+        return [
+            *self.stop_token_ids,
+            *(t for t, _ in self.logit_bias),
+            *self.allowed_token_ids,
+            *(t for word in self.bad_words_ids for t in word),
+        ]
 
     def drafts_allowed(self) -> bool:
         """Speculative drafts are verified by exact argmax match of the raw logits, so only
-        plain greedy requests draft: a grammar mask or a logit bias would change the argmax
-        the draft is checked against, and such rows are left out of drafting. The scheduler
-        (KV reservation) and the worker (drafting) agree on it."""
+        plain greedy requests draft: a grammar mask, a logit bias, allowed or banned tokens
+        would change the argmax the draft is checked against, and such rows are left out of
+        drafting. The scheduler (KV reservation) and the worker (drafting) agree on it."""
         return (
             self.temperature <= 0.0
             and self.frequency_penalty == 0.0
@@ -105,6 +120,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
             and self.min_new_tokens == 0
             and not self.logprobs
             and not self.logit_bias
+            and not self.allowed_token_ids
+            and not self.bad_words_ids
             and self.grammar is None
         )
 
