@@ -36,7 +36,7 @@ def test_a_words_last_token_is_banned_only_where_the_output_ends_with_the_rest_o
     assert banned_tokens(params, [8, 7]) == [5]
 
 
-def test_allowed_token_ids_confine_every_sampled_token_on_both_routes(smollm2_server):
+def test_allowed_token_ids_confine_every_sampled_token_on_every_route(smollm2_server):
     client = smollm2_server.client()
     tok = smollm2_tokenizer()
     allowed = [tok.encode(w, add_special_tokens=False)[0] for w in (" red", " green", " blue", " and", ",")]
@@ -57,6 +57,12 @@ def test_allowed_token_ids_confine_every_sampled_token_on_both_routes(smollm2_se
     assert greedy[0] not in allowed
     confined = _greedy_ids(client, PROMPT, 6, allowed_token_ids=allowed)
     assert set(confined) <= set(allowed)
+
+    native = smollm2_server.http().post(
+        "/generate",
+        json={"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "allowed_token_ids": allowed}},
+    )
+    assert native.status_code == 200 and set(native.json()["output_ids"]) <= set(allowed), native.text
 
     chat = client.chat.completions.create(
         model=MODEL,
