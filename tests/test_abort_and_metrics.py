@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import Server, make_random_llama, wait_until
+from tokenizer_proc.metrics import VLLM_NAMES
 from trident.wire.frontend import SCHEDULER_STATS, SchedulerStats
 
 LONG = 30000
@@ -244,6 +245,29 @@ def test_every_scheduler_statistic_is_in_metrics_as_its_wire_struct_defines_it(s
         assert (m[family]["type"], m[family]["help"]) == (stat.kind, stat.help), family
     total = server.http().get("/server_info").json()["scheduler_stats"]["kv_total_tokens"]
     assert m["trident_kv_cache_total_tokens"]["samples"]["trident_kv_cache_total_tokens"] == total
+
+
+def test_the_families_vllm_dashboards_read_are_also_exported_under_vllm_names(server, model_name):
+    """Each family of VLLM_NAMES again under vLLM's name, with a model_name label (and vLLM's
+    finished_reason for our finish_reason): the same kind and, idle, the same values."""
+    with server.http() as c:
+        c.post("/v1/completions", json={"model": model_name, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+    assert wait_until(lambda: running(server) == 0, 5)
+    time.sleep(0.6)  # the next stats frame
+    m = scrape(server)
+    for ours, theirs in VLLM_NAMES.items():
+        assert ours in m and theirs in m, (ours, theirs)
+        assert m[theirs]["type"] == m[ours]["type"], theirs
+        expected = {}
+        for key, value in m[ours]["samples"].items():
+            sample, _, labels = key.partition("{")
+            labels = json.loads("{" + labels) if labels else {}
+            labels = {"finished_reason" if k == "finish_reason" else k: v for k, v in labels.items()}
+            renamed = theirs + sample[len(ours) :] + json.dumps(labels | {"model_name": model_name}, sort_keys=True)
+            expected[renamed] = value
+        assert m[theirs]["samples"] == expected, theirs
+    finished = m["vllm:request_success"]["samples"]
+    assert finished[f'vllm:request_success_total{{"finished_reason": "length", "model_name": "{model_name}"}}'] >= 1
 
 
 def test_health_generate_runs_a_token_through_every_process(server):

@@ -101,7 +101,9 @@ async def _run(ctx: ChildContext) -> None:
     zmq_ctx = zmq.asyncio.Context()
     metrics = Metrics()
     manager = RequestManager(zmq_ctx, args, tokenizer, metrics)
-    metrics.attach_scheduler(lambda: manager.stats, lambda: manager.dropped_frames, manager.replicas)
+    metrics.attach_scheduler(
+        lambda: manager.stats, lambda: manager.dropped_frames, manager.replicas, args.served_model_name
+    )
     try:
         try:
             info = await manager.handshake(args.startup_timeout_s)

@@ -8,6 +8,10 @@ Two sources:
   every statistic it defines (`SCHEDULER_STATS`: name, kind and help text), merged over
   data-parallel replicas, dropped frames adding this process's own; and per replica (label
   dp_rank) by `_ReplicaCollector`: requests routed there, open, running, tokens.
+
+The families a vLLM dashboard or autoscaler reads are also exported under vLLM's names
+(`vllm:num_requests_waiting`, ... with a `model_name` label) by `_VllmNamesCollector`: a
+renamed copy of the same samples at scrape time, nothing counted twice.
 """
 
 from __future__ import annotations
@@ -165,6 +169,43 @@ class _ReplicaCollector(Collector):
             yield family
 
 
+VLLM_NAMES = {
+    PREFIX + "num_requests_running": "vllm:num_requests_running",
+    PREFIX + "num_requests_waiting": "vllm:num_requests_waiting",
+    PREFIX + "kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+    PREFIX + "retractions": "vllm:num_preemptions",
+    PREFIX + "prompt_tokens": "vllm:prompt_tokens",
+    PREFIX + "generation_tokens": "vllm:generation_tokens",
+    PREFIX + "requests_finished": "vllm:request_success",
+    PREFIX + "time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    PREFIX + "inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    PREFIX + "e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+}
+"""Our family -> vLLM's name for the same measure (vLLM's `kv_cache_usage_perc` is a fraction,
+as ours is; its `request_success` counts finished requests by `finished_reason`)."""
+
+
+class _VllmNamesCollector(Collector):
+    """The families of VLLM_NAMES again, under vLLM's names and labelled with the model."""
+
+    def __init__(self, sources: Sequence[Collector], model_name: str) -> None:
+        self._sources = sources
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for family in itertools.chain.from_iterable(source.collect() for source in self._sources):
+            name = VLLM_NAMES.get(family.name)
+            if name is None:
+                continue
+            renamed = Metric(name, family.documentation, family.type)
+            for sample in family.samples:
+                labels = {"model_name": self._model_name}
+                for key, value in sample.labels.items():
+                    labels["finished_reason" if key == "finish_reason" else key] = value
+                renamed.add_sample(name + sample.name[len(family.name) :], labels, sample.value, sample.timestamp)
+            yield renamed
+
+
 class Metrics:
     """All metrics of this process. `render()` is the body of GET /metrics."""
 
@@ -209,10 +250,17 @@ class Metrics:
         return self._cached_prompt_tokens / self._prefilled_prompt_tokens if self._prefilled_prompt_tokens else 0.0
 
     def attach_scheduler(
-        self, stats: Callable[[], SchedulerStats | None], own_dropped: Callable[[], int], replicas: ReplicaSet
+        self,
+        stats: Callable[[], SchedulerStats | None],
+        own_dropped: Callable[[], int],
+        replicas: ReplicaSet,
+        model_name: str,
     ) -> None:
-        self.registry.register(_SchedulerCollector(stats, own_dropped, self.cache_hit_rate))
+        scheduler = _SchedulerCollector(stats, own_dropped, self.cache_hit_rate)
+        self.registry.register(scheduler)
         self.registry.register(_ReplicaCollector(replicas))
+        own = [self.prompt_tokens, self.generation_tokens, self.finished, self.ttft, self.itl, self.e2e]
+        self.registry.register(_VllmNamesCollector([*own, scheduler], model_name))
 
     def render(self) -> bytes:
         self.generation_tokens.inc(self._uncounted_generation_tokens)
