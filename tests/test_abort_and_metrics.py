@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import Server, make_random_llama, wait_until
-from tokenizer_proc.metrics import VLLM_NAMES
+from tokenizer_proc.metrics import PEER_NAMES
 from trident.wire.frontend import SCHEDULER_STATS, SchedulerStats
 
 LONG = 30000
@@ -247,15 +247,15 @@ def test_every_scheduler_statistic_is_in_metrics_as_its_wire_struct_defines_it(s
     assert m["trident_kv_cache_total_tokens"]["samples"]["trident_kv_cache_total_tokens"] == total
 
 
-def test_the_families_vllm_dashboards_read_are_also_exported_under_vllm_names(server, model_name):
-    """Each family of VLLM_NAMES again under vLLM's name, with a model_name label (and vLLM's
-    finished_reason for our finish_reason): the same kind and, idle, the same values."""
+def test_the_families_peer_dashboards_read_are_also_exported_under_vllm_and_sglang_names(server, model_name):
+    """Each family of PEER_NAMES again under vLLM's and SGLang's names, with a model_name label
+    (and vLLM's finished_reason for our finish_reason): the same kind and, idle, the same values."""
     with server.http() as c:
         c.post("/v1/completions", json={"model": model_name, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
     assert wait_until(lambda: running(server) == 0, 5)
     time.sleep(0.6)  # the next stats frame
     m = scrape(server)
-    for ours, theirs in VLLM_NAMES.items():
+    for ours, theirs in ((o, t) for o, names in PEER_NAMES.items() for t in names):
         assert ours in m and theirs in m, (ours, theirs)
         assert m[theirs]["type"] == m[ours]["type"], theirs
         expected = {}

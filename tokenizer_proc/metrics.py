@@ -9,9 +9,9 @@ Two sources:
   data-parallel replicas, dropped frames adding this process's own; and per replica (label
   dp_rank) by `_ReplicaCollector`: requests routed there, open, running, tokens.
 
-The families a vLLM dashboard or autoscaler reads are also exported under vLLM's names
-(`vllm:num_requests_waiting`, ... with a `model_name` label) by `_VllmNamesCollector`: a
-renamed copy of the same samples at scrape time, nothing counted twice.
+The families a vLLM or SGLang dashboard or autoscaler reads are also exported under their
+names (`vllm:num_requests_waiting`, `sglang:num_queue_reqs`, ... with a `model_name` label) by
+`_PeerNamesCollector`: renamed copies of the same samples at scrape time, nothing counted twice.
 """
 
 from __future__ import annotations
@@ -183,10 +183,26 @@ VLLM_NAMES = {
 }
 """Our family -> vLLM's name for the same measure (vLLM's `kv_cache_usage_perc` is a fraction,
 as ours is; its `request_success` counts finished requests by `finished_reason`)."""
+SGLANG_NAMES = {
+    PREFIX + "num_requests_running": "sglang:num_running_reqs",
+    PREFIX + "num_requests_waiting": "sglang:num_queue_reqs",
+    PREFIX + "kv_cache_usage_ratio": "sglang:token_usage",
+    PREFIX + "prefix_cache_hit_rate": "sglang:cache_hit_rate",
+    PREFIX + "prompt_tokens": "sglang:prompt_tokens",
+    PREFIX + "generation_tokens": "sglang:generation_tokens",
+    PREFIX + "time_to_first_token_seconds": "sglang:time_to_first_token_seconds",
+    PREFIX + "inter_token_latency_seconds": "sglang:inter_token_latency_seconds",
+    PREFIX + "e2e_request_latency_seconds": "sglang:e2e_request_latency_seconds",
+}
+"""Our family -> SGLang's name for the same measure."""
+PEER_NAMES = {
+    ours: [n for n in (VLLM_NAMES.get(ours), SGLANG_NAMES.get(ours)) if n] for ours in VLLM_NAMES | SGLANG_NAMES
+}
 
 
-class _VllmNamesCollector(Collector):
-    """The families of VLLM_NAMES again, under vLLM's names and labelled with the model."""
+class _PeerNamesCollector(Collector):
+    """The families of PEER_NAMES again, under each peer's name and labelled with the model
+    (`finish_reason` becomes vLLM's `finished_reason`)."""
 
     def __init__(self, sources: Sequence[Collector], model_name: str) -> None:
         self._sources = sources
@@ -194,16 +210,17 @@ class _VllmNamesCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         for family in itertools.chain.from_iterable(source.collect() for source in self._sources):
-            name = VLLM_NAMES.get(family.name)
-            if name is None:
-                continue
-            renamed = Metric(name, family.documentation, family.type)
-            for sample in family.samples:
-                labels = {"model_name": self._model_name}
-                for key, value in sample.labels.items():
-                    labels["finished_reason" if key == "finish_reason" else key] = value
-                renamed.add_sample(name + sample.name[len(family.name) :], labels, sample.value, sample.timestamp)
-            yield renamed
+            for name in PEER_NAMES.get(family.name, ()):
+                yield self._renamed(family, name)
+
+    def _renamed(self, family: Metric, name: str) -> Metric:
+        renamed = Metric(name, family.documentation, family.type)
+        for sample in family.samples:
+            labels = {"model_name": self._model_name}
+            for key, value in sample.labels.items():
+                labels["finished_reason" if key == "finish_reason" else key] = value
+            renamed.add_sample(name + sample.name[len(family.name) :], labels, sample.value, sample.timestamp)
+        return renamed
 
 
 class Metrics:
@@ -260,7 +277,7 @@ class Metrics:
         self.registry.register(scheduler)
         self.registry.register(_ReplicaCollector(replicas))
         own = [self.prompt_tokens, self.generation_tokens, self.finished, self.ttft, self.itl, self.e2e]
-        self.registry.register(_VllmNamesCollector([*own, scheduler], model_name))
+        self.registry.register(_PeerNamesCollector([*own, scheduler], model_name))
 
     def render(self) -> bytes:
         self.generation_tokens.inc(self._uncounted_generation_tokens)
