@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import openai
 import pytest
+import torch
 
-from gpu_worker.runtime.sampler import banned_tokens
+from gpu_worker.runtime.sampler import SamplingTable, banned_tokens
 from tests.helpers import smollm2_tokenizer
 from tokenizer_proc.tokenization import bad_word_sequences
 from trident.wire.frontend import SamplingParams
@@ -34,6 +35,17 @@ def test_a_words_last_token_is_banned_only_where_the_output_ends_with_the_rest_o
     assert banned_tokens(params, [7, 8]) == [5, 9]
     assert banned_tokens(params, [3, 7, 8]) == [5, 9]
     assert banned_tokens(params, [8, 7]) == [5]
+
+
+def test_a_resumed_row_bans_from_the_tokens_it_had_generated_and_keeps_only_what_its_words_need():
+    table = SamplingTable(max_slots=2, vocab_size=100, eos_token_ids=[0], device=torch.device("cpu"))
+    params = SamplingParams(max_new_tokens=8, bad_words_ids=[[5, 6, 7], [9]])
+    table.add(1, params, generated_ids=[3, 4, 5, 6])  # resubmitted after a scheduler restart
+    assert table.recent_ids[1] == [5, 6] and banned_tokens(params, table.recent_ids[1]) == [7, 9]
+    table.note_sampled([1], torch.tensor([8]), None)
+    assert table.recent_ids[1] == [6, 8] and banned_tokens(params, table.recent_ids[1]) == [9]
+    table.remove(1)
+    assert 1 not in table.recent_ids
 
 
 def test_allowed_token_ids_confine_every_sampled_token_on_every_route(smollm2_server):
