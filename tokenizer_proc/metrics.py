@@ -169,35 +169,22 @@ class _ReplicaCollector(Collector):
             yield family
 
 
-VLLM_NAMES = {
-    PREFIX + "num_requests_running": "vllm:num_requests_running",
-    PREFIX + "num_requests_waiting": "vllm:num_requests_waiting",
-    PREFIX + "kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
-    PREFIX + "retractions": "vllm:num_preemptions",
-    PREFIX + "prompt_tokens": "vllm:prompt_tokens",
-    PREFIX + "generation_tokens": "vllm:generation_tokens",
-    PREFIX + "requests_finished": "vllm:request_success",
-    PREFIX + "time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
-    PREFIX + "inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
-    PREFIX + "e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
-}
-"""Our family -> vLLM's name for the same measure (vLLM's `kv_cache_usage_perc` is a fraction,
-as ours is; its `request_success` counts finished requests by `finished_reason`)."""
-SGLANG_NAMES = {
-    PREFIX + "num_requests_running": "sglang:num_running_reqs",
-    PREFIX + "num_requests_waiting": "sglang:num_queue_reqs",
-    PREFIX + "kv_cache_usage_ratio": "sglang:token_usage",
-    PREFIX + "prefix_cache_hit_rate": "sglang:cache_hit_rate",
-    PREFIX + "prompt_tokens": "sglang:prompt_tokens",
-    PREFIX + "generation_tokens": "sglang:generation_tokens",
-    PREFIX + "time_to_first_token_seconds": "sglang:time_to_first_token_seconds",
-    PREFIX + "inter_token_latency_seconds": "sglang:inter_token_latency_seconds",
-    PREFIX + "e2e_request_latency_seconds": "sglang:e2e_request_latency_seconds",
-}
-"""Our family -> SGLang's name for the same measure."""
 PEER_NAMES = {
-    ours: [n for n in (VLLM_NAMES.get(ours), SGLANG_NAMES.get(ours)) if n] for ours in VLLM_NAMES | SGLANG_NAMES
+    PREFIX + "num_requests_running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
+    PREFIX + "num_requests_waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
+    PREFIX + "kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc", "sglang:token_usage"),
+    PREFIX + "prefix_cache_hit_rate": ("sglang:cache_hit_rate",),
+    PREFIX + "retractions": ("vllm:num_preemptions",),
+    PREFIX + "prompt_tokens": ("vllm:prompt_tokens", "sglang:prompt_tokens"),
+    PREFIX + "generation_tokens": ("vllm:generation_tokens", "sglang:generation_tokens"),
+    PREFIX + "requests_finished": ("vllm:request_success",),
+    PREFIX + "time_to_first_token_seconds": ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds"),
+    PREFIX + "inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "sglang:inter_token_latency_seconds"),
+    PREFIX + "e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds", "sglang:e2e_request_latency_seconds"),
 }
+"""Our family -> vLLM's and SGLang's names for the same measure (vLLM's `kv_cache_usage_perc`
+and SGLang's `token_usage` are fractions, as ours is; vLLM's `request_success` counts finished
+requests by `finished_reason`)."""
 
 
 class _PeerNamesCollector(Collector):

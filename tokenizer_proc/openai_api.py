@@ -55,6 +55,7 @@ from tokenizer_proc.serving import (
 )
 from tokenizer_proc.state import FrontendState, get_state
 from tokenizer_proc.structured import after_reasoning
+from tokenizer_proc.tokenization import bad_word_sequences
 from tokenizer_proc.tools import forced_call_spec, plan_of
 
 router = APIRouter()
@@ -136,14 +137,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     want_lp = body.logprobs is not None
     cid = f"cmpl-{request_name(body, request)}"
     handles: list[RequestHandle] = []
+    constraint, bad_words_ids = request_constraint(body), bad_word_sequences(st.tokenizer, body.bad_words)
     try:
         for i, (_, prompt_ids) in enumerate(prompts):
             max_tokens = body.max_tokens
             if max_tokens is None:  # a prompt that fills the context still gets resolve_max_tokens' 400
                 max_tokens = max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, st.limits.context_length - len(prompt_ids)))
             echo_lp = body.logprobs if body.echo else None
-            constraint = request_constraint(body)
-            sreq = sampling_request(st, body, max_tokens, want_lp, body.logprobs or 0, constraint, echo_lp)
+            sreq = sampling_request(body, max_tokens, want_lp, body.logprobs or 0, constraint, bad_words_ids, echo_lp)
             handles += await submit_choices(st, prompt_ids, body, sreq, cid, "max_tokens", i * body.n)
     except BaseException:
         for handle in handles:
@@ -258,7 +259,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_prompt_ids(prompt_ids, st.limits, "messages")
     use_mct = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
-    sreq = sampling_request(st, body, max_tokens, body.logprobs, body.top_logprobs or 0, grammar)
+    bad_words_ids = bad_word_sequences(st.tokenizer, body.bad_words)
+    sreq = sampling_request(body, max_tokens, body.logprobs, body.top_logprobs or 0, grammar, bad_words_ids)
     cid = f"chatcmpl-{request_name(body, request)}"
     param = "max_completion_tokens" if use_mct else "max_tokens"
     handles = await submit_choices(st, prompt_ids, body, sreq, cid, param)

@@ -28,7 +28,6 @@ from tokenizer_proc.tokenization import (
     TokenIdStrings,
     TokenStrings,
     apply_chat_template,
-    bad_word_sequences,
     encode_text,
 )
 from tokenizer_proc.tool_parsers import HERMES
@@ -52,15 +51,16 @@ def request_constraint(
 
 
 def sampling_request(
-    st: FrontendState,
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
     grammar: GrammarSpec | None,
+    bad_words_ids: list[list[int]],
     echo_logprobs: int | None = None,
 ) -> SamplingRequest:
-    """`echo_logprobs`: the top logprobs an echoed prompt shows (completions' echo with logprobs)."""
+    """`bad_words_ids`: the body's bad_words, tokenized (tokenization.bad_word_sequences);
+    `echo_logprobs`: the top logprobs an echoed prompt shows (completions' echo with logprobs)."""
     prompt_tops = [k for k in (echo_logprobs, body.prompt_logprobs) if k is not None]
     return SamplingRequest(
         body.knobs(),
@@ -71,7 +71,7 @@ def sampling_request(
         grammar,
         prompt_logprobs_from=0 if prompt_tops else -1,
         prompt_top_logprobs=max(prompt_tops, default=0),
-        bad_words_ids=bad_word_sequences(st.tokenizer, body.bad_words),
+        bad_words_ids=bad_words_ids,
     )
 
 

@@ -264,9 +264,8 @@ class BatchState:
             lens[added] = [a.prefix_len for a in desc.added]
             _within("prefix length", lens[added], 0, capacity + 1)
             _within("generated token", unpack_int32(b"".join(a.generated_ids for a in desc.added)), 0, vocab)
-            _within(
-                "sampling token", np.asarray([t for a in desc.added for t in a.sampling.named_token_ids()]), 0, vocab
-            )
+            named = [t for a in desc.added for t in a.sampling.named_token_ids()]
+            _within("sampling token", np.asarray(named, dtype=np.int64), 0, vocab)
         if desc.page_appends.slots:
             slots, cols, ids = desc.page_appends.scatter_indices()
             _within("page-append slot", slots, 0, max_slots)

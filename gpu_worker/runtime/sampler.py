@@ -82,11 +82,11 @@ class SamplingTable:
         tables exist."""
         for s in slots:
             self.generated[s] += 1
-        if self.grammars is not None and self.grammars.constrained(slots):
-            for s, t in zip(slots, tokens.tolist()):
-                self.grammars.advance(s, t)
-        if self.recent_ids and any(s in self.recent_ids for s in slots):
-            for s, t in zip(slots, tokens.tolist()):
+        constrained = self.grammars is not None and self.grammars.constrained(slots)
+        if constrained or (self.recent_ids and any(s in self.recent_ids for s in slots)):
+            for s, t in zip(slots, tokens.tolist()):  # one copy to the host for both
+                if constrained:
+                    self.grammars.advance(s, t)
                 if s in self.recent_ids:
                     recent = self.recent_ids[s]
                     recent.append(t)
