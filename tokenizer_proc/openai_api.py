@@ -23,6 +23,8 @@ from tokenizer_proc import openai_format as fmt
 from tokenizer_proc.chat_output import ChoiceOutput, choice_output
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.openai_request import (
+    best_of_each_prompt,
+    candidates_per_prompt,
     completion_prompts,
     prompt_logprobs_of,
     render_chat,
@@ -86,12 +88,14 @@ async def submit_choices(
     sreq: SamplingRequest,
     cid: str,
     max_tokens_param: str,
+    choices: int,
     first_index: int = 0,
 ) -> list[RequestHandle]:
-    """The n choices of one prompt, indices `first_index` on (a batch's later prompts)."""
+    """The `choices` choices of one prompt (n, or completions' best_of), indices
+    `first_index` on (a batch's later prompts)."""
     prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     params = build_sampling_params(sreq, len(prompt_ids), st.limits, max_tokens_param, prompt_param)
-    indices = range(first_index, first_index + body.n)
+    indices = range(first_index, first_index + choices)
     return await st.manager.submit(
         prompt_ids,
         [with_seed_offset(params, i) for i in indices],
@@ -130,10 +134,12 @@ def _model_card(st: FrontendState) -> dict[str, Any]:
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     """A batch of prompts (OpenAI's and vLLM's list prompt) gives each prompt n choices:
-    prompt i's are indices i * n to i * n + n - 1, each with its own prompt's echo."""
+    prompt i's are indices i * n to i * n + n - 1, each with its own prompt's echo. With
+    best_of, a prompt runs that many candidates and its n best are its choices."""
     st = get_state(request)
     check_model(body.model, st.limits)
     prompts = completion_prompts(st, body)
+    candidates = candidates_per_prompt(body)
     want_lp = body.logprobs is not None
     cid = f"cmpl-{request_name(body, request)}"
     handles: list[RequestHandle] = []
@@ -144,8 +150,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             if max_tokens is None:  # a prompt that fills the context still gets resolve_max_tokens' 400
                 max_tokens = max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, st.limits.context_length - len(prompt_ids)))
             echo_lp = body.logprobs if body.echo else None
-            sreq = sampling_request(body, max_tokens, want_lp, body.logprobs or 0, constraint, bad_words_ids, echo_lp)
-            handles += await submit_choices(st, prompt_ids, body, sreq, cid, "max_tokens", i * body.n)
+            # Ranking candidates needs their tokens' logprobs, asked for or not.
+            logprobs = want_lp or candidates > body.n
+            sreq = sampling_request(body, max_tokens, logprobs, body.logprobs or 0, constraint, bad_words_ids, echo_lp)
+            handles += await submit_choices(st, prompt_ids, body, sreq, cid, "max_tokens", candidates, i * candidates)
     except BaseException:
         for handle in handles:
             handle.close()
@@ -153,15 +161,16 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     created = int(time.time())
     model = st.args.served_model_name
     prompt_tokens = sum(len(ids) for _, ids in prompts)
-    prompt_of = [prompts[i // body.n] for i in range(len(handles))]  # (echo, ids) of each choice
+    prompt_of = [prompts[i // body.n] for i in range(len(prompts) * body.n)]  # (echo, ids) of each choice
 
     if body.stream:
         gen = _stream_completion(st, body, handles, cid, created, model, prompt_of, prompt_tokens)
         return EventStreamResponse(gen, handles)
     try:
-        results = await collect(request, handles)
+        ran = await collect(request, handles)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
+    results = best_of_each_prompt(ran, candidates, body.n) if candidates > body.n else ran
     choices = []
     for r in results:
         prompt_text, prompt_ids = prompt_of[r.index]
@@ -175,7 +184,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         text = prompt_text + r.text
         ids = fmt.TokenIds(r.token_ids, prompt_ids) if body.return_token_ids else None
         choices.append(fmt.completion_choice(r.index, text, logprobs, r.finish_reason, prompt_lps, ids))
-    return JSONResponse(fmt.completion_body(cid, created, model, choices, usage_of(results, prompt_tokens)))
+    return JSONResponse(fmt.completion_body(cid, created, model, choices, usage_of(ran, prompt_tokens)))
 
 
 async def _stream_completion(
@@ -263,7 +272,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     sreq = sampling_request(body, max_tokens, body.logprobs, body.top_logprobs or 0, grammar, bad_words_ids)
     cid = f"chatcmpl-{request_name(body, request)}"
     param = "max_completion_tokens" if use_mct else "max_tokens"
-    handles = await submit_choices(st, prompt_ids, body, sreq, cid, param)
+    handles = await submit_choices(st, prompt_ids, body, sreq, cid, param, body.n)
     created = int(time.time())
     model = st.args.served_model_name
     outputs = [choice_output(plan, st.tool_format, st.model_reasons, prompt_text) for _ in handles]

@@ -1,7 +1,8 @@
 """What an OpenAI request body resolves to before it is submitted: its prompts (completion
 prompts cut to `truncate_prompt_tokens`, a chat through its template), its one decoding
 constraint, its sampling request, its scheduling options (cache salt, priority), its name
-(`request_id`) and how its logprobs name tokens. The routes in `openai_api` call these; a
+(`request_id`), how many candidates a prompt runs (`best_of`) and how the best are chosen,
+and how its logprobs name tokens. The routes in `openai_api` call these; a
 400 for anything the body asks that cannot be done."""
 
 from __future__ import annotations
@@ -113,6 +114,34 @@ def prompt_logprobs_of(
     if body.prompt_logprobs is None:
         return None
     return vllm_prompt_logprobs(token_strings(st, body), prompt_ids, r.prompt_logprobs, body.prompt_logprobs)
+
+
+def candidates_per_prompt(body: CompletionRequest) -> int:
+    """How many choices each prompt runs: `best_of` when given, else n."""
+    if body.best_of is None:
+        return body.n
+    if body.best_of < body.n:
+        raise APIError(f"best_of ({body.best_of}) must be at least n ({body.n}).", param="best_of")
+    if body.stream and body.best_of > body.n:
+        raise APIError("best_of larger than n cannot be streamed: the best are known only at the end.", param="best_of")
+    return body.best_of
+
+
+def best_of_each_prompt(results: list[ChoiceResult], candidates: int, n: int) -> list[ChoiceResult]:
+    """The n candidates of each prompt (`candidates` in a row, in `results`' order) whose
+    sampled tokens have the highest mean logprob, best first, indexed as n choices a prompt
+    are. A tie keeps the earlier candidate first."""
+    best = []
+    for first in range(0, len(results), candidates):
+        ranked = sorted(results[first : first + candidates], key=_mean_logprob, reverse=True)
+        for rank, r in enumerate(ranked[:n]):
+            r.index = first // candidates * n + rank
+            best.append(r)
+    return best
+
+
+def _mean_logprob(r: ChoiceResult) -> float:
+    return sum(r.token_logprobs) / len(r.token_logprobs) if r.token_logprobs else 0.0
 
 
 def completion_prompts(st: FrontendState, body: CompletionRequest) -> list[tuple[str, list[int]]]:

@@ -253,6 +253,10 @@ class CompletionRequest(_SamplingFields):
     less; 0 runs the prompt only (its logprobs with echo or prompt_logprobs: lm-eval's scoring)."""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    """OpenAI's: each prompt runs this many candidates and answers with the n of them whose
+    tokens have the highest mean logprob (at least n; not streamed when more than n). The
+    usage counts every candidate's tokens."""
     suffix: str | None = None
     response_format: ResponseFormat | None = None
 
