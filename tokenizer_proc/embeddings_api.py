@@ -19,10 +19,9 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from tokenizer_proc.errors import SERVER_ERROR, APIError
-from tokenizer_proc.openai_api import CLIENT_CLOSED
 from tokenizer_proc.protocol import EmbeddingRequest
 from tokenizer_proc.sampling import ModelLimits, check_model, check_prompt_ids
-from tokenizer_proc.serving import ClientDisconnected, collect
+from tokenizer_proc.serving import CLIENT_CLOSED, ClientDisconnected, collect
 from tokenizer_proc.state import FrontendState, get_state
 from tokenizer_proc.tokenization import encode_text
 

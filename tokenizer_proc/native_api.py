@@ -18,12 +18,13 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from tokenizer_proc.errors import APIError, error_response
-from tokenizer_proc.openai_api import CLIENT_CLOSED, EventStreamResponse
+from tokenizer_proc.openai_api import EventStreamResponse
 from tokenizer_proc.prompt_logprobs_format import LogprobMeta
 from tokenizer_proc.protocol import AbortRequest, GenerateRequest
 from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.sampling import check_prompt_ids, native_sampling_params
 from tokenizer_proc.serving import (
+    CLIENT_CLOSED,
     SSE_DONE,
     ChoiceResult,
     ClientDisconnected,

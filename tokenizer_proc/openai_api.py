@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tokenizer_proc import openai_format as fmt
+from tokenizer_proc.beam_search import beam_search_completion
 from tokenizer_proc.chat_output import ChoiceOutput, choice_output
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.openai_request import (
@@ -46,6 +47,7 @@ from tokenizer_proc.sampling import (
     with_seed_offset,
 )
 from tokenizer_proc.serving import (
+    CLIENT_CLOSED,
     SSE_DONE,
     ChoiceResult,
     ClientDisconnected,
@@ -61,9 +63,6 @@ from tokenizer_proc.tokenization import bad_word_sequences
 from tokenizer_proc.tools import forced_call_spec, plan_of
 
 router = APIRouter()
-
-CLIENT_CLOSED = 499
-"""Status logged for a request whose client left first (nginx's convention)."""
 
 
 class EventStreamResponse(StreamingResponse):
@@ -139,9 +138,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     st = get_state(request)
     check_model(body.model, st.limits)
     prompts = completion_prompts(st, body)
+    cid = f"cmpl-{request_name(body, request)}"
+    if body.use_beam_search:
+        return await beam_search_completion(st, body, request, prompts, cid)
     candidates = candidates_per_prompt(body)
     want_lp = body.logprobs is not None
-    cid = f"cmpl-{request_name(body, request)}"
     handles: list[RequestHandle] = []
     constraint, bad_words_ids = request_constraint(body), bad_word_sequences(st.tokenizer, body.bad_words)
     try:

@@ -2,7 +2,7 @@
 prompts cut to `truncate_prompt_tokens`, a chat through its template), its one decoding
 constraint, its sampling request, its scheduling options (cache salt, priority), its name
 (`request_id`), how many candidates a prompt runs (`best_of`) and how the best are chosen,
-and how its logprobs name tokens. The routes in `openai_api` call these; a
+what a beam search takes, and how its logprobs name tokens. The routes in `openai_api` call these; a
 400 for anything the body asks that cannot be done."""
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from fastapi import Request
 
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.prompt_logprobs_format import vllm_prompt_logprobs
-from tokenizer_proc.protocol import MAX_REQUEST_ID_CHARS, ChatCompletionRequest, ChatPrompt, CompletionRequest
+from tokenizer_proc.protocol import (
+    MAX_LOGPROBS,
+    MAX_REQUEST_ID_CHARS,
+    ChatCompletionRequest,
+    ChatPrompt,
+    CompletionRequest,
+)
 from tokenizer_proc.request_handle import SchedulingOptions
 from tokenizer_proc.sampling import SamplingRequest, check_prompt_ids, last_prompt_tokens
 from tokenizer_proc.serving import ChoiceResult
@@ -125,6 +131,29 @@ def candidates_per_prompt(body: CompletionRequest) -> int:
     if body.stream and body.best_of > body.n:
         raise APIError("best_of larger than n cannot be streamed: the best are known only at the end.", param="best_of")
     return body.best_of
+
+
+def beam_width(body: CompletionRequest) -> int:
+    """n, the beams a beam search keeps; a 400 for what beam search does not take. Sampling
+    knobs (temperature, top_p, ...) do not apply: beams rank by the model's own logprobs."""
+    if body.stream:
+        raise APIError("Beam search answers once every beam is done: it cannot be streamed.", param="stream")
+    if body.n > MAX_LOGPROBS // 2:
+        raise APIError(f"Beam search keeps at most {MAX_LOGPROBS // 2} beams (n).", param="n")
+    refused = {
+        "best_of": body.best_of is not None,
+        "stop": bool(body.stop),
+        "logit_bias": bool(body.logit_bias),
+        "allowed_token_ids": bool(body.allowed_token_ids),
+        "bad_words": bool(body.bad_words),
+        "prompt_logprobs": body.prompt_logprobs is not None,
+        "echo": body.echo and body.logprobs is not None,
+        "response_format": request_constraint(body) is not None,
+    }
+    for param, asked in refused.items():
+        if asked:
+            raise APIError(f"{param} cannot be used with use_beam_search.", param=param)
+    return body.n
 
 
 def best_of_each_prompt(results: list[ChoiceResult], candidates: int, n: int) -> list[ChoiceResult]:

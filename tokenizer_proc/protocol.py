@@ -257,6 +257,10 @@ class CompletionRequest(_SamplingFields):
     """OpenAI's: each prompt runs this many candidates and answers with the n of them whose
     tokens have the highest mean logprob (at least n; not streamed when more than n). The
     usage counts every candidate's tokens."""
+    use_beam_search: bool = False
+    """vLLM's: n beams, kept by summed logprob (`beam_search`); the choices are the n best."""
+    length_penalty: float = 1.0
+    """vLLM's, with use_beam_search: a beam ranks by summed logprob / length ** length_penalty."""
     suffix: str | None = None
     response_format: ResponseFormat | None = None
 

@@ -39,6 +39,10 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
 
+CLIENT_CLOSED = 499
+"""Status logged for a request whose client left first (nginx's convention)."""
+
+
 def merge_outputs(handles: Sequence[RequestHandle]) -> AsyncIterator[GenerationOutput]:
     """Yield outputs of all handles as they arrive; closing this closes (aborts) them all.
 
