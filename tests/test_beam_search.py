@@ -1,4 +1,4 @@
-"""vLLM's `use_beam_search` on /v1/completions, against the default float32 server through the
+"""vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions, against the default float32 server through the
 official openai client: its beams are the ones the same search keeps over transformers'
 float32 logits, ranked alike, and what beam search cannot take is a 400 naming it."""
 
@@ -68,6 +68,33 @@ def test_beam_search_keeps_and_ranks_the_beams_transformers_logits_give(smollm2_
     assert out.usage.completion_tokens == sum(len(tokens) for tokens, _, _ in expected)
 
 
+def test_chat_beam_search_answers_with_the_beams_of_the_rendered_conversation(smollm2_server, hf_reference):
+    tokenizer, model = hf_reference
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = smollm2_server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        n=2,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body={
+            "use_beam_search": True,
+            "stop_token_ids": [end_of_turn],
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    prompt_ids = out.model_extra["prompt_token_ids"]
+    expected = reference_beam_search(model, prompt_ids, 2, 8, 1.0, {end_of_turn})
+    assert [c.index for c in out.choices] == [0, 1]
+    for choice, (tokens, cum, finished) in zip(out.choices, expected, strict=True):
+        assert choice.model_extra["token_ids"] == tokens
+        assert sum(t.logprob for t in choice.logprobs.content) == pytest.approx(cum, abs=1e-3)
+        assert choice.finish_reason == ("stop" if finished else "length")
+        assert choice.message.content == tokenizer.decode(tokens[:-1] if finished else tokens)
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -84,3 +111,17 @@ def test_what_beam_search_cannot_take_is_a_400_naming_it(smollm2_server, body, p
     with pytest.raises(openai.BadRequestError) as err:
         smollm2_server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=extra, **body)
     assert err.value.body["param"] == param, err.value.body
+
+
+def test_chat_beam_search_refuses_a_forced_tool_call_naming_it(smollm2_server):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        smollm2_server.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[tool],
+            tool_choice="required",
+            max_tokens=4,
+            extra_body={"use_beam_search": True},
+        )
+    assert err.value.body["param"] == "tool_choice", err.value.body

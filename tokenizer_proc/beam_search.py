@@ -1,5 +1,5 @@
-"""vLLM's beam search (`use_beam_search` on /v1/completions), run in the tokenizer process over
-ordinary one-token requests, as vLLM runs it in its API server.
+"""vLLM's beam search (`use_beam_search` on both OpenAI routes), run in the tokenizer process
+over ordinary one-token requests, as vLLM runs it in its API server.
 
 Each step asks the model, for every live beam, for the 2 x width most likely next tokens (raw
 logprobs; the radix cache holds each beam's prefix, so a step prefills one token a beam). Every
@@ -11,20 +11,17 @@ are the answer, best first."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from fastapi import Request, Response
-from fastapi.responses import JSONResponse
+from fastapi import Request
 
-from tokenizer_proc import openai_format as fmt
-from tokenizer_proc.openai_request import beam_width, scheduling_options, token_strings
-from tokenizer_proc.protocol import COMPLETION_DEFAULT_MAX_TOKENS, CompletionRequest
+from tokenizer_proc.openai_request import scheduling_options
+from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
 from tokenizer_proc.request_handle import SchedulingOptions
 from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import resolve_max_tokens
-from tokenizer_proc.serving import CLIENT_CLOSED, ClientDisconnected, collect, usage_dict
+from tokenizer_proc.serving import ChoiceResult, collect
 from tokenizer_proc.state import FrontendState
 from trident.wire.frontend import SamplingParams
 
@@ -99,47 +96,49 @@ async def beam_search(
     return sorted(finished + live, key=lambda beam: beam.score(length_penalty), reverse=True)[:width]
 
 
-async def beam_search_completion(
-    st: FrontendState, body: CompletionRequest, request: Request, prompts: list[tuple[str, list[int]]], cid: str
-) -> Response:
-    """The /v1/completions answer of a beam search: each prompt's n beams are its n choices,
-    best first; the usage counts the tokens of the beams returned."""
-    width = beam_width(body)
+async def beam_search_choices(
+    st: FrontendState,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: Sequence[tuple[list[int], int | None]],
+    top_logprobs: int,
+    cid: str,
+    max_tokens_param: str,
+) -> list[ChoiceResult]:
+    """Each prompt's n beams as its n choices (indices prompt * n + rank, best first), for the
+    route to format as it formats sampled ones. `prompts`: (ids, max_tokens as the body asks
+    it) of each; `top_logprobs`: how many of each position's likeliest tokens a choice shows;
+    `max_tokens_param`: the field a budget past the context is a 400 about. Raises
+    ClientDisconnected if the client leaves."""
+    width = body.n
     end_ids = set(body.stop_token_ids or ()) | (set() if body.ignore_eos else set(st.manager.server_info.eos_token_ids))
-    strings = token_strings(st, body)
-    choices, completion_tokens = [], 0
-    for i, (echo, prompt_ids) in enumerate(prompts):
-        max_tokens = body.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, st.limits.context_length - len(prompt_ids)))
-        steps = resolve_max_tokens(len(prompt_ids), max_tokens, st.limits, "max_tokens")
-        try:
-            beams = await beam_search(
-                st.manager,
-                request,
-                prompt_ids,
-                width=width,
-                steps=steps,
-                length_penalty=body.length_penalty,
-                end_ids=end_ids,
-                top_logprobs=body.logprobs or 0,
-                scheduling=scheduling_options(st, body),
-                rid=f"{cid}-{i}",
-            )
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED)
+    choices = []
+    for i, (prompt_ids, max_tokens) in enumerate(prompts):
+        beams = await beam_search(
+            st.manager,
+            request,
+            prompt_ids,
+            width=width,
+            steps=resolve_max_tokens(len(prompt_ids), max_tokens, st.limits, max_tokens_param),
+            length_penalty=body.length_penalty,
+            end_ids=end_ids,
+            top_logprobs=top_logprobs,
+            scheduling=scheduling_options(st, body),
+            rid=f"{cid}-{i}",
+        )
         for rank, beam in enumerate(beams):
-            logprobs = None
-            if body.logprobs is not None:
-                tops = [top[: body.logprobs] for top in beam.top_logprobs]
-                logprobs = fmt.CompletionLogprobs(strings).part(beam.token_ids, beam.token_logprobs, tops)
             # The token that ended a beam is not its text (unless asked for), as a stop token is not.
             shown = beam.token_ids[:-1] if beam.finished and not body.include_stop_str_in_output else beam.token_ids
-            text = echo + st.tokenizer.decode(shown, skip_special_tokens=body.skip_special_tokens)
-            ids = fmt.TokenIds(beam.token_ids, prompt_ids) if body.return_token_ids else None
-            finish = "stop" if beam.finished else "length"
-            choices.append(fmt.completion_choice(i * width + rank, text, logprobs, finish, None, ids))
-            completion_tokens += len(beam.token_ids)
-    usage = usage_dict(sum(len(ids) for _, ids in prompts), completion_tokens, 0)
-    body_out = fmt.completion_body(cid, int(time.time()), st.args.served_model_name, choices, usage)
-    return JSONResponse(body_out)
+            choices.append(
+                ChoiceResult(
+                    i * width + rank,
+                    st.tokenizer.decode(shown, skip_special_tokens=body.skip_special_tokens),
+                    beam.token_ids,
+                    beam.token_logprobs,
+                    [top[:top_logprobs] for top in beam.top_logprobs],
+                    "stop" if beam.finished else "length",
+                    prompt_tokens=len(prompt_ids),
+                    completion_tokens=len(beam.token_ids),
+                )
+            )
+    return choices

@@ -20,10 +20,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tokenizer_proc import openai_format as fmt
-from tokenizer_proc.beam_search import beam_search_completion
+from tokenizer_proc.beam_search import beam_search_choices
 from tokenizer_proc.chat_output import ChoiceOutput, choice_output
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.openai_request import (
+    beam_width,
     best_of_each_prompt,
     candidates_per_prompt,
     completion_prompts,
@@ -61,6 +62,7 @@ from tokenizer_proc.state import FrontendState, get_state
 from tokenizer_proc.structured import after_reasoning
 from tokenizer_proc.tokenization import bad_word_sequences
 from tokenizer_proc.tools import forced_call_spec, plan_of
+from trident.wire.frontend import GrammarSpec
 
 router = APIRouter()
 
@@ -134,41 +136,37 @@ def _model_card(st: FrontendState) -> dict[str, Any]:
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     """A batch of prompts (OpenAI's and vLLM's list prompt) gives each prompt n choices:
     prompt i's are indices i * n to i * n + n - 1, each with its own prompt's echo. With
-    best_of, a prompt runs that many candidates and its n best are its choices."""
+    best_of, a prompt runs that many candidates and its n best are its choices; with
+    use_beam_search, its n best beams are."""
     st = get_state(request)
     check_model(body.model, st.limits)
     prompts = completion_prompts(st, body)
     cid = f"cmpl-{request_name(body, request)}"
-    if body.use_beam_search:
-        return await beam_search_completion(st, body, request, prompts, cid)
-    candidates = candidates_per_prompt(body)
+    constraint = request_constraint(body)
+    # None: the default budget, or the context left if less (a full prompt still gets
+    # resolve_max_tokens' 400).
+    budgets = [
+        body.max_tokens
+        if body.max_tokens is not None
+        else max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, st.limits.context_length - len(ids)))
+        for _, ids in prompts
+    ]
     want_lp = body.logprobs is not None
-    handles: list[RequestHandle] = []
-    constraint, bad_words_ids = request_constraint(body), bad_word_sequences(st.tokenizer, body.bad_words)
-    try:
-        for i, (_, prompt_ids) in enumerate(prompts):
-            max_tokens = body.max_tokens
-            if max_tokens is None:  # a prompt that fills the context still gets resolve_max_tokens' 400
-                max_tokens = max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, st.limits.context_length - len(prompt_ids)))
-            echo_lp = body.logprobs if body.echo else None
-            # Ranking candidates needs their tokens' logprobs, asked for or not.
-            logprobs = want_lp or candidates > body.n
-            sreq = sampling_request(body, max_tokens, logprobs, body.logprobs or 0, constraint, bad_words_ids, echo_lp)
-            handles += await submit_choices(st, prompt_ids, body, sreq, cid, "max_tokens", candidates, i * candidates)
-    except BaseException:
-        for handle in handles:
-            handle.close()
-        raise
     created = int(time.time())
     model = st.args.served_model_name
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     prompt_of = [prompts[i // body.n] for i in range(len(prompts) * body.n)]  # (echo, ids) of each choice
-
-    if body.stream:
-        gen = _stream_completion(st, body, handles, cid, created, model, prompt_of, prompt_tokens)
-        return EventStreamResponse(gen, handles)
+    candidates = beam_width(body, constraint) if body.use_beam_search else candidates_per_prompt(body)
     try:
-        ran = await collect(request, handles)
+        if body.use_beam_search:
+            searched = [(ids, budget) for (_, ids), budget in zip(prompts, budgets)]
+            ran = await beam_search_choices(st, request, body, searched, body.logprobs or 0, cid, "max_tokens")
+        else:
+            handles = await _submit_completion_choices(st, body, prompts, budgets, candidates, constraint, cid)
+            if body.stream:
+                gen = _stream_completion(st, body, handles, cid, created, model, prompt_of, prompt_tokens)
+                return EventStreamResponse(gen, handles)
+            ran = await collect(request, handles)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
     results = best_of_each_prompt(ran, candidates, body.n) if candidates > body.n else ran
@@ -186,6 +184,32 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         ids = fmt.TokenIds(r.token_ids, prompt_ids) if body.return_token_ids else None
         choices.append(fmt.completion_choice(r.index, text, logprobs, r.finish_reason, prompt_lps, ids))
     return JSONResponse(fmt.completion_body(cid, created, model, choices, usage_of(ran, prompt_tokens)))
+
+
+async def _submit_completion_choices(
+    st: FrontendState,
+    body: CompletionRequest,
+    prompts: list[tuple[str, list[int]]],
+    budgets: list[int],
+    candidates: int,
+    constraint: GrammarSpec | None,
+    cid: str,
+) -> list[RequestHandle]:
+    """`candidates` choices of each prompt (n, or best_of), `budgets` its max_tokens."""
+    bad_words_ids = bad_word_sequences(st.tokenizer, body.bad_words)
+    # Ranking best_of's candidates needs their tokens' logprobs, asked for or not.
+    logprobs = body.logprobs is not None or candidates > body.n
+    echo_lp = body.logprobs if body.echo else None
+    handles: list[RequestHandle] = []
+    try:
+        for i, ((_, prompt_ids), budget) in enumerate(zip(prompts, budgets)):
+            sreq = sampling_request(body, budget, logprobs, body.logprobs or 0, constraint, bad_words_ids, echo_lp)
+            handles += await submit_choices(st, prompt_ids, body, sreq, cid, "max_tokens", candidates, i * candidates)
+    except BaseException:
+        for handle in handles:
+            handle.close()
+        raise
+    return handles
 
 
 async def _stream_completion(
@@ -273,16 +297,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     sreq = sampling_request(body, max_tokens, body.logprobs, body.top_logprobs or 0, grammar, bad_words_ids)
     cid = f"chatcmpl-{request_name(body, request)}"
     param = "max_completion_tokens" if use_mct else "max_tokens"
-    handles = await submit_choices(st, prompt_ids, body, sreq, cid, param, body.n)
     created = int(time.time())
     model = st.args.served_model_name
-    outputs = [choice_output(plan, st.tool_format, st.model_reasons, prompt_text) for _ in handles]
-
-    if body.stream:
-        stream = _stream_chat(st, body, outputs, handles, cid, created, model, prompt_ids)
-        return EventStreamResponse(stream, handles)
+    outputs = [choice_output(plan, st.tool_format, st.model_reasons, prompt_text) for _ in range(body.n)]
     try:
-        results = await collect(request, handles)
+        if body.use_beam_search:
+            beam_width(body, grammar, "tool_choice" if forced is not None else "response_format")
+            searched = [(prompt_ids, max_tokens)]
+            results = await beam_search_choices(st, request, body, searched, body.top_logprobs or 0, cid, param)
+        else:
+            handles = await submit_choices(st, prompt_ids, body, sreq, cid, param, body.n)
+            if body.stream:
+                stream = _stream_chat(st, body, outputs, handles, cid, created, model, prompt_ids)
+                return EventStreamResponse(stream, handles)
+            results = await collect(request, handles)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED)
     choices = []

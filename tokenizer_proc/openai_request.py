@@ -133,22 +133,28 @@ def candidates_per_prompt(body: CompletionRequest) -> int:
     return body.best_of
 
 
-def beam_width(body: CompletionRequest) -> int:
-    """n, the beams a beam search keeps; a 400 for what beam search does not take. Sampling
+def beam_width(
+    body: CompletionRequest | ChatCompletionRequest,
+    constraint: GrammarSpec | None,
+    constraint_param: str = "response_format",
+) -> int:
+    """n, the beams a beam search keeps; a 400 for what beam search does not take
+    (`constraint`: the request's resolved one, from the field `constraint_param`). Sampling
     knobs (temperature, top_p, ...) do not apply: beams rank by the model's own logprobs."""
     if body.stream:
         raise APIError("Beam search answers once every beam is done: it cannot be streamed.", param="stream")
     if body.n > MAX_LOGPROBS // 2:
         raise APIError(f"Beam search keeps at most {MAX_LOGPROBS // 2} beams (n).", param="n")
+    echo = isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None
     refused = {
-        "best_of": body.best_of is not None,
+        "best_of": isinstance(body, CompletionRequest) and body.best_of is not None,
         "stop": bool(body.stop),
         "logit_bias": bool(body.logit_bias),
         "allowed_token_ids": bool(body.allowed_token_ids),
         "bad_words": bool(body.bad_words),
         "prompt_logprobs": body.prompt_logprobs is not None,
-        "echo": body.echo and body.logprobs is not None,
-        "response_format": request_constraint(body) is not None,
+        "echo": echo,
+        constraint_param: constraint is not None,
     }
     for param, asked in refused.items():
         if asked:

@@ -232,6 +232,10 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     """vLLM's decoding constraint; SGLang's `regex`/`ebnf`/`json_schema` say the same."""
     bad_words: list[StrictStr] | None = Field(None, max_length=MAX_BAD_WORDS)
     """vLLM's: words the output must not contain, at its start or after a space."""
+    use_beam_search: bool = False
+    """vLLM's: n beams, kept by summed logprob (`beam_search`); the choices are the n best."""
+    length_penalty: float = 1.0
+    """vLLM's, with use_beam_search: a beam ranks by summed logprob / length ** length_penalty."""
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -257,10 +261,6 @@ class CompletionRequest(_SamplingFields):
     """OpenAI's: each prompt runs this many candidates and answers with the n of them whose
     tokens have the highest mean logprob (at least n; not streamed when more than n). The
     usage counts every candidate's tokens."""
-    use_beam_search: bool = False
-    """vLLM's: n beams, kept by summed logprob (`beam_search`); the choices are the n best."""
-    length_penalty: float = 1.0
-    """vLLM's, with use_beam_search: a beam ranks by summed logprob / length ** length_penalty."""
     suffix: str | None = None
     response_format: ResponseFormat | None = None
 
