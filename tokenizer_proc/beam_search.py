@@ -18,7 +18,7 @@ from fastapi import Request
 
 from tokenizer_proc.openai_request import scheduling_options
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
-from tokenizer_proc.request_handle import SchedulingOptions
+from tokenizer_proc.request_handle import RequestHandle, SchedulingOptions
 from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import resolve_max_tokens
 from tokenizer_proc.serving import ChoiceResult, collect
@@ -73,16 +73,21 @@ async def beam_search(
     )
     live, finished = [Beam()], []
     for step in range(steps):
-        handles = []
-        for b, beam in enumerate(live):
-            handles += await manager.submit(
-                [*prompt_ids, *beam.token_ids],
-                step_params,
-                rids=[f"{rid}-step{step}-{b}"],
-                scheduling=scheduling,
-                stream=False,
-                first_index=b,
-            )
+        handles: list[RequestHandle] = []
+        try:
+            for b, beam in enumerate(live):
+                handles += await manager.submit(
+                    [*prompt_ids, *beam.token_ids],
+                    step_params,
+                    rids=[f"{rid}-step{step}-{b}"],
+                    scheduling=scheduling,
+                    stream=False,
+                    first_index=b,
+                )
+        except BaseException:  # a refused beam (a full server: 503) takes the step's others with it
+            for handle in handles:
+                handle.close()
+            raise
         results = await collect(request, handles)
         extensions = []
         for beam, result in zip(live, results, strict=True):
