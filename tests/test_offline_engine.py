@@ -48,6 +48,9 @@ def test_engine_greedy_output_equals_the_http_server_and_leaves_no_process(smoll
         scored = engine.generate(
             PROMPTS[2:], {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0, top_logprobs_num=2
         )
+        beams = engine.beam_search(PROMPTS[:2], beam_width=3, max_tokens=6)
+        with pytest.raises(ValueError, match="beam_width"):
+            engine.beam_search(PROMPTS[0], beam_width=11, max_tokens=4)
         with pytest.raises(ValueError, match="temprature"):
             engine.generate(PROMPTS[0], {"temprature": 0})
         with pytest.raises(ValueError, match="temperature"):
@@ -72,6 +75,19 @@ def test_engine_greedy_output_equals_the_http_server_and_leaves_no_process(smoll
         assert out["input_top_logprobs"][0] is None and all(len(top) == 2 for top in out["input_top_logprobs"][1:])
         assert len(out["output_token_logprobs"]) == len(out["output_top_logprobs"]) == 1
     assert cut[1]["finish_reason"] == "stop"
+    for prompt, got in zip(PROMPTS[:2], beams):  # the beams /v1/completions' use_beam_search finds
+        served = smollm2_server.client().completions.create(
+            model="smollm2-135m",
+            prompt=prompt,
+            n=3,
+            max_tokens=6,
+            logprobs=0,
+            extra_body={"use_beam_search": True, "return_token_ids": True},
+        )
+        assert [b["output_ids"] for b in got] == [c.model_extra["token_ids"] for c in served.choices]
+        assert [b["text"] for b in got] == [c.text for c in served.choices]
+        cum = [sum(c.logprobs.token_logprobs) for c in served.choices]
+        assert [b["cum_logprob"] for b in got] == pytest.approx(cum, abs=1e-3)
 
     assert not [pid for pid in pids if alive(pid)]
     assert not os.path.exists(run_dir)

@@ -37,6 +37,11 @@ class Beam:
     finished: bool = False
     """It ended in an end-of-sequence token."""
 
+    def text_ids(self, with_end_token: bool = False) -> list[int]:
+        """The ids its text decodes: the token that ended it is not text unless asked for, as a
+        stop token is not."""
+        return self.token_ids[:-1] if self.finished and not with_end_token else self.token_ids
+
     def score(self, length_penalty: float) -> float:
         length = max(len(self.token_ids) - self.finished, 1)
         return self.cum_logprob / length**length_penalty
@@ -132,8 +137,7 @@ async def beam_search_choices(
             rid=f"{cid}-{i}",
         )
         for rank, beam in enumerate(beams):
-            # The token that ended a beam is not its text (unless asked for), as a stop token is not.
-            shown = beam.token_ids[:-1] if beam.finished and not body.include_stop_str_in_output else beam.token_ids
+            shown = beam.text_ids(with_end_token=body.include_stop_str_in_output)
             choices.append(
                 ChoiceResult(
                     i * width + rank,

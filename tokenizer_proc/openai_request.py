@@ -15,7 +15,7 @@ from fastapi import Request
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.prompt_logprobs_format import vllm_prompt_logprobs
 from tokenizer_proc.protocol import (
-    MAX_LOGPROBS,
+    MAX_BEAM_WIDTH,
     MAX_REQUEST_ID_CHARS,
     ChatCompletionRequest,
     ChatPrompt,
@@ -143,8 +143,8 @@ def beam_width(
     knobs (temperature, top_p, ...) do not apply: beams rank by the model's own logprobs."""
     if body.stream:
         raise APIError("Beam search answers once every beam is done: it cannot be streamed.", param="stream")
-    if body.n > MAX_LOGPROBS // 2:
-        raise APIError(f"Beam search keeps at most {MAX_LOGPROBS // 2} beams (n).", param="n")
+    if body.n > MAX_BEAM_WIDTH:
+        raise APIError(f"Beam search keeps at most {MAX_BEAM_WIDTH} beams (n).", param="n")
     echo = isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None
     refused = {
         "best_of": isinstance(body, CompletionRequest) and body.best_of is not None,

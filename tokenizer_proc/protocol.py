@@ -26,6 +26,8 @@ from trident.wire.frontend import INT32_MAX, ClientRange, SamplingParams
 MAX_STOP_STRINGS = 4
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+"""A beam search step asks for each beam's 2 x width likeliest tokens, as top logprobs."""
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
 MAX_BAD_WORDS = 256

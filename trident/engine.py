@@ -28,6 +28,11 @@ under /generate's names beside each result's text:
 
     outs = engine.generate(prompts, {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0)
     outs[0]["input_token_logprobs"]  # [logprob, token id, None] per prompt token; the first's logprob None
+
+Beam search is vLLM's `LLM.beam_search`, the same search as the OpenAI routes' `use_beam_search`:
+
+    beams = engine.beam_search(["The capital of France is"], beam_width=3, max_tokens=16)
+    beams[0][0]["text"], beams[0][0]["cum_logprob"]  # the first prompt's best beam
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import pydantic
 import zmq.asyncio
 
 from tokenizer_proc.offline import (
+    MAX_BEAM_WIDTH,
     APIError,
     LogprobMeta,
     Metrics,
@@ -54,12 +60,15 @@ from tokenizer_proc.offline import (
     NativeLogprobs,
     NativeSamplingParams,
     RequestManager,
+    SchedulingOptions,
     TokenStrings,
+    beam_search,
     check_prompt_ids,
     collect,
     encode_text,
     load_tokenizer,
     native_sampling_params,
+    resolve_max_tokens,
 )
 from trident.flags import argv_of, build_parser
 from trident.launch import Launcher, StartupError, server_args_from_cli
@@ -243,6 +252,65 @@ class Engine:
             raise ValueError(f"invalid logprob parameters: {e}") from None
         requests = [self._prepare(p, sp, logprobs) for p, sp in zip(prompt_list, param_list, strict=True)]
         return self._run(self._generate_all(requests, logprobs))
+
+    def beam_search(
+        self,
+        prompts: str | Sequence[str],
+        beam_width: int,
+        max_tokens: int,
+        *,
+        length_penalty: float = 1.0,
+        ignore_eos: bool = False,
+    ) -> list[list[dict[str, Any]]]:
+        """vLLM's `LLM.beam_search`: for each prompt, its `beam_width` best beams, best first,
+        each {text, output_ids, cum_logprob, finish_reason}, searched as the OpenAI routes'
+        `use_beam_search` does (tokenizer_proc/beam_search.py). The prompts run concurrently."""
+        if self._procs.closed:
+            raise RuntimeError("this Engine has been shut down")
+        if not 1 <= beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be 1 to {MAX_BEAM_WIDTH}, got {beam_width}")
+        prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
+        try:
+            prompt_ids = [encode_text(self.tokenizer, p) for p in prompt_list]
+            steps = [resolve_max_tokens(len(ids), max_tokens, self.limits, "max_tokens") for ids in prompt_ids]
+            for ids in prompt_ids:
+                check_prompt_ids(ids, self.limits)
+        except APIError as e:
+            raise ValueError(e.message) from None
+        info = self._manager.server_info
+        assert info is not None
+        end_ids = set() if ignore_eos else set(info.eos_token_ids)
+
+        async def search_all() -> list[list[Any]]:
+            searches = [
+                beam_search(
+                    self._manager,
+                    None,
+                    ids,
+                    width=beam_width,
+                    steps=n,
+                    length_penalty=length_penalty,
+                    end_ids=end_ids,
+                    top_logprobs=0,
+                    scheduling=SchedulingOptions(),
+                    rid=self._manager.new_rid("engine-beam"),
+                )
+                for ids, n in zip(prompt_ids, steps, strict=True)
+            ]
+            return list(await asyncio.gather(*searches))
+
+        return [
+            [
+                {
+                    "text": self.tokenizer.decode(b.text_ids(), skip_special_tokens=True),
+                    "output_ids": b.token_ids,
+                    "cum_logprob": b.cum_logprob,
+                    "finish_reason": "stop" if b.finished else "length",
+                }
+                for b in beams
+            ]
+            for beams in self._run(search_all())
+        ]
 
     def _prepare(
         self, prompt: str, params: Mapping[str, Any], logprobs: NativeLogprobs
