@@ -4,9 +4,14 @@ float32 logits, ranked alike, and what beam search cannot take is a 400 naming i
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import openai
 import pytest
 import torch
+
+from tests.helpers import wait_until
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
@@ -125,3 +130,23 @@ def test_chat_beam_search_refuses_a_forced_tool_call_naming_it(smollm2_server):
             extra_body={"use_beam_search": True},
         )
     assert err.value.body["param"] == "tool_choice", err.value.body
+
+
+def test_aborting_a_beam_search_by_its_request_id_returns_the_beams_so_far(smollm2_server):
+    client, http = smollm2_server.client(), smollm2_server.http()
+    with ThreadPoolExecutor(1) as pool:
+        searching = pool.submit(
+            client.completions.create,
+            model=MODEL,
+            prompt=PROMPT,
+            n=2,
+            max_tokens=400,
+            extra_body={"use_beam_search": True, "ignore_eos": True, "request_id": "beam-to-abort"},
+        )
+        time.sleep(1.0)  # a few steps in
+        # Until a step is open to abort: between steps there is nothing in flight to name.
+        assert wait_until(lambda: http.post("/abort", json={"rid": "cmpl-beam-to-abort"}).json()["aborted"], 30)
+        out = searching.result(timeout=30)
+    # Every live beam: both, or the one empty beam when the abort came during the first step.
+    assert [c.finish_reason for c in out.choices] in (["abort", "abort"], ["abort"])
+    assert out.usage.completion_tokens < 2 * 400

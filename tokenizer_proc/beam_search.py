@@ -34,25 +34,26 @@ class Beam:
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     """Each position's most likely tokens, as the step that chose it saw them."""
-    finished: bool = False
-    """It ended in an end-of-sequence token."""
+    finish_reason: str | None = None
+    """"stop": it ended in an end token; "abort": the search was aborted while it lived; None:
+    it ran out of steps ("length")."""
 
     def text_ids(self, with_end_token: bool = False) -> list[int]:
         """The ids its text decodes: the token that ended it is not text unless asked for, as a
         stop token is not."""
-        return self.token_ids[:-1] if self.finished and not with_end_token else self.token_ids
+        return self.token_ids[:-1] if self.finish_reason == "stop" and not with_end_token else self.token_ids
 
     def score(self, length_penalty: float) -> float:
-        length = max(len(self.token_ids) - self.finished, 1)
+        length = max(len(self.token_ids) - (self.finish_reason == "stop"), 1)
         return self.cum_logprob / length**length_penalty
 
-    def extended(self, token: int, logprob: float, top: list[tuple[int, float]], finished: bool) -> Beam:
+    def extended(self, token: int, logprob: float, top: list[tuple[int, float]], ends: bool) -> Beam:
         return Beam(
             [*self.token_ids, token],
             self.cum_logprob + logprob,
             [*self.token_logprobs, logprob],
             [*self.top_logprobs, top],
-            finished,
+            "stop" if ends else None,
         )
 
 
@@ -72,7 +73,8 @@ async def beam_search(
     """The `width` best beams after `steps` tokens at most, best first. `end_ids`: the tokens
     that finish a beam (none with ignore_eos); `top_logprobs`: how many of each position's
     most likely tokens a beam keeps (at least the 2 x width a step extends by); `rid`: the
-    prefix of the steps' request ids. Raises ClientDisconnected if the client leaves."""
+    prefix of the steps' request ids (POST /abort with a prefix of it ends the search: the live
+    beams finish with "abort"). Raises ClientDisconnected if the client leaves."""
     step_params = SamplingParams(
         max_new_tokens=1, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=max(2 * width, top_logprobs)
     )
@@ -94,6 +96,10 @@ async def beam_search(
                 handle.close()
             raise
         results = await collect(request, handles)
+        if any(not r.top_logprobs for r in results):  # aborted (POST /abort named the request)
+            for beam in live:
+                beam.finish_reason = "abort"
+            break
         extensions = []
         for beam, result in zip(live, results, strict=True):
             top = result.top_logprobs[0]
@@ -145,7 +151,7 @@ async def beam_search_choices(
                     beam.token_ids,
                     beam.token_logprobs,
                     [top[:top_logprobs] for top in beam.top_logprobs],
-                    "stop" if beam.finished else "length",
+                    beam.finish_reason or "length",
                     prompt_tokens=len(prompt_ids),
                     completion_tokens=len(beam.token_ids),
                 )

@@ -305,7 +305,7 @@ class Engine:
                     "text": self.tokenizer.decode(b.text_ids(), skip_special_tokens=True),
                     "output_ids": b.token_ids,
                     "cum_logprob": b.cum_logprob,
-                    "finish_reason": "stop" if b.finished else "length",
+                    "finish_reason": b.finish_reason or "length",
                 }
                 for b in beams
             ]
