@@ -28,15 +28,17 @@ from trident.wire.frontend import SamplingParams
 
 @dataclass
 class Beam:
+    """One hypothesis of a search: the tokens it generated and their summed logprob."""
+
     token_ids: list[int] = field(default_factory=list)
-    """Generated so far; a finished beam's last token is its end-of-sequence token."""
+    """Generated so far; a stopped beam's last token is its end token."""
     cum_logprob: float = 0.0
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     """Each position's most likely tokens, as the step that chose it saw them."""
     finish_reason: str | None = None
-    """"stop": it ended in an end token; "abort": the search was aborted while it lived; None:
-    it ran out of steps ("length")."""
+    """Why it ended: "stop", an end token; "abort", the search was aborted while it lived;
+    None, it ran out of steps ("length")."""
 
     def text_ids(self, with_end_token: bool = False) -> list[int]:
         """The ids its text decodes: the token that ended it is not text unless asked for, as a
