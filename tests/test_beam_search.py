@@ -100,6 +100,16 @@ def test_chat_beam_search_answers_with_the_beams_of_the_rendered_conversation(sm
         assert choice.message.content == tokenizer.decode(tokens[:-1] if finished else tokens)
 
 
+def test_a_batch_of_prompts_gets_each_prompts_own_beams(smollm2_server):
+    client = smollm2_server.client()
+    prompts = [PROMPT, "Once upon a time"]
+    kw = dict(model=MODEL, n=2, max_tokens=5, extra_body={"use_beam_search": True, "return_token_ids": True})
+    batch = sorted(client.completions.create(prompt=prompts, **kw).choices, key=lambda c: c.index)
+    alone = [client.completions.create(prompt=p, **kw).choices for p in prompts]
+    assert [c.index for c in batch] == [0, 1, 2, 3]
+    assert [c.model_extra["token_ids"] for c in batch] == [c.model_extra["token_ids"] for cs in alone for c in cs]
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

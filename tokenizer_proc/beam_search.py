@@ -11,8 +11,10 @@ are the answer, best first."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import asyncio
+from collections.abc import Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -114,6 +116,19 @@ async def beam_search(
     return sorted(finished + live, key=lambda beam: beam.score(length_penalty), reverse=True)[:width]
 
 
+async def all_or_none(searches: Sequence[Coroutine[Any, Any, list[Beam]]]) -> list[list[Beam]]:
+    """Runs `searches` concurrently (their steps share the scheduler's batches); if one fails
+    (a full server's 503, a client gone) or the caller is cancelled, the others are cancelled,
+    which aborts their open steps."""
+    tasks = [asyncio.ensure_future(search) for search in searches]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
 async def beam_search_choices(
     st: FrontendState,
     request: Request,
@@ -130,20 +145,27 @@ async def beam_search_choices(
     ClientDisconnected if the client leaves."""
     width = body.n
     end_ids = set(body.stop_token_ids or ()) | (set() if body.ignore_eos else set(st.manager.server_info.eos_token_ids))
-    choices = []
-    for i, (prompt_ids, max_tokens) in enumerate(prompts):
-        beams = await beam_search(
+    scheduling = scheduling_options(st, body)
+    steps = [resolve_max_tokens(len(ids), max_tokens, st.limits, max_tokens_param) for ids, max_tokens in prompts]
+    # One search watches for the client leaving (its ClientDisconnected cancels the others):
+    # concurrent readers of one request's messages would race for the disconnect.
+    searches = [
+        beam_search(
             st.manager,
-            request,
+            request if i == 0 else None,
             prompt_ids,
             width=width,
-            steps=resolve_max_tokens(len(prompt_ids), max_tokens, st.limits, max_tokens_param),
+            steps=n,
             length_penalty=body.length_penalty,
             end_ids=end_ids,
             top_logprobs=top_logprobs,
-            scheduling=scheduling_options(st, body),
+            scheduling=scheduling,
             rid=f"{cid}-{i}",
         )
+        for i, ((prompt_ids, _), n) in enumerate(zip(prompts, steps, strict=True))
+    ]
+    choices = []
+    for i, ((prompt_ids, _), beams) in enumerate(zip(prompts, await all_or_none(searches), strict=True)):
         for rank, beam in enumerate(beams):
             shown = beam.text_ids(with_end_token=body.include_stop_str_in_output)
             choices.append(

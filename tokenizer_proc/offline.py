@@ -9,7 +9,7 @@ The names below are that whole interface: trident/ imports nothing else from tok
 (tests/test_layering.py checks it), so any other module here can change without the Engine.
 """
 
-from tokenizer_proc.beam_search import beam_search
+from tokenizer_proc.beam_search import all_or_none, beam_search
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.prompt_logprobs_format import LogprobMeta
@@ -31,6 +31,7 @@ __all__ = [
     "RequestManager",
     "SchedulingOptions",
     "TokenStrings",
+    "all_or_none",
     "beam_search",
     "check_prompt_ids",
     "collect",

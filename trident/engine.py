@@ -62,6 +62,7 @@ from tokenizer_proc.offline import (
     RequestManager,
     SchedulingOptions,
     TokenStrings,
+    all_or_none,
     beam_search,
     check_prompt_ids,
     collect,
@@ -281,23 +282,21 @@ class Engine:
         assert info is not None
         end_ids = set() if ignore_eos else set(info.eos_token_ids)
 
-        async def search_all() -> list[list[Any]]:
-            searches = [
-                beam_search(
-                    self._manager,
-                    None,
-                    ids,
-                    width=beam_width,
-                    steps=n,
-                    length_penalty=length_penalty,
-                    end_ids=end_ids,
-                    top_logprobs=0,
-                    scheduling=SchedulingOptions(),
-                    rid=self._manager.new_rid("engine-beam"),
-                )
-                for ids, n in zip(prompt_ids, steps, strict=True)
-            ]
-            return list(await asyncio.gather(*searches))
+        searches = [
+            beam_search(
+                self._manager,
+                None,
+                ids,
+                width=beam_width,
+                steps=n,
+                length_penalty=length_penalty,
+                end_ids=end_ids,
+                top_logprobs=0,
+                scheduling=SchedulingOptions(),
+                rid=self._manager.new_rid("engine-beam"),
+            )
+            for ids, n in zip(prompt_ids, steps, strict=True)
+        ]
 
         return [
             [
@@ -309,7 +308,7 @@ class Engine:
                 }
                 for b in beams
             ]
-            for beams in self._run(search_all())
+            for beams in self._run(all_or_none(searches))
         ]
 
     def _prepare(
