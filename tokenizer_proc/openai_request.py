@@ -2,8 +2,8 @@
 prompts cut to `truncate_prompt_tokens`, a chat through its template), its one decoding
 constraint, its sampling request, its scheduling options (cache salt, priority), its name
 (`request_id`), how many candidates a prompt runs (`best_of`) and how the best are chosen,
-what a beam search takes, and how its logprobs name tokens. The routes in `openai_api` call these; a
-400 for anything the body asks that cannot be done."""
+what a beam search takes, and how its logprobs name tokens. The routes in `openai_api` call
+these; a 400 for anything the body asks that cannot be done."""
 
 from __future__ import annotations
 
