@@ -54,7 +54,7 @@ def smollm2_tokenizer() -> Any:
     call, the server keeps its result in the user cache."""
     from transformers import AutoTokenizer
 
-    from tokenizer_proc.tokenization import gguf_tokenizer_dir
+    from trident.wire.tokenizer_files import gguf_tokenizer_dir
 
     return AutoTokenizer.from_pretrained(gguf_tokenizer_dir(smollm2_gguf()))
 

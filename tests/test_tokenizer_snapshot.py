@@ -98,8 +98,9 @@ def pair(request, tmp_path_factory):
     """(the tokenizer the server loads, transformers' tokenizer of the same files)."""
     from transformers import AutoTokenizer
 
-    from tokenizer_proc.tokenization import gguf_tokenizer_dir, load_tokenizer
+    from tokenizer_proc.tokenization import load_tokenizer
     from tokenizer_proc.tokenizer_snapshot import SnapshotTokenizer
+    from trident.wire.tokenizer_files import gguf_tokenizer_dir
 
     if request.param == "tool-template-dir":
         path = _directory_with_tool_template(tmp_path_factory.mktemp("snapshot"))
@@ -199,8 +200,9 @@ def test_a_tokenizer_that_cleans_up_its_text_is_served_by_transformers(tmp_path)
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from tokenizer_proc.tokenization import TOKENIZER_CACHE_DIR, load_tokenizer
+    from tokenizer_proc.tokenization import load_tokenizer
     from tokenizer_proc.tokenizer_snapshot import snapshot_key
+    from trident.wire.tokenizer_files import TOKENIZER_CACHE_DIR
 
     vocab = {"[UNK]": 0, "hello": 1, "world": 2, ".": 3, "don": 4, "'": 5, "t": 6}
     backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))

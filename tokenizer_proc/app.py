@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenizer_proc import embeddings_api, native_api, openai_api, tokenize_api
+from tokenizer_proc import embeddings_api, native_api, openai_api, responses_api, tokenize_api
 from tokenizer_proc.errors import error_response, install_error_handlers
 from tokenizer_proc.state import FrontendState, get_state
 
@@ -97,4 +97,5 @@ def create_app(state: FrontendState) -> FastAPI:
     app.include_router(native_api.router)
     app.include_router(tokenize_api.router)
     app.include_router(embeddings_api.router)
+    app.include_router(responses_api.router)
     return app

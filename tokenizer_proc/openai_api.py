@@ -29,22 +29,19 @@ from tokenizer_proc.openai_request import (
     candidates_per_prompt,
     completion_prompts,
     prompt_logprobs_of,
-    render_chat,
     request_constraint,
     request_name,
+    resolve_chat,
     sampling_request,
     scheduling_options,
     token_strings,
 )
 from tokenizer_proc.protocol import COMPLETION_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
-from tokenizer_proc.reasoning import thinking_open_in, thinking_skipped_in
 from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.sampling import (
     SamplingRequest,
     build_sampling_params,
     check_model,
-    check_prompt_ids,
-    last_prompt_tokens,
     with_seed_offset,
 )
 from tokenizer_proc.serving import (
@@ -59,9 +56,7 @@ from tokenizer_proc.serving import (
     usage_of,
 )
 from tokenizer_proc.state import FrontendState, get_state
-from tokenizer_proc.structured import after_reasoning
 from tokenizer_proc.tokenization import bad_word_sequences
-from tokenizer_proc.tools import forced_call_spec, plan_of
 from trident.wire.frontend import GrammarSpec
 
 router = APIRouter()
@@ -283,30 +278,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             "ask without streaming, or stream /v1/completions, whose first chunk carries them.",
             param="prompt_logprobs",
         )
-    plan = plan_of(body)
-    forced = forced_call_spec(plan, st.tool_format, body.parallel_tool_calls) if plan.forced else None
-    grammar = request_constraint(body, forced)
-    prompt_text, prompt_ids = render_chat(st, body, plan)
-    prompt_ids = last_prompt_tokens(prompt_ids, body.truncate_prompt_tokens, st.limits)
-    if grammar is not None and st.model_reasons and not thinking_skipped_in(prompt_text):
-        grammar = after_reasoning(grammar, thinking_open_in(prompt_text))
-    check_prompt_ids(prompt_ids, st.limits, "messages")
-    use_mct = body.max_completion_tokens is not None
-    max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
-    bad_words_ids = bad_word_sequences(st.tokenizer, body.bad_words)
-    sreq = sampling_request(body, max_tokens, body.logprobs, body.top_logprobs or 0, grammar, bad_words_ids)
+    chat = resolve_chat(st, body)
+    prompt_ids, param = chat.prompt_ids, chat.max_tokens_param
     cid = f"chatcmpl-{request_name(body, request)}"
-    param = "max_completion_tokens" if use_mct else "max_tokens"
     created = int(time.time())
     model = st.args.served_model_name
-    outputs = [choice_output(plan, st.tool_format, st.model_reasons, prompt_text) for _ in range(body.n)]
+    outputs = [choice_output(chat.plan, st.tool_format, st.model_reasons, chat.prompt_text) for _ in range(body.n)]
     try:
         if body.use_beam_search:
-            beam_width(body, grammar, "tool_choice" if forced is not None else "response_format")
-            searched = [(prompt_ids, max_tokens)]
+            beam_width(body, chat.grammar, "tool_choice" if chat.plan.forced else "response_format")
+            searched = [(prompt_ids, chat.max_tokens)]
             results = await beam_search_choices(st, request, body, searched, body.top_logprobs or 0, cid, param)
         else:
-            handles = await submit_choices(st, prompt_ids, body, sreq, cid, param, body.n)
+            handles = await submit_choices(st, prompt_ids, body, chat.sampling, cid, param, body.n)
             if body.stream:
                 stream = _stream_chat(st, body, outputs, handles, cid, created, model, prompt_ids)
                 return EventStreamResponse(stream, handles)

@@ -8,6 +8,7 @@ these; a 400 for anything the body asks that cannot be done."""
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -21,11 +22,13 @@ from tokenizer_proc.protocol import (
     ChatPrompt,
     CompletionRequest,
 )
+from tokenizer_proc.reasoning import thinking_open_in, thinking_skipped_in
 from tokenizer_proc.request_handle import SchedulingOptions
 from tokenizer_proc.sampling import SamplingRequest, check_prompt_ids, last_prompt_tokens
 from tokenizer_proc.serving import ChoiceResult
 from tokenizer_proc.state import FrontendState
 from tokenizer_proc.structured import (
+    after_reasoning,
     one_constraint,
     response_format_spec,
     sglang_constraint,
@@ -35,10 +38,11 @@ from tokenizer_proc.tokenization import (
     TokenIdStrings,
     TokenStrings,
     apply_chat_template,
+    bad_word_sequences,
     encode_text,
 )
 from tokenizer_proc.tool_parsers import HERMES
-from tokenizer_proc.tools import ToolPlan, template_messages, template_renders_tools
+from tokenizer_proc.tools import ToolPlan, forced_call_spec, plan_of, template_messages, template_renders_tools
 from trident.wire.frontend import GrammarSpec
 
 
@@ -215,3 +219,37 @@ def render_chat(st: FrontendState, prompt: ChatPrompt, plan: ToolPlan) -> tuple[
         )
     except Exception as e:  # the template rejects this conversation (e.g. role order)
         raise APIError(f"The messages do not fit the model's chat template: {e}", param="messages") from e
+
+
+@dataclass(frozen=True)
+class ResolvedChat:
+    """A chat request ready to submit: its prompt through the template, its constraint and
+    its sampling request (what /v1/chat/completions and /v1/responses share)."""
+
+    plan: ToolPlan
+    grammar: GrammarSpec | None
+    """The one constraint (response_format, a forced tool call, ...), after the reasoning
+    when the model reasons."""
+    prompt_text: str
+    prompt_ids: list[int]
+    max_tokens: int | None
+    max_tokens_param: str
+    """The field the budget came from (max_completion_tokens or max_tokens), for errors."""
+    sampling: SamplingRequest
+
+
+def resolve_chat(st: FrontendState, body: ChatCompletionRequest) -> ResolvedChat:
+    plan = plan_of(body)
+    forced = forced_call_spec(plan, st.tool_format, body.parallel_tool_calls) if plan.forced else None
+    grammar = request_constraint(body, forced)
+    prompt_text, prompt_ids = render_chat(st, body, plan)
+    prompt_ids = last_prompt_tokens(prompt_ids, body.truncate_prompt_tokens, st.limits)
+    if grammar is not None and st.model_reasons and not thinking_skipped_in(prompt_text):
+        grammar = after_reasoning(grammar, thinking_open_in(prompt_text))
+    check_prompt_ids(prompt_ids, st.limits, "messages")
+    use_mct = body.max_completion_tokens is not None
+    max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
+    bad_words_ids = bad_word_sequences(st.tokenizer, body.bad_words)
+    sreq = sampling_request(body, max_tokens, body.logprobs, body.top_logprobs or 0, grammar, bad_words_ids)
+    param = "max_completion_tokens" if use_mct else "max_tokens"
+    return ResolvedChat(plan, grammar, prompt_text, prompt_ids, max_tokens, param, sreq)

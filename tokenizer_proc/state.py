@@ -1,7 +1,8 @@
 """The per-process objects the HTTP routes share, created once by `__main__`.
 
 Routes reach it through `get_state(request)` (it lives on `app.state.frontend`). It holds
-configuration and handles to owners elsewhere; it owns no request state of its own.
+configuration and handles to owners elsewhere; of request state it owns only the responses
+/v1/responses stores (`responses_store`), which outlive their requests.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi import Request
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.reasoning import uses_reasoning_parser
 from tokenizer_proc.request_manager import RequestManager
+from tokenizer_proc.responses_store import ResponseStore
 from tokenizer_proc.sampling import ModelLimits
 from tokenizer_proc.tokenization import TokenStrings
 from tokenizer_proc.tool_formats import choose_tool_format
@@ -33,12 +35,14 @@ class FrontendState:
     """How this model writes tool calls (`--tool-call-parser`); None: calls stay text."""
     model_reasons: bool = field(init=False)
     """Its `<think>` output goes to `reasoning_content` (`--reasoning-parser`)."""
+    responses: ResponseStore = field(init=False)
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.strings = TokenStrings(self.tokenizer)
         self.tool_format = choose_tool_format(self.args.tool_call_parser, self.tokenizer)
         self.model_reasons = uses_reasoning_parser(self.args.reasoning_parser, self.tokenizer)
+        self.responses = ResponseStore(self.args.responses_store_size)
 
     @property
     def limits(self) -> ModelLimits:

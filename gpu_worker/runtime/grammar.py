@@ -24,7 +24,6 @@ than handing it to a thread, so masks are filled in line between the forward and
 from __future__ import annotations
 
 import logging
-import os
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from trident.wire.frontend import GrammarSpec
+from trident.wire.tokenizer_files import gguf_tokenizer_dir
 
 if TYPE_CHECKING:
     import xgrammar
@@ -46,15 +46,15 @@ def load_vocabulary(model_path: str, vocab_size: int, eos_token_ids: list[int]) 
     """The served model's token strings, as the grammar compiler needs them.
 
     The tokenizer process holds the tokenizer; the worker reads it here only once a
-    constrained request arrives, so unconstrained serving starts no slower."""
+    constrained request arrives, so unconstrained serving starts no slower. A GGUF's comes
+    from the files the tokenizer process converted it to at its start, not from the GGUF
+    again (seconds, per worker)."""
     import xgrammar
     from transformers import AutoTokenizer
 
-    if model_path.endswith(".gguf"):
-        directory, filename = os.path.split(os.path.abspath(model_path))
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(
+        gguf_tokenizer_dir(model_path) if model_path.endswith(".gguf") else model_path
+    )
     return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
 
 

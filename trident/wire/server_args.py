@@ -194,6 +194,15 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     ] = None
     max_queued_requests: Annotated[int, Flag(HTTP, "waiting requests beyond which new ones get 503")] = 1024
     max_request_body_bytes: Annotated[int, Flag(HTTP, "larger request bodies get 413")] = 4 * 1024 * 1024
+    responses_store_size: Annotated[
+        int,
+        Flag(
+            HTTP,
+            "/v1/responses made with `store: true` that the server keeps in memory, for GET "
+            "/v1/responses/{id} and `previous_response_id`; the least recently used is forgotten "
+            "first; 0: keep none",
+        ),
+    ] = 1024
     tool_call_parser: Annotated[
         str,
         Flag(

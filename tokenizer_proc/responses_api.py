@@ -1,0 +1,187 @@
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+
+A request is resolved as the chat completion it means (`ResponsesRequest.chat_request`, then
+`openai_request.resolve_chat`), after the conversation of its `previous_response_id` from the
+store. Its one choice's text goes through the chat parsers (`chat_output`: reasoning, tool
+calls) and becomes output items (`responses_format`): a reasoning item, a message, function
+calls. Streamed, each item is announced as it grows, by typed events (`event:` and `data:`
+lines, numbered by `sequence_number`); the last event carries the whole response. A response
+with `store: true` is kept (`responses_store`) once it ends.
+
+The response's id is `resp_<name>` (`request_id`, the X-Request-Id header, or random): POST
+/abort with it stops the response, which then has status `cancelled`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from tokenizer_proc import openai_format as fmt
+from tokenizer_proc.chat_output import ChoiceOutput, choice_output
+from tokenizer_proc.errors import SERVER_ERROR, APIError
+from tokenizer_proc.openai_api import EventStreamResponse, submit_choices
+from tokenizer_proc.openai_request import ResolvedChat, request_name, resolve_chat
+from tokenizer_proc.protocol import ChatCompletionRequest
+from tokenizer_proc.request_handle import RequestHandle
+from tokenizer_proc.responses_format import (
+    ResponseOutput,
+    response_body,
+    response_status,
+    response_usage,
+)
+from tokenizer_proc.responses_protocol import INPUT_ITEMS, RESPONSES_PARAM, ResponsesRequest
+from tokenizer_proc.responses_store import StoredResponse
+from tokenizer_proc.sampling import check_model
+from tokenizer_proc.serving import CLIENT_CLOSED, ChoiceResult, ClientDisconnected, collect, merge_outputs
+from tokenizer_proc.state import FrontendState, get_state
+
+router = APIRouter()
+
+_JSON_ENCODER = msgspec.json.Encoder()
+
+
+class _Turn:
+    """One response being made: what the request resolved to, and what finishing it takes."""
+
+    def __init__(
+        self, st: FrontendState, body: ResponsesRequest, chat: ChatCompletionRequest, resolved: ResolvedChat, rid: str
+    ) -> None:
+        self.st, self.body, self.chat, self.resolved, self.rid = st, body, chat, resolved, rid
+        self.created_at = int(time.time())
+        self.choice: ChoiceOutput = choice_output(resolved.plan, st.tool_format, st.model_reasons, resolved.prompt_text)
+        self.output = ResponseOutput()
+
+    def body_now(self, status: str, **fields: Any) -> dict[str, Any]:
+        model = self.st.args.served_model_name
+        return response_body(self.rid, self.created_at, model, self.body, status, self.output.items, **fields)
+
+    def feed(self, text: str, finish_reason: str | None, result: ChoiceResult, new_tokens: int) -> list[dict[str, Any]]:
+        """The events of a piece of the choice's text; `new_tokens`: how many of the result's
+        last token ids it holds (their logprobs go with it)."""
+        logprobs = None
+        if self.body.logprobs_wanted() and new_tokens:
+            first = len(result.token_ids) - new_tokens
+            logprobs = fmt.chat_logprobs(
+                self.st.strings, result.token_ids[first:], result.token_logprobs[first:], result.top_logprobs[first:]
+            )["content"]
+        return self.output.feed(self.choice.feed(text, finish_reason), logprobs)
+
+    def finish(self, result: ChoiceResult) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The final response object, and the events that close its last item."""
+        status, incomplete = response_status(result.finish_reason)
+        events = self.output.finish("completed" if status == "completed" else "incomplete")
+        reasoning_tokens = (
+            len(self.st.tokenizer.encode(self.choice.reasoning_text, add_special_tokens=False))
+            if self.choice.reasoning_text
+            else 0
+        )
+        input_tokens = len(self.resolved.prompt_ids)
+        usage = response_usage(input_tokens, result.cached_tokens, result.completion_tokens, reasoning_tokens)
+        error = None
+        if status == "failed":
+            error = {"code": SERVER_ERROR, "message": f"generation failed: {result.error or 'unknown error'}"}
+        final = self.body_now(status, usage=usage, incomplete_details=incomplete, error=error)
+        if self.body.store and status != "failed":
+            self.st.responses.put(
+                self.rid,
+                StoredResponse(
+                    final,
+                    self.body.input_items(),
+                    INPUT_ITEMS.validate_python(_as_input(self.output.items)),
+                    self.body.previous_response_id,
+                ),
+            )
+        return final, events
+
+
+def _as_input(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items as a client sends them back as input."""
+    out = []
+    for item in items:
+        if item["type"] == "message":
+            out.append({"type": "message", "role": "assistant", "content": item["content"][0]["text"]})
+        elif item["type"] == "reasoning":
+            out.append({"type": "reasoning", "content": item["content"]})
+        else:
+            out.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
+    return out
+
+
+@router.post("/v1/responses", response_model=None)
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    st = get_state(request)
+    check_model(body.model, st.limits)
+    history = st.responses.conversation(body.previous_response_id) if body.previous_response_id else []
+    chat = body.chat_request(history)
+    rid = f"resp_{request_name(chat, request)}"
+    try:
+        resolved = resolve_chat(st, chat)
+        handles = await submit_choices(
+            st, resolved.prompt_ids, chat, resolved.sampling, rid, resolved.max_tokens_param, 1
+        )
+    except APIError as e:  # in the Responses API's words
+        e.param = RESPONSES_PARAM.get(e.param or "", e.param)
+        raise
+    turn = _Turn(st, body, chat, resolved, rid)
+    if body.stream:
+        return EventStreamResponse(_stream(turn, handles), handles)
+    try:
+        result = (await collect(request, handles))[0]
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    turn.feed(result.text, result.finish_reason, result, len(result.token_ids))
+    final, _ = turn.finish(result)
+    return JSONResponse(final)
+
+
+def _event(event: dict[str, Any]) -> bytes:
+    """One server-sent event as OpenAI sends the Responses API's: its type on the `event:` line."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + _JSON_ENCODER.encode(event) + b"\n\n"
+
+
+async def _stream(turn: _Turn, handles: list[RequestHandle]) -> AsyncIterator[bytes]:
+    output = turn.output
+    yield _event(output.event("response.created", response=turn.body_now("in_progress")))
+    yield _event(output.event("response.in_progress", response=turn.body_now("in_progress")))
+    result = ChoiceResult(0)
+    async for out in merge_outputs(handles):
+        result.add(out)
+        text = "" if out.finish_reason == "error" else out.text
+        for event in turn.feed(text, out.finish_reason, result, len(out.token_ids)):
+            yield _event(event)
+    final, events = turn.finish(result)
+    for event in events:
+        yield _event(event)
+    ending = {
+        "completed": "response.completed",
+        "incomplete": "response.incomplete",
+        "cancelled": "response.incomplete",
+        "failed": "response.failed",
+    }
+    yield _event(output.event(ending[final["status"]], response=final))
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+    return _stored(get_state(request), response_id).body
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    st = get_state(request)
+    _stored(st, response_id)
+    st.responses.delete(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _stored(st: FrontendState, response_id: str) -> StoredResponse:
+    stored = st.responses.get(response_id)
+    if stored is None:
+        raise APIError(f"Response with id {response_id!r} not found.", 404, param="response_id", code="not_found")
+    return stored
