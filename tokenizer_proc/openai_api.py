@@ -307,7 +307,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             else None
         )
         token_ids = r.token_ids if body.return_token_ids else None
-        choices.append(fmt.chat_choice(r.index, output.message(), logprobs, output.finish_reason, token_ids))
+        message = output.message()
+        if body.echoed_text():
+            message["content"] = body.echoed_text() + (message["content"] or "")
+        choices.append(fmt.chat_choice(r.index, message, logprobs, output.finish_reason, token_ids))
     usage = usage_of(results, len(prompt_ids))
     response = fmt.chat_body(cid, created, model, choices, usage)
     if body.return_token_ids:
@@ -340,7 +343,7 @@ async def _stream_chat(
         return sse(obj)
 
     for i in range(len(handles)):
-        yield chunk(i, {"role": "assistant", "content": ""})
+        yield chunk(i, {"role": "assistant", "content": body.echoed_text()})
     async for out in merge_outputs(handles):
         results[out.index].add(out)
         if ids:

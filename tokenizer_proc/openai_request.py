@@ -204,7 +204,13 @@ def completion_prompts(st: FrontendState, body: CompletionRequest) -> list[tuple
 def render_chat(st: FrontendState, prompt: ChatPrompt, plan: ToolPlan) -> tuple[str, list[int]]:
     """(text, ids) of a conversation through the model's chat template; a 400 when the
     template refuses it."""
-    native_tools = template_renders_tools(st.tokenizer)
+    if prompt.chat_template is not None and not st.args.trust_request_chat_template:
+        raise APIError(
+            "This server runs only its model's chat template: a request's `chat_template` needs a server "
+            "started with --trust-request-chat-template.",
+            param="chat_template",
+        )
+    native_tools = template_renders_tools(prompt.chat_template or getattr(st.tokenizer, "chat_template", None))
     as_template_takes = template_messages(prompt.messages, plan, native_tools, st.tool_format or HERMES)
     tools = [{"type": "function", "function": t} for t in plan.tools] if native_tools and plan.mode != "none" else None
     try:
@@ -214,8 +220,10 @@ def render_chat(st: FrontendState, prompt: ChatPrompt, plan: ToolPlan) -> tuple[
             tools,
             add_generation_prompt=prompt.generation_prompt(),
             continue_final_message=prompt.continue_final_message,
-            template_kwargs=prompt.chat_template_kwargs,
+            template_kwargs=prompt.template_variables(),
             add_special_tokens=prompt.add_special_tokens,
+            chat_template=prompt.chat_template,
+            documents=prompt.documents,
         )
     except Exception as e:  # the template rejects this conversation (e.g. role order)
         raise APIError(f"The messages do not fit the model's chat template: {e}", param="messages") from e

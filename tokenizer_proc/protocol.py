@@ -31,6 +31,7 @@ MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
 MAX_BAD_WORDS = 256
+MAX_CHAT_TEMPLATE_CHARS = 256 * 1024
 
 RESOLVED_FIELDS = frozenset(
     {
@@ -236,6 +237,9 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     """vLLM's: words the output must not contain, at its start or after a space."""
     use_beam_search: bool = False
     """vLLM's: n beams, kept by summed logprob (`beam_search`); the choices are the n best."""
+    spaces_between_special_tokens: bool = True
+    """vLLM's, accepted with no effect: it applies to slow tokenizers, and every served
+    tokenizer is a fast one, which joins special tokens without spaces (vLLM ignores it there too)."""
     length_penalty: float = 1.0
     """vLLM's, with use_beam_search: a beam ranks by summed logprob / length ** length_penalty."""
 
@@ -361,6 +365,12 @@ class ChatPrompt(_Strict):
     `add_generation_prompt: true`, which would start a new turn instead."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (vLLM's field), e.g. {"enable_thinking": false}."""
+    chat_template: StrictStr | None = Field(None, min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    """vLLM's: a Jinja chat template for this request instead of the model's. Only on a server
+    started with --trust-request-chat-template (it is code the server runs, if sandboxed)."""
+    documents: list[dict[str, StrictStr]] | None = None
+    """vLLM's: documents for a retrieval-augmented template (e.g. {"title", "text"}), passed
+    to the template as `documents`; templates that do not read them ignore them."""
     add_special_tokens: bool = False
     """The template already writes the special tokens; True adds the tokenizer's on top."""
 
@@ -373,6 +383,10 @@ class ChatPrompt(_Strict):
                 "assistant turn: set add_generation_prompt to false (or leave it out)"
             )
         return v
+
+    def template_variables(self) -> dict[str, Any]:
+        """The request's own variables for the chat template."""
+        return dict(self.chat_template_kwargs or {})
 
     def generation_prompt(self) -> bool:
         if self.add_generation_prompt is None:
@@ -393,6 +407,24 @@ class ChatCompletionRequest(_SamplingFields, ChatPrompt):
     parallel_tool_calls: bool | None = None
     """May the model call several tools at once: `auto` returns every call it writes either
     way; `required` allows several only when true (tools.forced_call_spec says why)."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    """OpenAI's: reaches the chat template as its `reasoning_effort` variable (as vLLM passes
+    it), unless `chat_template_kwargs` sets that variable itself."""
+    echo: bool = False
+    """vLLM's: when the conversation ends with an assistant message (a reply the client began,
+    with `continue_final_message`), the answer's content starts with that message's text."""
+
+    def template_variables(self) -> dict[str, Any]:
+        variables = super().template_variables()
+        if self.reasoning_effort is not None:
+            variables.setdefault("reasoning_effort", self.reasoning_effort)
+        return variables
+
+    def echoed_text(self) -> str:
+        """What `echo` puts before the answer's content: the final message's text when it is
+        the assistant's own."""
+        final = self.messages[-1]
+        return final.text() if self.echo and final.role == "assistant" else ""
 
     @field_validator("top_logprobs")
     @classmethod
@@ -408,6 +440,8 @@ class NativeSamplingParams(_StopStrings, _Constraints, _NativeKnobs):
     max_new_tokens: int | None = Field(128, ge=0)
     """0 runs the prompt only (for its logprobs: `return_logprob` with `logprob_start_len`)."""
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    """SGLang's, accepted with no effect (see the OpenAI routes' field of that name)."""
     no_stop_trim: bool = False
     """SGLang's: the text keeps the stop string (or stop token) that ended it."""
 

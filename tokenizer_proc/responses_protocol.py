@@ -253,7 +253,7 @@ class ResponsesRequest(_AcceptedNoOps, _OpenAIKnobs):
         if self.text and self.text.format:
             chat["response_format"] = _response_format(self.text.format)
         if self.reasoning and self.reasoning.effort:
-            chat["chat_template_kwargs"] = {"reasoning_effort": self.reasoning.effort}
+            chat["reasoning_effort"] = self.reasoning.effort
         try:
             return ChatCompletionRequest.model_validate(chat)
         except ValidationError as e:  # what only the chat request checks (e.g. a schema without a name)

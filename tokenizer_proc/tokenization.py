@@ -113,17 +113,24 @@ def apply_chat_template(
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
+    chat_template: str | None = None,
+    documents: list[dict[str, str]] | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text and ids of a chat, by default ending with the assistant turn's header;
     `continue_final_message` ends it inside the final message instead (see `open_final_message`).
     `tools` (OpenAI tool objects) go to templates that render them, `template_kwargs` are the
-    request's own template variables (e.g. `enable_thinking`)."""
+    request's own template variables (e.g. `enable_thinking`); `chat_template` replaces the
+    model's, `documents` are a retrieval-augmented template's."""
     extra = dict(template_kwargs or {})
     reserved = sorted(set(extra) & _TEMPLATE_CALL_PARAMETERS)
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
     if tools:
         extra["tools"] = tools
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
+    if documents is not None:
+        extra["documents"] = documents
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
     if continue_final_message:
         text = open_final_message(text, messages[-1].get("content") or "")

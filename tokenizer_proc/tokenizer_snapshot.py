@@ -153,23 +153,31 @@ class SnapshotTokenizer:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = False,
         tokenize: bool = False,
+        chat_template: str | None = None,
+        documents: list[dict[str, str]] | None = None,
         **kwargs: Any,
     ) -> str:
-        """The chat rendered as text, as transformers renders it (`tokenize=False` only)."""
+        """The chat rendered as text, as transformers renders it (`tokenize=False` only);
+        `chat_template` replaces the tokenizer's."""
         if tokenize:
             raise ValueError("SnapshotTokenizer renders text only: encode the result")
-        if self.chat_template is None:
+        template = chat_template or self.chat_template
+        if template is None:
             raise ValueError("this tokenizer has no chat template")
         messages = [{k: v for k, v in m.items() if v is not None} for m in conversation]
         variables = {**self.special_tokens_map, **kwargs}
-        return _compiled(self.chat_template).render(
+        return _compiled(template).render(
             messages=_with_reasoning_aliases(messages),
             tools=tools,
-            documents=None,
+            documents=documents,
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
 
+
+COMPILED_TEMPLATES = 64
+"""Chat templates kept compiled: the model's, and the latest requests' own (a request may
+bring one under --trust-request-chat-template)."""
 
 _REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")
 """A message's reasoning, under the names templates read: transformers fills
@@ -186,7 +194,7 @@ def _with_reasoning_aliases(messages: list[dict[str, Any]]) -> list[dict[str, An
     return out
 
 
-@functools.cache
+@functools.lru_cache(maxsize=COMPILED_TEMPLATES)
 def _compiled(template: str) -> Any:
     return _environment().from_string(template)
 

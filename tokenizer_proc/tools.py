@@ -68,8 +68,8 @@ def forced_call_spec(plan: ToolPlan, fmt: ToolCallFormat | None, parallel: bool 
     return checked_family_calls_spec(allowed, fmt, single=plan.mode == "named" or parallel is not True)
 
 
-def template_renders_tools(tokenizer: Any) -> bool:
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+def template_renders_tools(template: str | None) -> bool:
+    return "tools" in (template or "")
 
 
 def template_messages(

@@ -194,6 +194,14 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     ] = None
     max_queued_requests: Annotated[int, Flag(HTTP, "waiting requests beyond which new ones get 503")] = 1024
     max_request_body_bytes: Annotated[int, Flag(HTTP, "larger request bodies get 413")] = 4 * 1024 * 1024
+    trust_request_chat_template: Annotated[
+        bool,
+        Flag(
+            HTTP,
+            "let requests bring their own Jinja `chat_template` (vLLM's flag): it runs sandboxed, "
+            "but it is code from the client; without this flag such a request is a 400",
+        ),
+    ] = False
     responses_store_size: Annotated[
         int,
         Flag(
