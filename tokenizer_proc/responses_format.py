@@ -1,10 +1,10 @@
 """The shapes /v1/responses answers with: output items, the response object, stream events.
 
-One `ResponseOutput` turns a choice's deltas (`ChoiceOutput.feed`: reasoning, content, tool
-calls) into output items, and into the events that announce them as they grow: an item is
-added, its text grows by deltas, and it is done when the next kind of output begins or the
-response ends. A non-streamed response feeds the same object its whole text once and keeps
-the items, so both answers agree.
+One `ResponseOutput` turns a choice's deltas into output items (`output_blocks`: one item a
+block), and into the events that announce them as they grow: an item is added, its text
+grows by deltas, and it is done when the next kind of output begins or the response ends.
+A non-streamed response feeds the same object its whole text once and keeps the items, so
+both answers agree.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Any
 
+from tokenizer_proc.output_blocks import CALL, REASONING, TEXT, OutputBlocks
 from tokenizer_proc.responses_protocol import ResponsesRequest
 
 
@@ -20,19 +21,18 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponseOutput:
+class ResponseOutput(OutputBlocks):
     """A response's output items so far, and its stream's sequence numbers."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.items: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None
-        """The item being written (the last of `items`), or None."""
-        self._text = ""
-        """The open item's text so far: reasoning, output text or call arguments."""
+        """The output items; the open one (if any) is the last."""
         self._logprobs: list[dict[str, Any]] = []
         """The open message's token logprobs so far."""
         self._pending_logprobs: list[dict[str, Any]] = []
         """Logprobs of tokens whose text was held back, sent with the next text delta."""
+        self._item_status = "completed"
         self._sequence = 0
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -44,102 +44,77 @@ class ResponseOutput:
     def feed(self, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The events of one choice delta; `logprobs`: its tokens' (chat's `content` entries)."""
         self._pending_logprobs += logprobs or []
-        events: list[dict[str, Any]] = []
-        if delta.get("reasoning_content"):
-            events += self._write("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self._write("message", delta["content"])
-        for call in delta.get("tool_calls", ()):
-            if "id" in call:
-                events += self._close("completed")
-                events += self._open_item(
-                    {
-                        "id": _new_id("fc"),
-                        "type": "function_call",
-                        "call_id": call["id"],
-                        "name": call["function"]["name"],
-                        "arguments": "",
-                        "status": "in_progress",
-                    }
-                )
-            if call["function"].get("arguments"):
-                events += self._write("function_call", call["function"]["arguments"])
-        return events
+        return super().feed(delta)
 
     def finish(self, status: str) -> list[dict[str, Any]]:
         """The events that close the open item, `status` that of the response's items. Only
         output text has logprobs: those of a call's tokens are not shown."""
-        return self._close(status)
+        self._item_status = status
+        return self.close()
 
-    def _write(self, kind: str, text: str) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        if self._open is None or self._open["type"] != kind:
-            events += self._close("completed")
-            events += self._open_item(_message() if kind == "message" else _reasoning())
-        self._text += text
-        where = self._where()
-        if kind == "reasoning":
-            events.append(self.event("response.reasoning_text.delta", **where, content_index=0, delta=text))
-        elif kind == "message":
-            logprobs, self._pending_logprobs = self._pending_logprobs, []
-            self._logprobs += logprobs
-            events.append(
-                self.event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=logprobs)
-            )
+    def opened(self, kind: str, call: dict[str, Any] | None) -> list[dict[str, Any]]:
+        if kind == CALL:
+            assert call is not None
+            item = {
+                "id": _new_id("fc"),
+                "type": "function_call",
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": "",
+                "status": "in_progress",
+            }
         else:
-            events.append(self.event("response.function_call_arguments.delta", **where, delta=text))
-        return events
-
-    def _where(self) -> dict[str, Any]:
-        assert self._open is not None
-        return {"item_id": self._open["id"], "output_index": len(self.items) - 1}
-
-    def _open_item(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+            item = _message() if kind == TEXT else _reasoning()
         self.items.append(item)
-        self._open, self._text, self._logprobs = item, "", []
+        self._logprobs = []
         events = [self.event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))]
-        part = self._part()
+        part = self._part(kind, "")
         if part is not None:
             events.append(self.event("response.content_part.added", **self._where(), content_index=0, part=part))
         return events
 
-    def _part(self) -> dict[str, Any] | None:
-        """The open item's content part as written so far (a call has none)."""
-        assert self._open is not None
-        if self._open["type"] == "message":
-            return {"type": "output_text", "text": self._text, "annotations": [], "logprobs": self._logprobs}
-        if self._open["type"] == "reasoning":
-            return {"type": "reasoning_text", "text": self._text}
-        return None
+    def written(self, kind: str, text: str) -> list[dict[str, Any]]:
+        where = self._where()
+        if kind == REASONING:
+            return [self.event("response.reasoning_text.delta", **where, content_index=0, delta=text)]
+        if kind == CALL:
+            return [self.event("response.function_call_arguments.delta", **where, delta=text)]
+        logprobs, self._pending_logprobs = self._pending_logprobs, []
+        self._logprobs += logprobs
+        return [self.event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=logprobs)]
 
-    def _close(self, status: str) -> list[dict[str, Any]]:
-        item = self._open
-        if item is None:
-            return []
-        if self._pending_logprobs and item["type"] == "message":
+    def closed(self, kind: str, text: str) -> list[dict[str, Any]]:
+        item, where = self.items[-1], self._where()
+        events: list[dict[str, Any]] = []
+        if kind == TEXT:
             self._logprobs += self._pending_logprobs
             self._pending_logprobs = []
-        where = self._where()
-        part = self._part()
-        events: list[dict[str, Any]] = []
-        if item["type"] == "message":
             events.append(
-                self.event(
-                    "response.output_text.done", **where, content_index=0, text=self._text, logprobs=self._logprobs
-                )
+                self.event("response.output_text.done", **where, content_index=0, text=text, logprobs=self._logprobs)
             )
-        elif item["type"] == "reasoning":
-            events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=self._text))
+        elif kind == REASONING:
+            events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=text))
         else:
-            item["arguments"] = self._text
-            events.append(self.event("response.function_call_arguments.done", **where, arguments=self._text))
+            item["arguments"] = text
+            events.append(self.event("response.function_call_arguments.done", **where, arguments=text))
+        part = self._part(kind, text)
         if part is not None:
             item["content"] = [part]
             events.append(self.event("response.content_part.done", **where, content_index=0, part=part))
-        item["status"] = status
+        item["status"] = self._item_status
         events.append(self.event("response.output_item.done", output_index=where["output_index"], item=item))
-        self._open = None
         return events
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def _part(self, kind: str, text: str) -> dict[str, Any] | None:
+        """An item's content part holding `text` (a call has none)."""
+        if kind == TEXT:
+            return {"type": "output_text", "text": text, "annotations": [], "logprobs": self._logprobs}
+        if kind == REASONING:
+            return {"type": "reasoning_text", "text": text}
+        return None
 
 
 def _message() -> dict[str, Any]:
