@@ -84,6 +84,33 @@ def test_a_kept_stop_string_ends_the_text_on_every_route(smollm2_server):
     assert generated["text"] == free[: cut_at + len(stop)]
 
 
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(smollm2_server):
+    """vLLM's `stop_reason`: the stop string or stop token id that ended the choice; null for
+    the end-of-sequence token and the length limit. Streamed, the finishing chunk carries it."""
+    client, prompt = smollm2_server.client(), "The capital of France is"
+    greedy = {"model": "smollm2-135m", "max_tokens": 24, "temperature": 0}
+    free = client.completions.create(prompt=prompt, extra_body={"return_token_ids": True}, **greedy)
+    assert free.choices[0].finish_reason == "length" and free.choices[0].model_extra["stop_reason"] is None
+    words = free.choices[0].text.split()
+    stop, ids = " " + words[2], free.choices[0].model_extra["token_ids"]
+    cut = client.completions.create(prompt=prompt, stop=["zzz", stop], **greedy).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_extra["stop_reason"] == stop
+    streamed = list(client.completions.create(prompt=prompt, stop=["zzz", stop], stream=True, **greedy))
+    assert [c.choices[0].model_extra["stop_reason"] for c in streamed if c.choices[0].finish_reason] == [stop]
+    by_token = client.completions.create(prompt=prompt, extra_body={"stop_token_ids": [ids[3]]}, **greedy).choices[0]
+    assert by_token.finish_reason == "stop" and by_token.model_extra["stop_reason"] == ids[3]
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat = client.chat.completions.create(messages=messages, **{**greedy, "max_tokens": 200}).choices[0]
+    assert chat.finish_reason == "stop" and chat.model_extra["stop_reason"] is None  # the end of the turn
+    chat_stop = " " + chat.message.content.split()[1]
+    stopped = client.chat.completions.create(messages=messages, stop=[chat_stop], **{**greedy, "max_tokens": 200})
+    assert stopped.choices[0].model_extra["stop_reason"] == chat_stop
+    chunks = list(client.chat.completions.create(messages=messages, stop=[chat_stop], stream=True, **greedy))
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        chat_stop
+    ]
+
+
 def test_return_token_ids_gives_the_prompt_and_output_ids_streamed_or_not(smollm2_server):
     """vLLM's `return_token_ids`: the prompt's ids as /tokenize gives them, the output's as
     many as `completion_tokens` and decoding to the text; a stream's chunks carry the same ids

@@ -88,6 +88,8 @@ class StopStringMatcher:
         """All text accepted so far (cut at the stop string once one is hit)."""
         self._sent = 0
         self.stopped = False
+        self.matched: str | None = None
+        """The stop string that ended the text, once one has."""
 
     def feed(self, delta: str, final: bool = False) -> str:
         """Add decoded text; return the part that may be emitted now."""
@@ -108,6 +110,7 @@ class StopStringMatcher:
                 hit, end_of_stop = pos, pos + len(stop)
         if hit != -1:
             self.stopped = True
+            self.matched = self.text[hit:end_of_stop]
             self.text = self.text[: end_of_stop if self._keep_stop else hit]
         end = len(self.text) if (final or self.stopped) else len(self.text) - self._partial_stop_len()
         end = max(end, self._sent)
@@ -133,6 +136,9 @@ class DetokenizedStep:
     """New text to send to the client (may be empty)."""
     stop_string_hit: bool
     """A stop string ended the output: finish with "stop" and abort in the scheduler."""
+    stop_reason: int | str | None = None
+    """vLLM's: the stop string or the request's stop token id that ended the output (None
+    while running, and for the end-of-sequence token or the length limit)."""
 
 
 class RequestDetokenizer:
@@ -147,7 +153,8 @@ class RequestDetokenizer:
     ) -> None:
         self.decoder = IncrementalDecoder(tokenizer, options.skip_special_tokens)
         self.matcher = StopStringMatcher(options.stop, options.keep_stop)
-        self._stop_token_ids = set(stop_token_ids) if not options.keep_stop else set()
+        self._request_stop_ids = set(stop_token_ids)
+        self._stop_token_ids = self._request_stop_ids if not options.keep_stop else set()
         """Stop tokens whose text is cut off the output (none when the request keeps it)."""
         self._deferred: list[int] | None = [] if text_at_end_only and not options.stop else None
         """A caller that wants the text only at the end (not streaming) and no stop string
@@ -167,8 +174,11 @@ class RequestDetokenizer:
                 return DetokenizedStep("", False)
             token_ids = self._deferred
         ids = list(token_ids)
-        if finish_reason == "stop" and ids and ids[-1] in self._stop_token_ids:
-            ids = ids[:-1]  # OpenAI semantics: the stop token's text is not part of the output
+        stop_reason: int | str | None = None
+        if finish_reason == "stop" and ids and ids[-1] in self._request_stop_ids:
+            stop_reason = ids[-1]
+            if ids[-1] in self._stop_token_ids:
+                ids = ids[:-1]  # OpenAI semantics: the stop token's text is not part of the output
         delta = self.decoder.push(ids, final=final)
         out = self.matcher.feed(delta, final=final)
-        return DetokenizedStep(out, self.matcher.stopped)
+        return DetokenizedStep(out, self.matcher.stopped, self.matcher.matched or stop_reason)

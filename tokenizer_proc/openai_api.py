@@ -177,7 +177,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         prompt_lps = prompt_logprobs_of(st, body, prompt_ids, r)
         text = prompt_text + r.text
         ids = fmt.TokenIds(r.token_ids, prompt_ids) if body.return_token_ids else None
-        choices.append(fmt.completion_choice(r.index, text, logprobs, r.finish_reason, prompt_lps, ids))
+        choices.append(fmt.completion_choice(r.index, text, logprobs, r.finish_reason, prompt_lps, ids, r.stop_reason))
     return JSONResponse(fmt.completion_body(cid, created, model, choices, usage_of(ran, prompt_tokens)))
 
 
@@ -227,7 +227,8 @@ async def _stream_completion(
         index: int, text: str, logprobs: dict | None, finish: str | None, prompt_lps: list | None = None
     ) -> bytes:
         chunk_ids = ids.take(index, prompt_of[index][1]) if ids else None
-        choice = fmt.completion_choice(index, text, logprobs, finish, prompt_lps, chunk_ids)
+        stop_reason = results[index].stop_reason
+        choice = fmt.completion_choice(index, text, logprobs, finish, prompt_lps, chunk_ids, stop_reason)
         obj = fmt.completion_body(cid, created, model, [choice], None)
         if include_usage:
             obj["usage"] = usage_of(results, prompt_tokens) if usage_in_every_chunk else None
@@ -310,7 +311,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         message = output.message()
         if body.echoed_text():
             message["content"] = body.echoed_text() + (message["content"] or "")
-        choices.append(fmt.chat_choice(r.index, message, logprobs, output.finish_reason, token_ids))
+        choices.append(fmt.chat_choice(r.index, message, logprobs, output.finish_reason, token_ids, r.stop_reason))
     usage = usage_of(results, len(prompt_ids))
     response = fmt.chat_body(cid, created, model, choices, usage)
     if body.return_token_ids:
@@ -337,7 +338,8 @@ async def _stream_chat(
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
         chunk_ids = ids.take(index, prompt_ids) if ids else None
-        obj = fmt.chat_chunk(cid, created, model, index, delta, finish, logprobs, include_usage, chunk_ids)
+        stop_reason = results[index].stop_reason
+        obj = fmt.chat_chunk(cid, created, model, index, delta, finish, logprobs, include_usage, chunk_ids, stop_reason)
         if usage_in_every_chunk:
             obj["usage"] = usage_of(results, len(prompt_ids))
         return sse(obj)

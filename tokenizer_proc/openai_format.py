@@ -148,10 +148,13 @@ def completion_choice(
     finish: str | None,
     prompt_logprobs: list[Any] | None = None,
     ids: TokenIds | None = None,
+    stop_reason: int | str | None = None,
 ) -> dict[str, Any]:
     """One choice; `prompt_logprobs` and the token ids (vLLM's fields) only when the request
-    asked for them."""
+    asked for them; vLLM's `stop_reason` with the finish."""
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
+    if finish is not None:
+        choice["stop_reason"] = stop_reason
     if prompt_logprobs is not None:
         choice["prompt_logprobs"] = prompt_logprobs
     if ids is not None:
@@ -180,9 +183,16 @@ def chat_choice(
     logprobs: dict[str, Any] | None,
     finish: str | None,
     token_ids: list[int] | None = None,
+    stop_reason: int | str | None = None,
 ) -> dict[str, Any]:
     """One choice; `token_ids` (vLLM's field) only when the request asked for them."""
-    choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
+    choice = {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": client_finish_reason(finish),
+        "stop_reason": stop_reason,
+    }
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
@@ -198,10 +208,13 @@ def chat_chunk(
     logprobs: dict[str, Any] | None = None,
     with_usage_field: bool = False,
     ids: TokenIds | None = None,
+    stop_reason: int | str | None = None,
 ) -> dict[str, Any]:
     """`ids`: vLLM's `return_token_ids`: the choice's ids since its previous chunk, and the
-    prompt's at the top level (the first chunk)."""
+    prompt's at the top level (the first chunk); vLLM's `stop_reason` with the finish."""
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": client_finish_reason(finish)}
+    if finish is not None:
+        choice["stop_reason"] = stop_reason
     chunk: dict[str, Any] = {
         "id": cid,
         "object": "chat.completion.chunk",

@@ -100,6 +100,9 @@ class GenerationOutput:
     """An embedding request's vector, little-endian float32 (with its finish)."""
     prompt_logprobs: PromptLogprobs | None = None
     """Once, with the first output, when the request asked for prompt logprobs."""
+    stop_reason: int | str | None = None
+    """With finish "stop": the stop string or stop token id that ended the output (vLLM's
+    `stop_reason`); None for the end-of-sequence token."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,7 @@ class RequestHandle:
                     error=out.error,
                     embedding=out.embedding,
                     prompt_logprobs=out.prompt_logprobs,
+                    stop_reason=step.stop_reason,
                 )
                 if finish is not None:
                     if metrics is not None:

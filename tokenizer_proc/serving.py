@@ -101,6 +101,8 @@ class ChoiceResult:
     error: str = ""
     embedding: bytes = b""
     prompt_logprobs: PromptLogprobs | None = None
+    stop_reason: int | str | None = None
+    """vLLM's: the stop string or stop token id that ended the choice (`GenerationOutput`)."""
 
     def add(self, out: GenerationOutput) -> None:
         self.text += out.text
@@ -113,6 +115,7 @@ class ChoiceResult:
         self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
             self.error = out.error
             self.embedding = out.embedding
 
