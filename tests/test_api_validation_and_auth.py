@@ -323,8 +323,15 @@ GUARDED_ENDPOINTS = [
 
 @pytest.mark.parametrize(
     "headers",
-    [{}, auth("wrong-key"), {"Authorization": KEY}, auth(KEY + "x"), {"Authorization": "Basic " + KEY}],
-    ids=["missing", "wrong", "no-bearer-scheme", "key-prefix", "basic-scheme"],
+    [
+        {},
+        auth("wrong-key"),
+        {"Authorization": KEY},
+        auth(KEY + "x"),
+        {"Authorization": "Basic " + KEY},
+        {"x-api-key": KEY + "x"},
+    ],
+    ids=["missing", "wrong", "no-bearer-scheme", "key-prefix", "basic-scheme", "wrong-x-api-key"],
 )
 def test_missing_or_wrong_key_is_401_on_every_guarded_endpoint(guarded_server, headers):
     with guarded_server.http() as c:
@@ -352,3 +359,17 @@ def test_the_right_key_works_through_the_official_client_and_is_never_shown(guar
         guarded_server.client(api_key="wrong").models.list()
     info = guarded_server.http().get("/server_info", headers=auth())
     assert info.status_code == 200 and KEY not in info.text
+
+
+def test_anthropics_client_sends_the_key_as_x_api_key_and_gets_errors_in_anthropics_shape(guarded_server):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=guarded_server.base_url, api_key=KEY, max_retries=0)
+    model = guarded_server.http().get("/v1/models", headers={"x-api-key": KEY}).json()["data"][0]["id"]
+    message = client.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert message.usage.output_tokens <= 2
+    wrong = anthropic.Anthropic(base_url=guarded_server.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        wrong.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert refused.value.body["error"]["type"] == "authentication_error"
+    assert "x-api-key" in refused.value.body["error"]["message"]

@@ -2,8 +2,8 @@
 
 `FrontDoorMiddleware` is plain ASGI (no BaseHTTPMiddleware, which would buffer streams
 and hide disconnects). It enforces, before any route runs:
-- the API key (`Authorization: Bearer KEY`, constant-time compare) on every path but
-  /health and /metrics, when `--api-key` is set: else 401;
+- the API key (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`; constant-time
+  compare) on every path but /health and /metrics, when `--api-key` is set: else 401;
 - the request body limit `max_request_body_bytes`: a larger Content-Length is refused at
   once, and a chunked body is counted as it is read: 413 either way.
 """
@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenizer_proc import embeddings_api, native_api, openai_api, responses_api, tokenize_api
+from tokenizer_proc import embeddings_api, messages_api, native_api, openai_api, responses_api, tokenize_api
 from tokenizer_proc.errors import error_response, install_error_handlers
 from tokenizer_proc.state import FrontendState, get_state
 
@@ -28,7 +28,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 class FrontDoorMiddleware:
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
-        self._key = f"Bearer {api_key}".encode() if api_key else None
+        self._key = api_key.encode() if api_key else None
         self._max_body = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -36,25 +36,33 @@ class FrontDoorMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self._key is not None and scope.get("path") not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._key):
-                response = error_response(
-                    "Missing or invalid API key: send `Authorization: Bearer <key>`.",
-                    401,
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await response(scope, receive, send)
-                return
+        path = scope.get("path", "")
+        if self._key is not None and path not in OPEN_PATHS and not self._key_given(headers):
+            response = error_response(
+                "Missing or invalid API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
+                401,
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+                path=path,
+            )
+            await response(scope, receive, send)
+            return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self._max_body:
-            await self._too_large()(scope, receive, send)
+            await self._too_large(path)(scope, receive, send)
             return
         await self.app(scope, self._counting_receive(receive), send)
 
-    def _too_large(self) -> Response:
-        return error_response(f"The request body is larger than {self._max_body} bytes.", 413, code="request_too_large")
+    def _key_given(self, headers: dict[bytes, bytes]) -> bool:
+        assert self._key is not None
+        bearer = headers.get(b"authorization", b"")
+        return hmac.compare_digest(bearer, b"Bearer " + self._key) or hmac.compare_digest(
+            headers.get(b"x-api-key", b""), self._key
+        )
+
+    def _too_large(self, path: str) -> Response:
+        message = f"The request body is larger than {self._max_body} bytes."
+        return error_response(message, 413, code="request_too_large", path=path)
 
     def _counting_receive(self, receive: Receive) -> Receive:
         seen = 0
@@ -98,4 +106,5 @@ def create_app(state: FrontendState) -> FastAPI:
     app.include_router(tokenize_api.router)
     app.include_router(embeddings_api.router)
     app.include_router(responses_api.router)
+    app.include_router(messages_api.router)
     return app

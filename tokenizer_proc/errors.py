@@ -2,7 +2,9 @@
 
 Every error this process returns (400, 401, 404, 413, 500, 503) has the body
 `{"error": {"message", "type", "param", "code"}}`, including FastAPI's own validation
-errors and malformed JSON, so that OpenAI clients surface a readable message.
+errors and malformed JSON, so that OpenAI clients surface a readable message. Under
+Anthropic's routes (/v1/messages) the same error has Anthropic's shape,
+`{"type": "error", "error": {"type", "message"}}`, with the param named in the message.
 """
 
 from __future__ import annotations
@@ -48,6 +50,25 @@ def error_body(message: str, type_: str = INVALID_REQUEST, param: str | None = N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+ANTHROPIC_PREFIX = "/v1/messages"
+"""Routes whose errors have Anthropic's shape."""
+
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+"""Anthropic's error type by status: 400s are invalid_request_error, other 500s api_error."""
+
+
+def anthropic_error_body(message: str, status_code: int) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status_code, "api_error" if status_code >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def error_response(
     message: str,
     status_code: int,
@@ -56,13 +77,18 @@ def error_response(
     param: str | None = None,
     code: str | None = None,
     headers: dict[str, str] | None = None,
+    path: str = "",
 ) -> JSONResponse:
+    """`path`: the request's, which picks the body's shape (OpenAI's, or Anthropic's)."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        named = f"{param}: {message}" if param and not message.startswith(param) else message
+        return JSONResponse(anthropic_error_body(named, status_code), status_code=status_code, headers=headers)
     return JSONResponse(error_body(message, type_, param, code), status_code=status_code, headers=headers)
 
 
-def api_error_response(err: APIError) -> JSONResponse:
+def api_error_response(err: APIError, path: str = "") -> JSONResponse:
     return error_response(
-        err.message, err.status_code, type_=err.type, param=err.param, code=err.code, headers=err.headers
+        err.message, err.status_code, type_=err.type, param=err.param, code=err.code, headers=err.headers, path=path
     )
 
 
@@ -92,23 +118,24 @@ def validation_error_message(errors: list[dict[str, Any]]) -> tuple[str, str | N
     return message, param, first.get("type")
 
 
-async def _api_error_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return api_error_response(exc)
+    return api_error_response(exc, request.url.path)
 
 
-async def _validation_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     message, param, code = validation_error_message(list(exc.errors()))
-    return error_response(message, 400, param=param, code=code)
+    return error_response(message, 400, param=param, code=code, path=request.url.path)
 
 
-async def _http_exception_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     status = exc.status_code
     type_ = SERVER_ERROR if status >= 500 else INVALID_REQUEST
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
-    return error_response(str(exc.detail), status, type_=type_, code=code, headers=getattr(exc, "headers", None))
+    headers = getattr(exc, "headers", None)
+    return error_response(str(exc.detail), status, type_=type_, code=code, headers=headers, path=request.url.path)
 
 
 def install_error_handlers(app: Any) -> None:

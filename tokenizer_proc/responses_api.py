@@ -18,7 +18,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -38,12 +37,10 @@ from tokenizer_proc.responses_format import (
 from tokenizer_proc.responses_protocol import INPUT_ITEMS, RESPONSES_PARAM, ResponsesRequest
 from tokenizer_proc.responses_store import StoredResponse
 from tokenizer_proc.sampling import check_model
-from tokenizer_proc.serving import CLIENT_CLOSED, ChoiceResult, ClientDisconnected, collect, merge_outputs
+from tokenizer_proc.serving import CLIENT_CLOSED, ChoiceResult, ClientDisconnected, collect, merge_outputs, typed_sse
 from tokenizer_proc.state import FrontendState, get_state
 
 router = APIRouter()
-
-_JSON_ENCODER = msgspec.json.Encoder()
 
 
 class _Turn:
@@ -140,31 +137,26 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return JSONResponse(final)
 
 
-def _event(event: dict[str, Any]) -> bytes:
-    """One server-sent event as OpenAI sends the Responses API's: its type on the `event:` line."""
-    return b"event: " + event["type"].encode() + b"\ndata: " + _JSON_ENCODER.encode(event) + b"\n\n"
-
-
 async def _stream(turn: _Turn, handles: list[RequestHandle]) -> AsyncIterator[bytes]:
     output = turn.output
-    yield _event(output.event("response.created", response=turn.body_now("in_progress")))
-    yield _event(output.event("response.in_progress", response=turn.body_now("in_progress")))
+    yield typed_sse(output.event("response.created", response=turn.body_now("in_progress")))
+    yield typed_sse(output.event("response.in_progress", response=turn.body_now("in_progress")))
     result = ChoiceResult(0)
     async for out in merge_outputs(handles):
         result.add(out)
         text = "" if out.finish_reason == "error" else out.text
         for event in turn.feed(text, out.finish_reason, result, len(out.token_ids)):
-            yield _event(event)
+            yield typed_sse(event)
     final, events = turn.finish(result)
     for event in events:
-        yield _event(event)
+        yield typed_sse(event)
     ending = {
         "completed": "response.completed",
         "incomplete": "response.incomplete",
         "cancelled": "response.incomplete",
         "failed": "response.failed",
     }
-    yield _event(output.event(ending[final["status"]], response=final))
+    yield typed_sse(output.event(ending[final["status"]], response=final))
 
 
 @router.get("/v1/responses/{response_id}")

@@ -35,6 +35,12 @@ def sse(obj: Any) -> bytes:
     return b"data: " + _JSON.encode(obj) + b"\n\n"
 
 
+def typed_sse(event: dict[str, Any]) -> bytes:
+    """One event with its type on an `event:` line, as the Responses API and Anthropic's
+    Messages API send theirs (the type is also in the data, under `type`)."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + _JSON.encode(event) + b"\n\n"
+
+
 class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
