@@ -16,10 +16,18 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StrictStr, Tag, ValidationError, field_validator
+from pydantic import Field, StrictStr, Tag, ValidationError, field_validator
 
 from tokenizer_proc.errors import APIError, validation_error_message
-from tokenizer_proc.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, TextPart, ToolCall, _Strict
+from tokenizer_proc.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    TextPart,
+    ToolCall,
+    _Strict,
+    by_type,
+)
 
 CacheControl = dict[str, Any] | None
 """Anthropic's prompt-caching marker: accepted, and not needed (see the module docstring)."""
@@ -72,16 +80,12 @@ class ThinkingBlock(_Strict):
 BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")
 
 
-def _block_kind(block: Any) -> str:
-    return block.get("type", "text") if isinstance(block, dict) else getattr(block, "type", "text")
-
-
 ContentBlock = Annotated[
     Annotated[TextBlock, Tag("text")]
     | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")]
     | Annotated[ThinkingBlock, Tag("thinking")],
-    Discriminator(_block_kind),
+    by_type("text"),
 ]
 
 

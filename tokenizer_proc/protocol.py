@@ -18,7 +18,17 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, create_model, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
 
 from tokenizer_proc.detokenizer import TextOptions
 from trident.wire.frontend import INT32_MAX, ClientRange, SamplingParams
@@ -76,6 +86,16 @@ def check_stop(v: str | list[str] | None) -> str | list[str] | None:
     elif v == "":
         raise ValueError("stop sequences must not be empty")
     return v
+
+
+def by_type(default: str) -> Discriminator:
+    """Picks a union member by its `type` field (a dict's key or a model's attribute), taken
+    as `default` where absent: the request APIs whose items and blocks are tagged so."""
+
+    def tag(value: Any) -> str:
+        return value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
+
+    return Discriminator(tag)
 
 
 class _Strict(BaseModel):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StrictStr, Tag, TypeAdapter, ValidationError, field_validator
+from pydantic import Field, StrictStr, Tag, TypeAdapter, ValidationError, field_validator
 
 from tokenizer_proc.errors import APIError, validation_error_message
 from tokenizer_proc.protocol import (
@@ -29,6 +29,7 @@ from tokenizer_proc.protocol import (
     _AcceptedNoOps,
     _OpenAIKnobs,
     _Strict,
+    by_type,
 )
 from trident.wire.frontend import INT32_MAX
 
@@ -121,18 +122,12 @@ class ReasoningItem(_Strict):
         return "".join(p.text for p in self.content or self.summary)
 
 
-def _item_kind(item: Any) -> str:
-    if isinstance(item, dict):
-        return item.get("type", "message")
-    return getattr(item, "type", "message")
-
-
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_kind),
+    by_type("message"),
 ]
 
 INPUT_ITEMS: TypeAdapter[list[Any]] = TypeAdapter(list[InputItem])
