@@ -26,7 +26,6 @@ from tokenizer_proc.chat_output import ChoiceOutput, choice_output
 from tokenizer_proc.errors import SERVER_ERROR, APIError
 from tokenizer_proc.openai_api import EventStreamResponse, submit_choices
 from tokenizer_proc.openai_request import ResolvedChat, request_name, resolve_chat
-from tokenizer_proc.protocol import ChatCompletionRequest
 from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.responses_format import (
     ResponseOutput,
@@ -46,10 +45,8 @@ router = APIRouter()
 class _Turn:
     """One response being made: what the request resolved to, and what finishing it takes."""
 
-    def __init__(
-        self, st: FrontendState, body: ResponsesRequest, chat: ChatCompletionRequest, resolved: ResolvedChat, rid: str
-    ) -> None:
-        self.st, self.body, self.chat, self.resolved, self.rid = st, body, chat, resolved, rid
+    def __init__(self, st: FrontendState, body: ResponsesRequest, resolved: ResolvedChat, rid: str) -> None:
+        self.st, self.body, self.resolved, self.rid = st, body, resolved, rid
         self.created_at = int(time.time())
         self.choice: ChoiceOutput = choice_output(resolved.plan, st.tool_format, st.model_reasons, resolved.prompt_text)
         self.output = ResponseOutput()
@@ -125,7 +122,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     except APIError as e:  # in the Responses API's words
         e.param = RESPONSES_PARAM.get(e.param or "", e.param)
         raise
-    turn = _Turn(st, body, chat, resolved, rid)
+    turn = _Turn(st, body, resolved, rid)
     if body.stream:
         return EventStreamResponse(_stream(turn, handles), handles)
     try:
