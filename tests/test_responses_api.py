@@ -243,7 +243,7 @@ def test_aborting_a_response_by_its_id_ends_it_cancelled(smollm2_server):
             },
             "input",
         ),
-        ({"input": "Hi", "include": ["reasoning.encrypted_content"]}, "include"),
+        ({"input": "Hi", "include": ["file_search_call.results"]}, "include"),
         ({"input": "Hi", "max_tool_calls": 2}, "max_tool_calls"),
         ({"input": []}, "input"),
         ({"input": "Hi", "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice"),

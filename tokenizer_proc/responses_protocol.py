@@ -34,7 +34,7 @@ from tokenizer_proc.protocol import (
 from trident.wire.frontend import INT32_MAX
 
 OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"
-"""The one `include` value served: the output text's token logprobs."""
+"""The output text's token logprobs, as `include` asks for them."""
 
 
 class TextContent(_Strict):
@@ -199,7 +199,10 @@ class ResponsesRequest(_AcceptedNoOps, _OpenAIKnobs):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    include: list[Literal["message.output_text.logprobs"]] | None = None
+    include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
+    """`message.output_text.logprobs`; `reasoning.encrypted_content` is accepted and adds
+    nothing: clients ask for it to send the reasoning back without a stored response, and the
+    reasoning item's plain `content` serves that (this server encrypts nothing)."""
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """With `include: ["message.output_text.logprobs"]`: the top logprobs of each token."""
     truncation: Literal["disabled"] = "disabled"
