@@ -342,10 +342,12 @@ def test_missing_or_wrong_key_is_401_on_every_guarded_endpoint(guarded_server, h
             assert r.headers.get("WWW-Authenticate") == "Bearer", path
 
 
-def test_health_and_metrics_need_no_key(guarded_server):
+def test_health_ping_and_metrics_need_no_key(guarded_server):
     with guarded_server.http() as c:
         assert c.get("/health").status_code == 200
+        assert c.get("/ping").status_code == 200 and c.post("/ping").status_code == 200
         assert c.get("/metrics").status_code == 200
+        assert c.post("/invocations", json={"prompt": "Hi", "max_tokens": 1}).status_code == 401
 
 
 def test_the_right_key_works_through_the_official_client_and_is_never_shown(guarded_server):

@@ -3,7 +3,7 @@
 `FrontDoorMiddleware` is plain ASGI (no BaseHTTPMiddleware, which would buffer streams
 and hide disconnects). It enforces, before any route runs:
 - the API key (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`; constant-time
-  compare) on every path but /health and /metrics, when `--api-key` is set: else 401;
+  compare) on every path but /health, /ping and /metrics, when `--api-key` is set: else 401;
 - the request body limit `max_request_body_bytes`: a larger Content-Length is refused at
   once, and a chunked body is counted as it is read: 413 either way.
 """
@@ -17,11 +17,19 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenizer_proc import embeddings_api, messages_api, native_api, openai_api, responses_api, tokenize_api
+from tokenizer_proc import (
+    embeddings_api,
+    invocations_api,
+    messages_api,
+    native_api,
+    openai_api,
+    responses_api,
+    tokenize_api,
+)
 from tokenizer_proc.errors import error_response, install_error_handlers
 from tokenizer_proc.state import FrontendState, get_state
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 """Reachable without the API key (load balancers and Prometheus)."""
 
 
@@ -89,6 +97,7 @@ def create_app(state: FrontendState) -> FastAPI:
     )
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check, as vLLM answers it
     async def health(request: Request) -> Response:
         health = get_state(request).manager.health
         if health.healthy:
@@ -107,4 +116,5 @@ def create_app(state: FrontendState) -> FastAPI:
     app.include_router(embeddings_api.router)
     app.include_router(responses_api.router)
     app.include_router(messages_api.router)
+    app.include_router(invocations_api.router)
     return app

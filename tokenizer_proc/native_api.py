@@ -1,5 +1,5 @@
-"""SGLang-style native routes: /generate, /abort, /flush_cache, /server_info, /health_generate;
-and vLLM's /version.
+"""SGLang-style native routes: /generate, /abort, /flush_cache, /server_info, /get_model_info,
+/health_generate; and vLLM's /version, /load and /reset_prefix_cache.
 
 /generate streams SGLang's way: every event carries the *cumulative* `text` and
 `output_ids` so far (not a delta), then `data: [DONE]`.
@@ -114,6 +114,7 @@ async def abort(body: AbortRequest, request: Request) -> dict[str, Any]:
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"], response_model=None)
+@router.post("/reset_prefix_cache", response_model=None)  # vLLM's name
 async def flush_cache(request: Request) -> Response:
     done = await get_state(request).manager.flush_cache(FLUSH_TIMEOUT_S)
     if done.ok:
@@ -122,6 +123,7 @@ async def flush_cache(request: Request) -> Response:
 
 
 @router.get("/server_info")
+@router.get("/get_server_info")  # SGLang's older name
 async def server_info(request: Request) -> dict[str, Any]:
     st = get_state(request)
     out = msgspec.to_builtins(st.args)
@@ -143,6 +145,24 @@ async def server_info(request: Request) -> dict[str, Any]:
         for d in range(replicas.size)
     ]
     return out
+
+
+@router.get("/get_model_info")
+async def model_info(request: Request) -> dict[str, Any]:
+    """SGLang's: what is served, from where."""
+    st = get_state(request)
+    return {
+        "model_path": st.args.model_path,
+        "tokenizer_path": st.args.model_path,
+        "served_model_name": st.args.served_model_name,
+        "is_generation": True,
+    }
+
+
+@router.get("/load")
+async def load(request: Request) -> dict[str, int]:
+    """vLLM's: the requests this server holds open (queued or running), for a load balancer."""
+    return {"server_load": get_state(request).manager.num_open}
 
 
 @router.get("/version")
