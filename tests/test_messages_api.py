@@ -129,6 +129,14 @@ def test_a_tool_use_and_its_result_round_trip_as_chat_tool_calls(client, smollm2
     assert answered.content[0].text == chat.choices[0].message.content
 
 
+def test_anthropics_client_lists_and_retrieves_the_served_model(client, smollm2_server):
+    (listed,) = list(client.models.list())
+    assert listed.id == MODEL and listed.type == "model" and listed.display_name == MODEL
+    assert client.models.retrieve(MODEL).id == MODEL
+    openai_listed = smollm2_server.client().models.list().data
+    assert [m.id for m in openai_listed] == [MODEL] and openai_listed[0].owned_by == "trident"
+
+
 def test_count_tokens_counts_the_prompt_a_message_reads(client):
     for kw in ({"messages": QUESTION, "system": "Be brief."}, {"messages": QUESTION, "tools": [WEATHER]}):
         counted = client.messages.count_tokens(model=MODEL, **kw)

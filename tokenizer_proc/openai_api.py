@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -106,8 +107,10 @@ async def submit_choices(
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
+    """OpenAI's list, with the page fields Anthropic's client reads beside it."""
     st = get_state(request)
-    return {"object": "list", "data": [_model_card(st)]}
+    name = st.args.served_model_name
+    return {"object": "list", "data": [_model_card(st)], "has_more": False, "first_id": name, "last_id": name}
 
 
 @router.get("/v1/models/{model:path}")
@@ -118,12 +121,20 @@ async def get_model(model: str, request: Request) -> dict[str, Any]:
 
 
 def _model_card(st: FrontendState) -> dict[str, Any]:
+    """The served model as OpenAI's clients read it (`object`, `created`, `owned_by`; vLLM's
+    `max_model_len`) and as Anthropic's do (`type`, `display_name`, `created_at`, ...)."""
+    name, context = st.args.served_model_name, st.limits.context_length
     return {
-        "id": st.args.served_model_name,
+        "id": name,
         "object": "model",
         "created": st.started_at,
         "owned_by": "trident",
-        "max_model_len": st.limits.context_length,
+        "max_model_len": context,
+        "type": "model",
+        "display_name": name,
+        "created_at": datetime.fromtimestamp(st.started_at, timezone.utc).isoformat(),
+        "lifecycle": "active",
+        "max_input_tokens": context,
     }
 
 
