@@ -16,7 +16,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from tests.helpers import wait_until
 from tokenizer_proc.chat_output import choice_output
+from tokenizer_proc.errors import APIError
 from tokenizer_proc.responses_format import ResponseOutput
+from tokenizer_proc.responses_protocol import MessageItem
+from tokenizer_proc.responses_store import ResponseStore, StoredResponse
 from tokenizer_proc.tool_parsers import HERMES
 from tokenizer_proc.tools import ToolPlan
 
@@ -316,3 +319,38 @@ def test_served_responses_and_events_are_the_official_clients_types_to_the_lette
         assert names == [e["type"] for e in events] and len(events) > 5
         for event in events:
             EVENTS.validate_python(event)
+
+
+def _stored(text: str, previous: str | None = None) -> StoredResponse:
+    return StoredResponse({"text": text}, [MessageItem(role="user", content=text)], [], previous)
+
+
+def test_the_store_forgets_the_least_recently_used_past_its_count_or_its_bytes():
+    store = ResponseStore(capacity=2, max_bytes=10**6)
+    for rid in ("a", "b"):
+        store.put(rid, _stored(rid))
+    assert store.get("a") is not None  # a is now the most recently used
+    store.put("c", _stored("c"))
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    one = _stored("x" * 1000).size()
+    sized = ResponseStore(capacity=100, max_bytes=int(2.5 * one))
+    for rid in "pqr":
+        sized.put(rid, _stored("x" * 1000))
+    assert sized.get("p") is None and sized.get("q") and sized.get("r") and sized.bytes == 2 * one
+    sized.put("huge", _stored("x" * 10_000))  # larger than the whole budget: not stored, nothing lost
+    assert sized.get("huge") is None and sized.get("q") and sized.bytes == 2 * one
+    assert sized.delete("q") and not sized.delete("q") and sized.bytes == one
+
+
+def test_a_conversation_through_a_forgotten_turn_is_a_400_naming_it():
+    store = ResponseStore(capacity=10)
+    store.put("t1", _stored("one"))
+    store.put("t2", _stored("two", "t1"))
+    store.put("t3", _stored("three", "t2"))
+    assert [item.text() for item in store.conversation("t3")] == ["one", "two", "three"]
+    store.delete("t1")
+    with pytest.raises(APIError) as lost:
+        store.conversation("t3")
+    assert lost.value.code == "previous_response_not_found" and "'t1'" in lost.value.message
+    store.put("loop", _stored("again", "loop"))  # a request_id reused as its own previous response
+    assert [item.text() for item in store.conversation("loop")] == ["again"]

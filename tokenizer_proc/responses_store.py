@@ -4,9 +4,9 @@ A stored response keeps what its request added to the conversation (its input it
 what the model answered (its output items), and the id of the response it continued. A
 conversation is rebuilt by walking those ids back to its first response, so each turn is
 stored once, not once per later turn. The store holds at most `--responses-store-size`
-responses and forgets the least recently used first; a conversation that reaches a
-forgotten response is a 400, as one naming an id never stored. Nothing survives a restart
-of the tokenizer process.
+responses and STORE_BYTES of them (as JSON), and forgets the least recently used first; a
+conversation that reaches a forgotten response is a 400, as one naming an id never stored.
+Nothing survives a restart of the tokenizer process.
 """
 
 from __future__ import annotations
@@ -15,7 +15,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from tokenizer_proc.errors import APIError
+
+STORE_BYTES = 256 * 1024 * 1024
+"""What the stored responses may hold in all, measured as their JSON: request bodies run to
+--max-request-body-bytes each, so a count alone would not bound the memory."""
 
 
 @dataclass(frozen=True)
@@ -28,21 +34,35 @@ class StoredResponse:
     """The output items, parsed back into input item models (as a client would send them)."""
     previous_response_id: str | None
 
+    def size(self) -> int:
+        """Bytes of its JSON: the measure of what it holds."""
+        items = [item.model_dump() for item in (*self.input_items, *self.output_items)]
+        return len(_JSON.encode(self.body)) + len(_JSON.encode(items))
+
+
+_JSON = msgspec.json.Encoder()
+
 
 class ResponseStore:
     """Owner of the stored responses; the routes read and write it through `FrontendState`."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int = STORE_BYTES) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self.bytes = 0
+        """The JSON size of what is stored."""
 
     def put(self, rid: str, stored: StoredResponse) -> None:
-        if self.capacity <= 0:
+        self.delete(rid)
+        size = stored.size()
+        if self.capacity <= 0 or size > self.max_bytes:
             return
-        self._responses[rid] = stored
-        self._responses.move_to_end(rid)
-        while len(self._responses) > self.capacity:
-            self._responses.popitem(last=False)
+        self._responses[rid], self._sizes[rid] = stored, size
+        self.bytes += size
+        while len(self._responses) > self.capacity or self.bytes > self.max_bytes:
+            self.delete(next(iter(self._responses)))
 
     def get(self, rid: str) -> StoredResponse | None:
         stored = self._responses.get(rid)
@@ -51,7 +71,10 @@ class ResponseStore:
         return stored
 
     def delete(self, rid: str) -> bool:
-        return self._responses.pop(rid, None) is not None
+        if self._responses.pop(rid, None) is None:
+            return False
+        self.bytes -= self._sizes.pop(rid)
+        return True
 
     def conversation(self, previous_response_id: str) -> list[Any]:
         """The items of every turn up to and including `previous_response_id`'s, oldest first."""
