@@ -292,18 +292,27 @@ def make_random_llama(
     seed: int = 0,
     max_position: int = 4096,
     scale: float = 0.2,
+    added_special_tokens: tuple[str, ...] = (),
 ) -> str:
     """A random-weight LLaMA in Hugging Face layout, with the SmolLM2 tokenizer beside it.
 
     `scale` is the weights' standard deviation; small values leave the tied embedding in
-    charge, and the model then tends to repeat its context (useful for drafting tests)."""
+    charge, and the model then tends to repeat its context (useful for drafting tests).
+    `added_special_tokens` extend the tokenizer (and the vocabulary) with control tokens
+    SmolLM2's lacks."""
     import torch
     from safetensors.torch import save_file
 
-    tok = smollm2_tokenizer()
-    vocab = len(tok)
     os.makedirs(path, exist_ok=True)
-    tok.save_pretrained(path)
+    smollm2_tokenizer().save_pretrained(path)
+    tok = smollm2_tokenizer()
+    if added_special_tokens:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.add_special_tokens({"additional_special_tokens": list(added_special_tokens)})
+        tok.save_pretrained(path)
+    vocab = len(tok)
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

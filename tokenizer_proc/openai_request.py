@@ -193,12 +193,29 @@ def completion_prompts(st: FrontendState, body: CompletionRequest) -> list[tuple
     for one in [prompt] if single else prompt:
         if isinstance(one, str) and not one:
             raise APIError("The prompt is empty.", param="prompt", code="empty_prompt")
+        if body.suffix is not None:
+            one = _fill_in_the_middle(st, body, one)
         ids = encode_text(st.tokenizer, one) if isinstance(one, str) else list(one)
         kept = last_prompt_tokens(ids, body.truncate_prompt_tokens, st.limits)
         check_prompt_ids(kept, st.limits, "prompt")
         text = one if isinstance(one, str) and kept is ids else st.tokenizer.decode(kept)
         out.append((text if body.echo else "", kept))
     return out
+
+
+def _fill_in_the_middle(st: FrontendState, body: CompletionRequest, prefix: str | list[int]) -> str:
+    """The prompt that asks for the text between `prefix` and the body's suffix."""
+    if st.fim_tokens is None:
+        raise APIError(
+            f"suffix needs a model with fill-in-the-middle tokens; {st.args.served_model_name} has none.",
+            param="suffix",
+        )
+    if not isinstance(prefix, str):
+        raise APIError("suffix goes with text prompts, not token ids.", param="suffix")
+    if body.echo:
+        raise APIError("echo and suffix cannot be used together.", param="suffix")
+    first, second, third = st.fim_tokens
+    return f"{first}{prefix}{second}{body.suffix}{third}"
 
 
 def render_chat(st: FrontendState, prompt: ChatPrompt, plan: ToolPlan) -> tuple[str, list[int]]:

@@ -287,15 +287,11 @@ class CompletionRequest(_SamplingFields):
     """OpenAI's: each prompt runs this many candidates and answers with the n of them whose
     tokens have the highest mean logprob (at least n; not streamed when more than n). The
     usage counts every candidate's tokens."""
-    suffix: str | None = None
+    suffix: StrictStr | None = None
+    """OpenAI's: the text after the completion; the prompt is then the text before it, and
+    the model fills in the middle through its fill-in-the-middle tokens (a model without
+    them answers a 400)."""
     response_format: ResponseFormat | None = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
 
 
 class TextPart(_Strict):

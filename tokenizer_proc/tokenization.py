@@ -70,6 +70,21 @@ def load_tokenizer(model_path: str, *, without_torch: bool = False) -> Any:
     return tokenizer
 
 
+FIM_TOKENS = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, SantaCoder, Granite code
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, Qwen3-Coder
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+)
+"""Fill-in-the-middle markers by model family: the prompt is first + prefix + second + suffix
++ third, and the model writes the middle."""
+
+
+def fim_tokens_of(tokenizer: Any) -> tuple[str, str, str] | None:
+    """The model's fill-in-the-middle markers, if its vocabulary has a family's three."""
+    vocab = tokenizer.get_vocab()
+    return next((markers for markers in FIM_TOKENS if all(m in vocab for m in markers)), None)
+
+
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Token ids of a raw completion prompt (with the tokenizer's own special tokens, e.g. BOS)."""
     return list(tokenizer.encode(text))
