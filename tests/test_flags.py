@@ -32,8 +32,8 @@ def test_every_server_args_field_is_a_flag_with_help_or_derived_by_launch():
     derived = set(derived_fields())
     every_field = {f.name for f in msgspec.structs.fields(ServerArgs)}
     assert flags | derived == every_field and not flags & derived
-    # Launch computes these four; a new field must be a flag unless it is one of them.
-    assert derived == {"run_dir", "dist_init_host", "dist_init_port", "cluster_secret"}
+    # Launch computes these five; a new field must be a flag unless it is one of them.
+    assert derived == {"run_dir", "dist_init_host", "dist_init_port", "cluster_secret", "served_model_aliases"}
     help_text = build_parser().format_help()
     for f in flag_fields():
         assert f.flag.help.strip(), f.name
@@ -70,7 +70,7 @@ def test_engine_accepts_every_flag_by_its_field_name(field):
         ns = parse_engine_flags(str(value), {})
     else:
         ns = parse_engine_flags(None, {field.name: value})
-    assert getattr(ns, field.name) == value
+    assert getattr(ns, field.name) == ([value] if field.flag.several else value)
 
 
 def test_cli_spellings_and_defaults_are_unchanged(tmp_path):
@@ -86,6 +86,9 @@ def test_cli_spellings_and_defaults_are_unchanged(tmp_path):
     args = server_args_from_cli(ns, "/m.gguf", "m", str(tmp_path))
     assert (args.dist_init_host, args.dist_init_port) == ("10.0.0.1", 5000)
     assert args.record_batches == os.path.abspath("rec.bin") and args.served_model_name == "m"
+    assert args.served_model_aliases == ()
+    named = server_args_from_cli(parser.parse_args(["--served-model-name", "a", "b", "c"]), "/m.gguf", "m", "/r")
+    assert (named.served_model_name, named.served_model_aliases) == ("a", ("b", "c"))
     defaults = server_args_from_cli(parser.parse_args([]), "/m.gguf", "m", str(tmp_path))
     for f in flag_fields():
         if f.flag.default_text is None and f.flag.env is None:

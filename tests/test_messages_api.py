@@ -14,6 +14,7 @@ import pydantic
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 
+from tests.helpers import make_random_llama, running_server
 from tokenizer_proc.chat_output import choice_output
 from tokenizer_proc.messages_api import ContentBlocks
 from tokenizer_proc.tool_parsers import HERMES
@@ -201,3 +202,21 @@ def test_thinking_text_and_tool_use_become_blocks_in_order_whatever_the_pieces()
         {"id": "msg_x", "type": "message", "role": "assistant", "model": MODEL, "content": pieces,
          "stop_reason": "tool_use", "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
     )  # fmt: skip
+
+
+def test_a_server_answers_to_each_of_its_names_as_claude_code_needs(tmp_path):
+    """vLLM's `--served-model-name a b ...`: a tool that sends its own model names (Claude
+    Code's sonnet and haiku) is served under each; OpenAI routes answer with the first."""
+    model = make_random_llama(str(tmp_path / "tiny"))
+    names = ["tiny", "claude-sonnet-4-5", "claude-haiku-4-5"]
+    with running_server(["--model", model, "--served-model-name", *names, "--max-total-tokens", "2048"]) as server:
+        client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+        for name in names[1:]:
+            message = client.messages.create(model=name, max_tokens=2, messages=QUESTION)
+            assert message.model == name and message.usage.output_tokens <= 2
+        assert [m.id for m in client.models.list()] == names
+        completion = server.client().completions.create(model=names[2], prompt="Hi", max_tokens=1)
+        assert completion.model == "tiny"
+        with pytest.raises(anthropic.NotFoundError) as unknown:
+            client.messages.create(model="claude-opus", max_tokens=2, messages=QUESTION)
+        assert all(name in unknown.value.body["error"]["message"] for name in names)

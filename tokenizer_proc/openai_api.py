@@ -107,23 +107,25 @@ async def submit_choices(
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    """OpenAI's list, with the page fields Anthropic's client reads beside it."""
+    """OpenAI's list (a card for each of the model's names), with the page fields Anthropic's
+    client reads beside it."""
     st = get_state(request)
-    name = st.args.served_model_name
-    return {"object": "list", "data": [_model_card(st)], "has_more": False, "first_id": name, "last_id": name}
+    names = st.limits.served_model_names
+    cards = [_model_card(st, name) for name in names]
+    return {"object": "list", "data": cards, "has_more": False, "first_id": names[0], "last_id": names[-1]}
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, request: Request) -> dict[str, Any]:
     st = get_state(request)
     check_model(model, st.limits)
-    return _model_card(st)
+    return _model_card(st, model)
 
 
-def _model_card(st: FrontendState) -> dict[str, Any]:
+def _model_card(st: FrontendState, name: str) -> dict[str, Any]:
     """The served model as OpenAI's clients read it (`object`, `created`, `owned_by`; vLLM's
     `max_model_len`) and as Anthropic's do (`type`, `display_name`, `created_at`, ...)."""
-    name, context = st.args.served_model_name, st.limits.context_length
+    context = st.limits.context_length
     return {
         "id": name,
         "object": "model",

@@ -26,6 +26,12 @@ class ModelLimits:
     served_model_name: str
     context_length: int
     vocab_size: int
+    served_model_aliases: tuple[str, ...] = ()
+    """The other names `model` may take (`--served-model-name` after its first)."""
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.served_model_aliases)
 
 
 @dataclass
@@ -52,9 +58,10 @@ class SamplingRequest:
 
 
 def check_model(requested: str | None, limits: ModelLimits) -> None:
-    if requested is not None and requested != limits.served_model_name:
+    if requested is not None and requested not in limits.served_model_names:
+        names = ", ".join(f"`{n}`" for n in limits.served_model_names)
         raise APIError(
-            f"The model `{requested}` does not exist; this server serves `{limits.served_model_name}`.",
+            f"The model `{requested}` does not exist; this server serves {names}.",
             404,
             param="model",
             code="model_not_found",

@@ -52,7 +52,8 @@ class FrontendState:
         """From the scheduler's latest ServerInfo (it may change after a scheduler restart)."""
         info = self.manager.server_info
         assert info is not None, "the HTTP server starts only after the scheduler handshake"
-        return ModelLimits(self.args.served_model_name, info.context_length, info.vocab_size)
+        args = self.args
+        return ModelLimits(args.served_model_name, info.context_length, info.vocab_size, args.served_model_aliases)
 
 
 def get_state(request: Request) -> FrontendState:

@@ -190,7 +190,8 @@ class Engine:
         self._manager = self._run(connect())
         info = self._manager.server_info
         assert info is not None
-        self.limits = ModelLimits(self.args.served_model_name, info.context_length, info.vocab_size)
+        names = self.args.served_model_name, self.args.served_model_aliases
+        self.limits = ModelLimits(names[0], info.context_length, info.vocab_size, names[1])
 
     def shutdown(self) -> None:
         """Aborts open requests, stops every process, removes the run directory. Idempotent."""

@@ -124,6 +124,7 @@ def _add_argument(group: argparse._ArgumentGroup, f: FlagField) -> None:
         *f.names,
         dest=f.name,
         type=f.type,
+        nargs="+" if f.flag.several else None,
         default=f.cli_default,
         choices=f.flag.choices,
         metavar=f.flag.metavar or (None if f.flag.choices else f.names[0].lstrip("-").replace("-", "_").upper()),
@@ -166,6 +167,8 @@ def argv_of(values: Mapping[str, Any]) -> list[str]:
         elif f.type is bool:
             if bool(value) != f.default:
                 argv.append(f.names[0])
+        elif isinstance(value, list | tuple) and f.flag.several:
+            argv += [f.names[0], *map(str, value)]
         elif value is not None:
             argv += [f.names[0], str(value)]
     return argv

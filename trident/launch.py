@@ -101,9 +101,11 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
     else:
         host, port = parse_dist_init_addr(ns.dist_init_addr) if ns.dist_init_addr else ("127.0.0.1", 0)
         cluster = dict(dist_init_host=host, dist_init_port=port, cluster_secret=cluster_secret_from_cli(ns))
+    names = ns.served_model_name or [served_name]
     values.update(
         model_path=model_path,
-        served_model_name=ns.served_model_name or served_name,
+        served_model_name=names[0],
+        served_model_aliases=tuple(names[1:]),
         sim_profile=resolve_sim_profile(ns.sim_profile) if ns.sim_profile else None,
         record_batches=os.path.abspath(ns.record_batches) if ns.record_batches else None,
         run_dir=run_dir,

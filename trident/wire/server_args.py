@@ -60,6 +60,8 @@ class Flag:
     """An environment variable that supplies the default."""
     default_text: str | None = None
     """When set, the flag defaults to unset and launch fills the value in; this text says with what."""
+    several: bool = False
+    """The flag takes one value or more (`--served-model-name a b`); launch splits them."""
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,17 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         str | None, Flag(MODEL, "the .gguf file to serve out of a Hub repo given as --model org/name", metavar="FILE")
     ] = None
     served_model_name: Annotated[
-        str, Flag(MODEL, "the name clients pass as `model`; other names get a 404", default_text="the model's name")
+        str,
+        Flag(
+            MODEL,
+            "the name clients pass as `model`; other names get a 404. Several names (vLLM's form): each is "
+            "accepted, and the first is the one responses carry",
+            default_text="the model's name",
+            metavar="NAME [NAME ...]",
+            several=True,
+        ),
     ] = "smollm2-135m"
+    served_model_aliases: Annotated[tuple[str, ...], Derived("--served-model-name, its names after the first")] = ()
     device: Annotated[str, Flag(MODEL, "where the workers run", choices=("cpu", "cuda"))] = "cpu"
     dtype: Annotated[
         str,
