@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pydantic
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 
 from tests.helpers import wait_until
 from tokenizer_proc.chat_output import choice_output
@@ -105,6 +105,31 @@ def test_a_stored_response_is_retrieved_until_it_is_deleted_and_an_unstored_one_
         assert missing.json()["error"]["code"] == "previous_response_not_found"
         assert missing.json()["error"]["param"] == "previous_response_id"
     assert http.delete("/v1/responses/resp_never").status_code == 404
+
+
+def test_a_stored_responses_input_items_are_listed_a_page_at_a_time(smollm2_server):
+    client, http = smollm2_server.client(), smollm2_server.http()
+    conversation = [
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name a color."}]},
+    ]
+    response = client.responses.create(model=MODEL, input=conversation, max_output_tokens=4, instructions="Be brief.")
+    listed = list(client.responses.input_items.list(response.id, order="asc"))  # the client pages through
+    assert [(i.type, i.role) for i in listed] == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert [i.content[0].text for i in listed] == ["Hello.", "Hello! How can I help?", "Name a color."]
+    assert len({i.id for i in listed}) == 3  # ids given once, the same on every listing
+    first_page = http.get(f"/v1/responses/{response.id}/input_items", params={"limit": 2}).json()
+    assert [i["id"] for i in first_page["data"]] == [listed[2].id, listed[1].id] and first_page["has_more"]
+    rest = http.get(
+        f"/v1/responses/{response.id}/input_items", params={"limit": 2, "after": first_page["last_id"]}
+    ).json()
+    assert [i["id"] for i in rest["data"]] == [listed[0].id] and not rest["has_more"]
+    for item in first_page["data"] + rest["data"]:
+        pydantic.TypeAdapter(ResponseItem).validate_python(item)
+    assert http.get("/v1/responses/resp_never/input_items").status_code == 404
+    assert http.get(f"/v1/responses/{response.id}/input_items", params={"after": "msg_never"}).status_code == 400
+    assert http.get(f"/v1/responses/{response.id}/input_items", params={"limit": 0}).status_code == 400
 
 
 def _streamed(client: openai.OpenAI, **kw: Any) -> tuple[list[Any], Any]:
@@ -322,7 +347,7 @@ def test_served_responses_and_events_are_the_official_clients_types_to_the_lette
 
 
 def _stored(text: str, previous: str | None = None) -> StoredResponse:
-    return StoredResponse({"text": text}, [MessageItem(role="user", content=text)], [], previous)
+    return StoredResponse({"text": text}, [MessageItem(role="user", content=text)], [], previous, [])
 
 
 def test_the_store_forgets_the_least_recently_used_past_its_count_or_its_bytes():

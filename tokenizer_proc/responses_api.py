@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, and GET
+/v1/responses/{id}/input_items.
 
 A request is resolved as the chat completion it means (`ResponsesRequest.chat_request`, then
 `openai_request.resolve_chat`), after the conversation of its `previous_response_id` from the
@@ -16,9 +17,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from tokenizer_proc import openai_format as fmt
@@ -29,6 +30,7 @@ from tokenizer_proc.openai_request import ResolvedChat, request_name, resolve_ch
 from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.responses_format import (
     ResponseOutput,
+    listed_input_items,
     response_body,
     response_status,
     response_usage,
@@ -89,6 +91,7 @@ class _Turn:
                     self.body.input_items(),
                     INPUT_ITEMS.validate_python(_as_input(self.output.items)),
                     self.body.previous_response_id,
+                    listed_input_items(self.body.input_items()),
                 ),
             )
         return final, events
@@ -159,6 +162,33 @@ async def _stream(turn: _Turn, handles: list[RequestHandle]) -> AsyncIterator[by
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
     return _stored(get_state(request), response_id).body
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    after: str | None = None,
+    limit: int = Query(20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+) -> dict[str, Any]:
+    """The stored response's own input items (not its conversation's), a page at a time."""
+    items = _stored(get_state(request), response_id).listed_input
+    items = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(f"`after` names no input item of {response_id!r}.", param="after")
+        start = ids.index(after) + 1
+    page = items[start : start + limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + limit < len(items),
+    }
 
 
 @router.delete("/v1/responses/{response_id}")

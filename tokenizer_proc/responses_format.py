@@ -125,6 +125,26 @@ def _reasoning() -> dict[str, Any]:
     return {"id": _new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
 
 
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_input_items(items: list[Any]) -> list[dict[str, Any]]:
+    """A request's input items as GET /v1/responses/{id}/input_items lists them: each with an
+    id (the client's, else a new one) and its text as content parts."""
+    listed = []
+    for item in items:
+        entry = item.model_dump(exclude_none=True, by_alias=True)
+        entry["id"] = entry.get("id") or _new_id(_ID_PREFIX[item.type])
+        entry["status"] = entry.get("status") or "completed"
+        if item.type == "message" and isinstance(item.content, str):
+            if item.role == "assistant":
+                entry["content"] = [{"type": "output_text", "text": item.content, "annotations": []}]
+            else:
+                entry["content"] = [{"type": "input_text", "text": item.content}]
+        listed.append(entry)
+    return listed
+
+
 def response_status(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
     """(status, incomplete_details) of a response whose choice ended with `finish_reason`."""
     if finish_reason == "length":

@@ -33,11 +33,13 @@ class StoredResponse:
     output_items: list[Any]
     """The output items, parsed back into input item models (as a client would send them)."""
     previous_response_id: str | None
+    listed_input: list[dict[str, Any]]
+    """The input items as GET /v1/responses/{id}/input_items lists them (ids given once)."""
 
     def size(self) -> int:
         """Bytes of its JSON: the measure of what it holds."""
         items = [item.model_dump() for item in (*self.input_items, *self.output_items)]
-        return len(_JSON.encode(self.body)) + len(_JSON.encode(items))
+        return len(_JSON.encode(self.body)) + len(_JSON.encode(items)) + len(_JSON.encode(self.listed_input))
 
 
 _JSON = msgspec.json.Encoder()
