@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from tests.helpers import REPO_ROOT, smollm2_tokenizer
 from tokenizer_proc.app import create_app
+from tokenizer_proc.chat_protocol import ChatCompletionRequest
 from tokenizer_proc.detokenizer import IncrementalDecoder, RequestDetokenizer, StopStringMatcher, TextOptions
 from tokenizer_proc.errors import APIError, validation_error_message
 from tokenizer_proc.metrics import Metrics
@@ -27,7 +28,6 @@ from tokenizer_proc.openai_format import CompletionLogprobs, chat_logprobs
 from tokenizer_proc.protocol import (
     OPENAI_NAMES,
     RESOLVED_FIELDS,
-    ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     NativeSamplingParams,

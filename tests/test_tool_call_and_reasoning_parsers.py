@@ -17,7 +17,7 @@ from xgrammar.testing import _is_grammar_accept_string
 
 from tokenizer_proc import openai_format as fmt
 from tokenizer_proc.chat_output import ChoiceOutput, choice_output
-from tokenizer_proc.protocol import ChatMessage
+from tokenizer_proc.chat_protocol import ChatMessage
 from tokenizer_proc.pythonic_calls import PYTHONIC
 from tokenizer_proc.reasoning import ReasoningParser, thinking_open_in, thinking_skipped_in, uses_reasoning_parser
 from tokenizer_proc.structured import after_reasoning, schema_spec

@@ -18,8 +18,9 @@ from typing import Any
 
 from fastapi import Request
 
+from tokenizer_proc.chat_protocol import ChatCompletionRequest
 from tokenizer_proc.openai_request import scheduling_options
-from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
+from tokenizer_proc.protocol import CompletionRequest
 from tokenizer_proc.request_handle import RequestHandle, SchedulingOptions
 from tokenizer_proc.request_manager import RequestManager
 from tokenizer_proc.sampling import resolve_max_tokens

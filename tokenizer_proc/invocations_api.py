@@ -12,11 +12,12 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ValidationError
 
+from tokenizer_proc.chat_protocol import ChatCompletionRequest
 from tokenizer_proc.embeddings_api import create_embeddings
 from tokenizer_proc.errors import APIError, validation_error_message
 from tokenizer_proc.native_api import generate
 from tokenizer_proc.openai_api import create_chat_completion, create_completion
-from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, GenerateRequest
+from tokenizer_proc.protocol import CompletionRequest, EmbeddingRequest, GenerateRequest
 
 router = APIRouter()
 

@@ -18,16 +18,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictStr, Tag, ValidationError, field_validator
 
+from tokenizer_proc.chat_protocol import ChatCompletionRequest, ChatMessage, FunctionCall, TextPart, ToolCall
 from tokenizer_proc.errors import APIError, validation_error_message
-from tokenizer_proc.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    FunctionCall,
-    TextPart,
-    ToolCall,
-    _Strict,
-    by_type,
-)
+from tokenizer_proc.protocol import _Strict, by_type
 
 CacheControl = dict[str, Any] | None
 """Anthropic's prompt-caching marker: accepted, and not needed (see the module docstring)."""

@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from tokenizer_proc import openai_format as fmt
 from tokenizer_proc.beam_search import beam_search_choices
 from tokenizer_proc.chat_output import ChoiceOutput, choice_output
+from tokenizer_proc.chat_protocol import ChatCompletionRequest
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.openai_request import (
     beam_width,
@@ -37,7 +38,7 @@ from tokenizer_proc.openai_request import (
     scheduling_options,
     token_strings,
 )
-from tokenizer_proc.protocol import COMPLETION_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from tokenizer_proc.protocol import COMPLETION_DEFAULT_MAX_TOKENS, CompletionRequest
 from tokenizer_proc.request_handle import RequestHandle
 from tokenizer_proc.sampling import (
     SamplingRequest,

@@ -13,15 +13,10 @@ from typing import Any
 
 from fastapi import Request
 
+from tokenizer_proc.chat_protocol import ChatCompletionRequest, ChatPrompt
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.prompt_logprobs_format import vllm_prompt_logprobs
-from tokenizer_proc.protocol import (
-    MAX_BEAM_WIDTH,
-    MAX_REQUEST_ID_CHARS,
-    ChatCompletionRequest,
-    ChatPrompt,
-    CompletionRequest,
-)
+from tokenizer_proc.protocol import MAX_BEAM_WIDTH, MAX_REQUEST_ID_CHARS, CompletionRequest
 from tokenizer_proc.reasoning import thinking_open_in, thinking_skipped_in
 from tokenizer_proc.request_handle import SchedulingOptions
 from tokenizer_proc.sampling import SamplingRequest, check_prompt_ids, last_prompt_tokens

@@ -17,15 +17,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictStr, Tag, TypeAdapter, ValidationError, field_validator
 
+from tokenizer_proc.chat_protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
 from tokenizer_proc.errors import APIError, validation_error_message
 from tokenizer_proc.protocol import (
     MAX_CACHE_SALT_CHARS,
     MAX_LOGPROBS,
     MAX_REQUEST_ID_CHARS,
-    ChatCompletionRequest,
-    ChatMessage,
-    FunctionCall,
-    ToolCall,
     _AcceptedNoOps,
     _OpenAIKnobs,
     _Strict,

@@ -14,8 +14,9 @@ from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from tokenizer_proc.chat_protocol import TokenizeChatRequest
 from tokenizer_proc.openai_request import render_chat
-from tokenizer_proc.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from tokenizer_proc.protocol import DetokenizeRequest, TokenizeCompletionRequest
 from tokenizer_proc.sampling import check_model, check_prompt_ids
 from tokenizer_proc.state import get_state
 from tokenizer_proc.tools import ToolPlan

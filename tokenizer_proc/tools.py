@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tokenizer_proc.chat_protocol import ChatCompletionRequest, ChatMessage
 from tokenizer_proc.errors import APIError
-from tokenizer_proc.protocol import ChatCompletionRequest, ChatMessage
 from tokenizer_proc.structured import schema_spec
 from tokenizer_proc.tool_grammar import call_object_schema, checked_family_calls_spec
 from tokenizer_proc.tool_parsers import ToolCallFormat
