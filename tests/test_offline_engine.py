@@ -18,6 +18,11 @@ PROMPTS = [
     "Q: What is the largest planet in the solar system?\nA:",
 ]
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Say hello."}],
+]
+BEGUN = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "A fruit I like is"}]
 
 
 def served_greedy(server, prompt: str) -> dict:
@@ -49,6 +54,10 @@ def test_engine_greedy_output_equals_the_http_server_and_leaves_no_process(smoll
             PROMPTS[2:], {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0, top_logprobs_num=2
         )
         beams = engine.beam_search(PROMPTS[:2], beam_width=3, max_tokens=6)
+        chats = engine.chat(CONVERSATIONS, GREEDY)
+        begun = engine.chat(BEGUN, GREEDY, continue_final_message=True)
+        with pytest.raises(ValueError, match="chat template"):
+            engine.chat([*BEGUN[:1], {"role": "assistant", "content": ""}], GREEDY, continue_final_message=True)
         with pytest.raises(ValueError, match="beam_width"):
             engine.beam_search(PROMPTS[0], beam_width=11, max_tokens=4)
         with pytest.raises(ValueError, match="temprature"):
@@ -88,6 +97,17 @@ def test_engine_greedy_output_equals_the_http_server_and_leaves_no_process(smoll
         assert [b["text"] for b in got] == [c.text for c in served.choices]
         cum = [sum(c.logprobs.token_logprobs) for c in served.choices]
         assert [b["cum_logprob"] for b in got] == pytest.approx(cum, abs=1e-3)
+
+    client = smollm2_server.client()
+    for conversation, got in zip(CONVERSATIONS, chats):  # what the chat route answers
+        served = client.chat.completions.create(
+            model="smollm2-135m", messages=conversation, temperature=0, max_tokens=24
+        ).choices[0]
+        assert got["text"] == served.message.content and got["finish_reason"] == served.finish_reason
+    served = client.chat.completions.create(
+        model="smollm2-135m", messages=BEGUN, temperature=0, max_tokens=24, extra_body={"continue_final_message": True}
+    )
+    assert begun[0]["text"] == served.choices[0].message.content
 
     assert not [pid for pid in pids if alive(pid)]
     assert not os.path.exists(run_dir)

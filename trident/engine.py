@@ -29,6 +29,10 @@ under /generate's names beside each result's text:
     outs = engine.generate(prompts, {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0)
     outs[0]["input_token_logprobs"]  # [logprob, token id, None] per prompt token; the first's logprob None
 
+A chat is vLLM's `LLM.chat`: conversations through the model's chat template, then generated:
+
+    outs = engine.chat([{"role": "user", "content": "Hi!"}], {"temperature": 0, "max_new_tokens": 16})
+
 Beam search is vLLM's `LLM.beam_search`, the same search as the OpenAI routes' `use_beam_search`:
 
     beams = engine.beam_search(["The capital of France is"], beam_width=3, max_tokens=16)
@@ -63,6 +67,7 @@ from tokenizer_proc.offline import (
     SchedulingOptions,
     TokenStrings,
     all_or_none,
+    apply_chat_template,
     beam_search,
     check_prompt_ids,
     collect,
@@ -252,7 +257,43 @@ class Engine:
             )
         except pydantic.ValidationError as e:
             raise ValueError(f"invalid logprob parameters: {e}") from None
-        requests = [self._prepare(p, sp, logprobs) for p, sp in zip(prompt_list, param_list, strict=True)]
+        for prompt in prompt_list:
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError("each prompt must be a non-empty string")
+        ids = [encode_text(self.tokenizer, p) for p in prompt_list]
+        requests = [self._prepare(i, sp, logprobs) for i, sp in zip(ids, param_list, strict=True)]
+        return self._run(self._generate_all(requests, logprobs))
+
+    def chat(
+        self,
+        conversations: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[dict[str, Any]]:
+        """vLLM's `LLM.chat`: each conversation (a list of {"role", "content"} messages, or a
+        list of such lists) through the model's chat template, as POST /v1/chat/completions
+        renders it, then generated as `generate` does; one result per conversation."""
+        if self._procs.closed:
+            raise RuntimeError("this Engine has been shut down")
+        single = bool(conversations) and isinstance(conversations[0], Mapping)
+        conversation_list = [conversations] if single else list(conversations)
+        logprobs = NativeLogprobs()
+        requests = []
+        for messages in conversation_list:
+            try:
+                _, ids = apply_chat_template(
+                    self.tokenizer,
+                    [dict(m) for m in messages],
+                    add_generation_prompt=add_generation_prompt and not continue_final_message,
+                    continue_final_message=continue_final_message,
+                    template_kwargs=dict(chat_template_kwargs or {}),
+                )
+            except Exception as e:  # the template refuses this conversation
+                raise ValueError(f"the messages do not fit the model's chat template: {e}") from None
+            requests.append(self._prepare(ids, sampling_params or {}, logprobs))
         return self._run(self._generate_all(requests, logprobs))
 
     def beam_search(
@@ -313,16 +354,13 @@ class Engine:
         ]
 
     def _prepare(
-        self, prompt: str, params: Mapping[str, Any], logprobs: NativeLogprobs
+        self, ids: list[int], params: Mapping[str, Any], logprobs: NativeLogprobs
     ) -> tuple[list[int], Any, NativeSamplingParams]:
         unknown = set(params) - set(NativeSamplingParams.model_fields)
         if unknown:
             raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError("each prompt must be a non-empty string")
         try:
             native = NativeSamplingParams.model_validate(dict(params))
-            ids = encode_text(self.tokenizer, prompt)
             check_prompt_ids(ids, self.limits)
             wire_params = native_sampling_params(native, len(ids), self.limits, "prompt", logprobs)
         except pydantic.ValidationError as e:
