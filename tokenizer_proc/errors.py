@@ -9,6 +9,7 @@ Anthropic's routes (/v1/messages) the same error has Anthropic's shape,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import Request
@@ -44,6 +45,11 @@ class APIError(Exception):
         self.code = code
         self.type = type_
         self.headers = headers
+
+    def in_words_of(self, renamed: Mapping[str, str]) -> APIError:
+        """This error, its param named as another API names the field (`renamed`: ours -> theirs)."""
+        self.param = renamed.get(self.param or "", self.param)
+        return self
 
 
 def error_body(message: str, type_: str = INVALID_REQUEST, param: str | None = None, code: str | None = None) -> dict:
@@ -116,6 +122,12 @@ def validation_error_message(errors: list[dict[str, Any]]) -> tuple[str, str | N
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return message, param, first.get("type")
+
+
+def validation_api_error(errors: list[dict[str, Any]]) -> APIError:
+    """A 400 for a body part validated inside a route (pydantic's errors, as FastAPI's are told)."""
+    message, param, code = validation_error_message(errors)
+    return APIError(message, param=param, code=code)
 
 
 async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:

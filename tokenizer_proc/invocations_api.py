@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from tokenizer_proc.chat_protocol import ChatCompletionRequest
 from tokenizer_proc.embeddings_api import create_embeddings
-from tokenizer_proc.errors import APIError, validation_error_message
+from tokenizer_proc.errors import APIError, validation_api_error
 from tokenizer_proc.native_api import generate
 from tokenizer_proc.openai_api import create_chat_completion, create_completion
 from tokenizer_proc.protocol import CompletionRequest, EmbeddingRequest, GenerateRequest
@@ -43,8 +43,7 @@ async def invocations(request: Request) -> Response:
             try:
                 parsed = model.model_validate(body)
             except ValidationError as e:
-                message, param, code = validation_error_message(e.errors())
-                raise APIError(message, param=param, code=code) from e
+                raise validation_api_error(e.errors()) from e
             return await route(parsed, request)
     raise APIError(
         "/invocations answers a body with `messages` (chat), `prompt` (completion), `input` (embeddings) "

@@ -111,8 +111,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         resolved = resolve_chat(st, chat)
         handles = await submit_choices(st, resolved.prompt_ids, chat, resolved.sampling, mid, "max_tokens", 1)
     except APIError as e:  # in the Messages API's words
-        e.param = MESSAGES_PARAM.get(e.param or "", e.param)
-        raise
+        raise e.in_words_of(MESSAGES_PARAM) from None
     output = choice_output(resolved.plan, st.tool_format, st.model_reasons, resolved.prompt_text)
     model = body.model or st.args.served_model_name
     if body.stream:
@@ -175,6 +174,5 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     try:
         resolved = resolve_chat(st, body.chat_request())
     except APIError as e:
-        e.param = MESSAGES_PARAM.get(e.param or "", e.param)
-        raise
+        raise e.in_words_of(MESSAGES_PARAM) from None
     return {"input_tokens": len(resolved.prompt_ids)}

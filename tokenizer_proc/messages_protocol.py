@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictStr, Tag, ValidationError, field_validator
 
 from tokenizer_proc.chat_protocol import ChatCompletionRequest, ChatMessage, FunctionCall, TextPart, ToolCall
-from tokenizer_proc.errors import APIError, validation_error_message
+from tokenizer_proc.errors import APIError, validation_api_error
 from tokenizer_proc.protocol import _Strict, by_type
 
 CacheControl = dict[str, Any] | None
@@ -114,6 +114,11 @@ class ToolDefinition(_Strict):
     strict: bool | None = None
     cache_control: CacheControl = None
 
+    def chat_function(self) -> dict[str, Any]:
+        """The tool as chat's `function` object (`input_schema` is chat's `parameters`)."""
+        function = {"name": self.name, "description": self.description, "parameters": self.input_schema}
+        return {k: v for k, v in {**function, "strict": self.strict}.items() if v is not None}
+
 
 class ToolChoice(_Strict):
     type: Literal["auto", "any", "tool", "none"]
@@ -200,22 +205,7 @@ class MessagesRequest(_Strict):
             if getattr(self, knob) is not None:
                 chat[knob] = getattr(self, knob)
         if self.tools:
-            chat["tools"] = [
-                {
-                    "type": "function",
-                    "function": {
-                        k: v
-                        for k, v in (
-                            ("name", t.name),
-                            ("description", t.description),
-                            ("parameters", t.input_schema),
-                            ("strict", t.strict),
-                        )
-                        if v is not None
-                    },
-                }
-                for t in self.tools
-            ]
+            chat["tools"] = [{"type": "function", "function": t.chat_function()} for t in self.tools]
         if self.tool_choice is not None:
             chat["tool_choice"] = _chat_tool_choice(self.tool_choice)
             if self.tool_choice.disable_parallel_tool_use:
@@ -234,8 +224,7 @@ class MessagesRequest(_Strict):
         try:
             return ChatCompletionRequest.model_validate(chat)
         except ValidationError as e:  # what only the chat request checks
-            message, param, code = validation_error_message(e.errors())
-            raise APIError(message, param=MESSAGES_PARAM.get(param or "", param), code=code) from e
+            raise validation_api_error(e.errors()).in_words_of(MESSAGES_PARAM) from e
 
 
 class CountTokensRequest(MessagesRequest):

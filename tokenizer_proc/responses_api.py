@@ -123,8 +123,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             st, resolved.prompt_ids, chat, resolved.sampling, rid, resolved.max_tokens_param, 1
         )
     except APIError as e:  # in the Responses API's words
-        e.param = RESPONSES_PARAM.get(e.param or "", e.param)
-        raise
+        raise e.in_words_of(RESPONSES_PARAM) from None
     turn = _Turn(st, body, resolved, rid)
     if body.stream:
         return EventStreamResponse(_stream(turn, handles), handles)

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictStr, Tag, TypeAdapter, ValidationError, field_validator
 
 from tokenizer_proc.chat_protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
-from tokenizer_proc.errors import APIError, validation_error_message
+from tokenizer_proc.errors import APIError, validation_api_error
 from tokenizer_proc.protocol import (
     MAX_CACHE_SALT_CHARS,
     MAX_LOGPROBS,
@@ -252,8 +252,7 @@ class ResponsesRequest(_AcceptedNoOps, _OpenAIKnobs):
         try:
             return ChatCompletionRequest.model_validate(chat)
         except ValidationError as e:  # what only the chat request checks (e.g. a schema without a name)
-            message, param, code = validation_error_message(e.errors())
-            raise APIError(message, param=RESPONSES_PARAM.get(param or "", param), code=code) from e
+            raise validation_api_error(e.errors()).in_words_of(RESPONSES_PARAM) from e
 
 
 RESPONSES_PARAM = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
