@@ -8,7 +8,7 @@ import re
 import msgspec
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, smollm2_gguf
 from trident.engine import parse_engine_flags
 from trident.flags import FLAGS_DOC, build_parser, derived_fields, flag_fields, flags_doc
 from trident.launch import server_args_from_cli
@@ -32,8 +32,15 @@ def test_every_server_args_field_is_a_flag_with_help_or_derived_by_launch():
     derived = set(derived_fields())
     every_field = {f.name for f in msgspec.structs.fields(ServerArgs)}
     assert flags | derived == every_field and not flags & derived
-    # Launch computes these five; a new field must be a flag unless it is one of them.
-    assert derived == {"run_dir", "dist_init_host", "dist_init_port", "cluster_secret", "served_model_aliases"}
+    # Launch computes these six; a new field must be a flag unless it is one of them.
+    assert derived == {
+        "run_dir",
+        "dist_init_host",
+        "dist_init_port",
+        "cluster_secret",
+        "served_model_aliases",
+        "sampling_defaults",
+    }
     help_text = build_parser().format_help()
     for f in flag_fields():
         assert f.flag.help.strip(), f.name
@@ -83,13 +90,15 @@ def test_cli_spellings_and_defaults_are_unchanged(tmp_path):
     with pytest.raises(SystemExit):
         parser.parse_args(["--compile", "--disable-compile"])
     ns = parser.parse_args(["--dist-init-addr", "10.0.0.1:5000", "--record-batches", "rec.bin"])
-    args = server_args_from_cli(ns, "/m.gguf", "m", str(tmp_path))
+    model = smollm2_gguf()  # launch reads the model's recommended sampling: it names none
+    args = server_args_from_cli(ns, model, "m", str(tmp_path))
     assert (args.dist_init_host, args.dist_init_port) == ("10.0.0.1", 5000)
     assert args.record_batches == os.path.abspath("rec.bin") and args.served_model_name == "m"
     assert args.served_model_aliases == ()
-    named = server_args_from_cli(parser.parse_args(["--served-model-name", "a", "b", "c"]), "/m.gguf", "m", "/r")
+    named = server_args_from_cli(parser.parse_args(["--served-model-name", "a", "b", "c"]), model, "m", "/r")
     assert (named.served_model_name, named.served_model_aliases) == ("a", ("b", "c"))
-    defaults = server_args_from_cli(parser.parse_args([]), "/m.gguf", "m", str(tmp_path))
+    defaults = server_args_from_cli(parser.parse_args([]), model, "m", str(tmp_path))
+    assert defaults.sampling_defaults == {}
     for f in flag_fields():
         if f.flag.default_text is None and f.flag.env is None:
             assert getattr(defaults, f.name) == f.default, f.name

@@ -303,23 +303,27 @@ def test_the_wire_sampling_params_is_the_one_list_of_sampling_fields():
     """Every SamplingParams field is either a knob that each route takes under its name (or
     the OpenAI routes' rename), with the wire's default and range, or one the tokenizer
     resolves from the endpoint's own fields; a request that sets nothing sends the wire's
-    defaults (temperature 1, as OpenAI)."""
+    defaults (temperature 1, as OpenAI), and `knobs()` holds exactly the fields it sent
+    (the others take the model's defaults, test_generation_config.py)."""
     fields = {f.name: f for f in msgspec.structs.fields(SamplingParams)}
     assert RESOLVED_FIELDS < set(fields) and fields["temperature"].default == 1.0
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     routes = [(CompletionRequest, {"prompt": "hi"}, OPENAI_NAMES), (ChatCompletionRequest, chat, OPENAI_NAMES)]
     routes.append((NativeSamplingParams, {}, {}))
     for model, body, renamed in routes:
-        knobs = model.model_validate(body).knobs()
-        assert set(knobs) == set(fields) - RESOLVED_FIELDS
-        for name, value in knobs.items():
+        parsed = model.model_validate(body)
+        assert parsed.knobs() == {}
+        for name in set(fields) - RESOLVED_FIELDS:
             f = fields[name]
+            value = getattr(parsed, renamed.get(name, name))
             assert value == (f.default_factory() if f.default is msgspec.NODEFAULT else f.default), (model, name)
             assert renamed.get(name, name) in model.model_fields
             for outside in _outside(f.type):
                 with pytest.raises(ValidationError, match=renamed.get(name, name)):
                     model.model_validate({**body, renamed.get(name, name): outside})
-        sp = build_sampling_params(SamplingRequest(knobs, max_tokens=3), 20, LIMITS)
+        sent = {renamed.get(name, name): value for name, value in (("temperature", 0.5), ("min_new_tokens", 2))}
+        assert model.model_validate({**body, **sent}).knobs() == {"temperature": 0.5, "min_new_tokens": 2}
+        sp = build_sampling_params(SamplingRequest(parsed.knobs(), max_tokens=3), 20, LIMITS)
         assert sp == SamplingParams(max_new_tokens=3)
 
 

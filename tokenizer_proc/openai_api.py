@@ -152,12 +152,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = completion_prompts(st, body)
     cid = f"cmpl-{request_name(body, request)}"
     constraint = request_constraint(body)
-    # None: the default budget, or the context left if less (a full prompt still gets
-    # resolve_max_tokens' 400).
+    # None: the model's default budget or OpenAI's, or the context left if less (a full
+    # prompt still gets resolve_max_tokens' 400).
     budgets = [
         body.max_tokens
         if body.max_tokens is not None
-        else max(1, min(COMPLETION_DEFAULT_MAX_TOKENS, st.limits.context_length - len(ids)))
+        else st.limits.default_max_tokens(len(ids), COMPLETION_DEFAULT_MAX_TOKENS)
         for _, ids in prompts
     ]
     want_lp = body.logprobs is not None

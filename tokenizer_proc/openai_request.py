@@ -269,6 +269,8 @@ def resolve_chat(st: FrontendState, body: ChatCompletionRequest) -> ResolvedChat
     check_prompt_ids(prompt_ids, st.limits, "messages")
     use_mct = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if use_mct else body.max_tokens
+    if max_tokens is None:
+        max_tokens = st.limits.default_max_tokens(len(prompt_ids), None)
     bad_words_ids = bad_word_sequences(st.tokenizer, body.bad_words)
     sreq = sampling_request(body, max_tokens, body.logprobs, body.top_logprobs or 0, grammar, bad_words_ids)
     param = "max_completion_tokens" if use_mct else "max_tokens"

@@ -156,8 +156,10 @@ class _Knobs(_Strict):
     """Wire name -> this API's name, where they differ."""
 
     def knobs(self) -> dict[str, Any]:
-        """The knobs as the client sent them (or their defaults), by `SamplingParams` name."""
-        return {name: getattr(self, self.renamed.get(name, name)) for name in KNOB_NAMES}
+        """The knobs the client sent, by `SamplingParams` name. One left out is not here: it
+        takes the model's default (`--generation-config`), else the wire's."""
+        sent = self.model_fields_set
+        return {name: getattr(self, field) for name in KNOB_NAMES if (field := self.renamed.get(name, name)) in sent}
 
 
 def _knob_field(field: msgspec.structs.FieldInfo) -> tuple[Any, Any]:

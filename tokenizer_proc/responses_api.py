@@ -55,7 +55,10 @@ class _Turn:
 
     def body_now(self, status: str, **fields: Any) -> dict[str, Any]:
         model = self.st.args.served_model_name
-        return response_body(self.rid, self.created_at, model, self.body, status, self.output.items, **fields)
+        defaults = self.st.args.sampling_defaults
+        return response_body(
+            self.rid, self.created_at, model, self.body, status, self.output.items, sampling_defaults=defaults, **fields
+        )
 
     def feed(self, text: str, finish_reason: str | None, result: ChoiceResult, new_tokens: int) -> list[dict[str, Any]]:
         """The events of a piece of the choice's text; `new_tokens`: how many of the result's

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from tokenizer_proc.output_blocks import CALL, REASONING, TEXT, OutputBlocks
@@ -177,9 +178,13 @@ def response_body(
     usage: dict[str, Any] | None = None,
     incomplete_details: dict[str, str] | None = None,
     error: dict[str, Any] | None = None,
+    sampling_defaults: Mapping[str, int | float] | None = None,
 ) -> dict[str, Any]:
-    """The response object: its state, its output, and the request's settings as OpenAI echoes them."""
+    """The response object: its state, its output, and the request's settings as OpenAI
+    echoes them (the sampling as applied: a knob the request left out shows the model's
+    default, `sampling_defaults`)."""
     done = status not in ("in_progress", "queued")
+    applied = {**(sampling_defaults or {}), **body.knobs()}
     return {
         "id": rid,
         "object": "response",
@@ -198,12 +203,12 @@ def response_body(
         "previous_response_id": body.previous_response_id,
         "reasoning": body.reasoning.model_dump() if body.reasoning else {"effort": None, "summary": None},
         "store": body.store,
-        "temperature": body.temperature,
+        "temperature": applied.get("temperature", body.temperature),
         "text": body.text.model_dump(by_alias=True, exclude_none=True) if body.text else {"format": {"type": "text"}},
         "tool_choice": _tool_choice(body),
         "tools": [t.model_dump() for t in body.tools or []],
         "top_logprobs": body.top_logprobs,
-        "top_p": body.top_p,
+        "top_p": applied.get("top_p", body.top_p),
         "truncation": body.truncation,
         "usage": usage if done else None,
         "user": body.user,

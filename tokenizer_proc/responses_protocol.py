@@ -227,7 +227,7 @@ class ResponsesRequest(_AcceptedNoOps, _OpenAIKnobs):
         if not messages:
             raise APIError("`input` is empty: a response needs a message to answer.", param="input")
         chat: dict[str, Any] = {
-            **self.model_dump(include=set(_OpenAIKnobs.model_fields)),
+            **self.model_dump(include=set(_OpenAIKnobs.model_fields), exclude_unset=True),
             "messages": messages,
             "model": self.model,
             "max_completion_tokens": self.max_output_tokens,

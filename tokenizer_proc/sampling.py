@@ -16,7 +16,8 @@ import msgspec
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.protocol import MAX_LOGPROBS, NativeLogprobs, NativeSamplingParams
 from tokenizer_proc.structured import logit_bias_pairs, sglang_constraint
-from trident.wire.frontend import GrammarSpec, SamplingParams
+from trident.wire.frontend import GrammarSpec, SamplingParams, ServerInfo
+from trident.wire.server_args import ServerArgs
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,31 @@ class ModelLimits:
     vocab_size: int
     served_model_aliases: tuple[str, ...] = ()
     """The other names `model` may take (`--served-model-name` after its first)."""
+    sampling_defaults: Mapping[str, int | float] = field(default_factory=dict)
+    """`SamplingParams` field -> what a request that leaves it out gets, in place of the
+    wire's default: the model's recommendation (`ServerArgs.sampling_defaults`)."""
+
+    @classmethod
+    def of(cls, args: ServerArgs, info: ServerInfo) -> ModelLimits:
+        """The served model's, from the flags and the scheduler's ServerInfo."""
+        return cls(
+            args.served_model_name,
+            info.context_length,
+            info.vocab_size,
+            args.served_model_aliases,
+            args.sampling_defaults,
+        )
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
         return (self.served_model_name, *self.served_model_aliases)
+
+    def default_max_tokens(self, prompt_len: int, route_default: int | None) -> int | None:
+        """The output budget of a request that names none: the model's `max_new_tokens` if it
+        recommends one, else the route's own default (None: the rest of the context); cut to
+        the context, so that a default never causes a 400."""
+        budget = self.sampling_defaults.get("max_new_tokens", route_default)
+        return None if budget is None else max(1, min(int(budget), self.context_length - prompt_len))
 
 
 @dataclass
@@ -40,10 +62,11 @@ class SamplingRequest:
     fields each endpoint gives in its own way (`protocol.RESOLVED_FIELDS`)."""
 
     knobs: Mapping[str, Any] = field(default_factory=dict)
-    """`SamplingParams` fields by name, as the client sent them (`protocol._Knobs.knobs()`);
-    one left out takes the wire's default."""
+    """`SamplingParams` fields by name, those the client sent (`protocol._Knobs.knobs()`); one
+    left out takes the model's default (`ModelLimits.sampling_defaults`), else the wire's."""
     max_tokens: int | None = None
-    """None means the rest of the context."""
+    """None means the rest of the context (`ModelLimits.default_max_tokens` has applied the
+    defaults already)."""
     logprobs: bool = False
     top_logprobs: int = 0
     logit_bias: Mapping[str, float] | None = None
@@ -136,6 +159,7 @@ def build_sampling_params(
         prompt_top_logprobs=req.prompt_top_logprobs if req.prompt_logprobs_from >= 0 else 0,
         bad_words_ids=req.bad_words_ids,
         **{
+            **{k: v for k, v in limits.sampling_defaults.items() if k != "max_new_tokens"},
             **req.knobs,
             "stop_token_ids": list(req.knobs.get("stop_token_ids") or ()),
             "allowed_token_ids": list(req.knobs.get("allowed_token_ids") or ()),
@@ -170,8 +194,8 @@ def native_sampling_params(
     """SGLang-style `sampling_params` (POST /generate, the offline `Engine`) -> the wire struct,
     with /generate's logprob fields (`logprobs`) when given."""
     max_new = sp.max_new_tokens
-    if "max_new_tokens" not in sp.model_fields_set and max_new is not None:
-        max_new = max(1, min(max_new, limits.context_length - prompt_len))  # a default never causes a 400
+    if "max_new_tokens" not in sp.model_fields_set:
+        max_new = limits.default_max_tokens(prompt_len, max_new)
     want = logprobs is not None and logprobs.return_logprob
     sreq = SamplingRequest(
         sp.knobs(),

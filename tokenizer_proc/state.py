@@ -52,8 +52,7 @@ class FrontendState:
         """From the scheduler's latest ServerInfo (it may change after a scheduler restart)."""
         info = self.manager.server_info
         assert info is not None, "the HTTP server starts only after the scheduler handshake"
-        args = self.args
-        return ModelLimits(args.served_model_name, info.context_length, info.vocab_size, args.served_model_aliases)
+        return ModelLimits.of(self.args, info)
 
 
 def get_state(request: Request) -> FrontendState:

@@ -195,8 +195,7 @@ class Engine:
         self._manager = self._run(connect())
         info = self._manager.server_info
         assert info is not None
-        names = self.args.served_model_name, self.args.served_model_aliases
-        self.limits = ModelLimits(names[0], info.context_length, info.vocab_size, names[1])
+        self.limits = ModelLimits.of(self.args, info)
 
     def shutdown(self) -> None:
         """Aborts open requests, stops every process, removes the run directory. Idempotent."""
@@ -219,6 +218,12 @@ class Engine:
         return self._procs.run_dir
 
     # ------------------------------------------------------------------ generation
+
+    def default_sampling_params(self) -> dict[str, int | float]:
+        """What a request that leaves a sampling field out gets in its place, by
+        `sampling_params` name (vLLM's `LLM.get_default_sampling_params`): the model's
+        recommendation, under the `generation_config` and `override_generation_config` flags."""
+        return dict(self.args.sampling_defaults)
 
     def generate(
         self,

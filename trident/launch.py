@@ -25,6 +25,7 @@ import tempfile
 from typing import NoReturn
 
 from trident.flags import build_parser, flag_values
+from trident.generation_config import GenerationConfigError, resolve_sampling_defaults
 from trident.model_source import ModelNotFound, resolve_model
 from trident.node_agent import NodeAgent
 from trident.supervisor import Launcher, StartupError
@@ -102,10 +103,15 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
         host, port = parse_dist_init_addr(ns.dist_init_addr) if ns.dist_init_addr else ("127.0.0.1", 0)
         cluster = dict(dist_init_host=host, dist_init_port=port, cluster_secret=cluster_secret_from_cli(ns))
     names = ns.served_model_name or [served_name]
+    try:
+        sampling_defaults = resolve_sampling_defaults(ns.generation_config, ns.override_generation_config, model_path)
+    except GenerationConfigError as e:
+        raise UsageError(str(e)) from None
     values.update(
         model_path=model_path,
         served_model_name=names[0],
         served_model_aliases=tuple(names[1:]),
+        sampling_defaults=sampling_defaults,
         sim_profile=resolve_sim_profile(ns.sim_profile) if ns.sim_profile else None,
         record_batches=os.path.abspath(ns.record_batches) if ns.record_batches else None,
         run_dir=run_dir,

@@ -8,6 +8,7 @@ and the worker can load it without that wait. Layout: https://github.com/ggml-or
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -127,8 +128,19 @@ def _nbytes(shape: tuple[int, ...], ggml_type: int) -> int:
 
 
 def read_gguf_header(path: str) -> GGUFHeader:
-    """The metadata and tensor table; raises GGUFFormatError for a file that is not GGUF."""
-    if os.path.getsize(path) < 24:  # magic, version, two counts
+    """The metadata and tensor table; raises GGUFFormatError for a file that is not GGUF.
+
+    Read once per version of the file in a process: the launcher (its check and the sampling
+    defaults) and the worker (its config and its weights) each ask twice, and the vocabulary
+    makes each read cost a fifth of a second. The header is frozen; share it, do not change it."""
+    st = os.stat(path)
+    return _read_gguf_header(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf_header(path: str, size: int, mtime_ns: int) -> GGUFHeader:
+    """`size` and `mtime_ns` key the cache: a file replaced in place is read again."""
+    if size < 24:  # magic, version, two counts
         raise GGUFFormatError("not a GGUF file (shorter than a GGUF header)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         view = memoryview(mm)

@@ -7,7 +7,9 @@ safetensors headers and the GGUF tensor table, no weight is loaded. A file cut s
 caught here too. Each problem is one `UnservableModel` line; launch.py prints it and exits 2.
 
 It sits with the model because the tensors it expects are the ones the decoder loads; the
-launcher (trident/model_source.py) uses `check_model` and `UnservableModel`, nothing else.
+launcher (trident/model_source.py) uses `check_model` and `UnservableModel`, and
+(trident/generation_config.py) `recommended_sampling`: what the model says a request's
+sampling defaults are, read from the same files.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import glob
 import json
 import os
 import struct
+from typing import Any
+
+import numpy as np
 
 from gpu_worker.model.families import UnsupportedModelError
 from gpu_worker.model.gguf_header import GGUFFormatError, read_gguf_header
@@ -49,6 +54,50 @@ def check_model(path: str) -> None:
         _check_gguf(path)
     else:
         raise UnservableModel("expected a .gguf file or a Hugging Face-style directory")
+
+
+_GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+"""A GGUF's recommended sampler settings (llama.cpp's names) -> generation_config.json's. Its
+others (mirostat, XTC, the sampler order) have no counterpart here."""
+
+
+def recommended_sampling(path: str) -> dict[str, Any]:
+    """The sampling the model's makers recommend, under generation_config.json's names: a
+    directory's generation_config.json (all of it) or a GGUF's general.sampling.* metadata
+    (absent: {}). Values are as the file holds them; trident/generation_config.py picks the
+    fields it takes and checks them."""
+    if path.endswith(".gguf"):
+        fields = read_gguf_header(path).fields
+        return {name: _shortest(fields[key]) for key, name in _GGUF_SAMPLING_KEYS.items() if key in fields}
+    return generation_config_file(os.path.join(path, "generation_config.json"), required=False)
+
+
+def _shortest(value: Any) -> Any:
+    """A GGUF float32 as the decimal it was written from (0.7, not 0.699999988079071)."""
+    return float(str(np.float32(value))) if isinstance(value, float) else value
+
+
+def generation_config_file(path: str, required: bool) -> dict[str, Any]:
+    """A generation_config.json's object ({} when absent and not `required`); raises
+    UnservableModel for one that is unreadable or not an object."""
+    if not os.path.isfile(path):
+        if required:
+            raise UnservableModel(f"{path}: no such file")
+        return {}
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UnservableModel(f"{path} is unreadable: {e}") from None
+    if not isinstance(raw, dict):
+        raise UnservableModel(f"{path} does not hold an object")
+    return raw
 
 
 def _dir_config(path: str) -> ModelConfig:

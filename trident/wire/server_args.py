@@ -197,6 +197,32 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         ),
     ] = "last"
     seed: Annotated[int, Flag(MODEL, "seed of requests that give none")] = 0
+    generation_config: Annotated[
+        str,
+        Flag(
+            MODEL,
+            "where a request's sampling defaults come from (vLLM's flag). auto: the model's own "
+            "recommendation (generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty "
+            "and max_new_tokens, or a GGUF's general.sampling.*); vllm: the engine's neutral defaults "
+            "(temperature 1, no top-p, top-k or min-p); or a directory holding a generation_config.json",
+            metavar="auto|vllm|DIR",
+        ),
+    ] = "auto"
+    override_generation_config: Annotated[
+        str | None,
+        Flag(
+            MODEL,
+            "a JSON object laid over --generation-config's defaults, e.g. '{\"temperature\": 0.5}' "
+            "(vLLM's flag; its keys are those --generation-config reads)",
+            metavar="JSON",
+        ),
+    ] = None
+    sampling_defaults: Annotated[
+        dict[str, int | float],
+        Derived("--generation-config and --override-generation-config, read from the model at launch"),
+    ] = msgspec.field(default_factory=dict)
+    """`SamplingParams` field -> the value a request that leaves the field out gets (knobs such
+    as temperature, and `max_new_tokens`). Written by launch; the tokenizer process applies it."""
 
     host: Annotated[str, Flag(HTTP, "address the HTTP server binds")] = "127.0.0.1"
     port: Annotated[int, Flag(HTTP, "HTTP port")] = 30000
