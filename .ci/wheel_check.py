@@ -178,7 +178,16 @@ def serve_one_completion(venv: str, workdir: str) -> None:
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [os.path.join(venv, "bin", "trident"), "serve", "--port", str(port), "--max-total-tokens", "4096"],
+            # vLLM's form, the model first: `trident serve MODEL [flags]`
+            [
+                os.path.join(venv, "bin", "trident"),
+                "serve",
+                "smollm2-135m",
+                "--port",
+                str(port),
+                "--max-total-tokens",
+                "4096",
+            ],
             cwd=workdir,
             env=clean_env(),
             stdout=log,

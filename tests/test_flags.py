@@ -102,3 +102,22 @@ def test_cli_spellings_and_defaults_are_unchanged(tmp_path):
     for f in flag_fields():
         if f.flag.default_text is None and f.flag.env is None:
             assert getattr(defaults, f.name) == f.default, f.name
+
+
+def test_vllm_and_sglang_spellings_set_the_same_fields():
+    """A vLLM or SGLang command line works unchanged (`trident serve MODEL` takes the model
+    first, as `vllm serve` does: .ci/wheel_check.py starts the installed command so)."""
+    parser = build_parser()
+    vllm = parser.parse_args(
+        ["--max-model-len", "2048", "--tensor-parallel-size", "2", "--data-parallel-size", "3", "--max-num-seqs", "8"]
+        + ["--enforce-eager", "--no-enable-prefix-caching", "--generation-config", "vllm"]
+    )
+    ours = parser.parse_args(
+        ["--context-length", "2048", "--tp-size", "2", "--dp-size", "3", "--max-running-requests", "8"]
+        + ["--disable-cuda-graph", "--disable-radix-cache", "--generation-config", "vllm"]
+    )
+    assert vars(vllm) == vars(ours)
+    assert vars(parser.parse_args(["-tp", "2", "-dp", "3"])) == vars(parser.parse_args(["--tp", "2", "--dp", "3"]))
+    assert parser.parse_args(["--enable-prefix-caching"]).disable_radix_cache is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--enable-prefix-caching", "--no-enable-prefix-caching"])

@@ -1,10 +1,10 @@
-"""The `trident` command: `trident serve [flags]` starts the server (`trident serve --help`)."""
+"""The `trident` command: `trident serve [MODEL] [flags]` starts the server (`trident serve --help`)."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: trident serve [flags]     start the OpenAI-compatible server (trident serve --help)
+USAGE = """usage: trident serve [MODEL] [flags]     start the OpenAI-compatible server (trident serve --help)
        trident --version"""
 
 
@@ -13,7 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:
         from trident.launch import run_and_exit
 
-        run_and_exit(argv[1:])
+        flags = argv[1:]
+        if flags and not flags[0].startswith("-"):  # `vllm serve MODEL`'s form
+            flags = ["--model", *flags]
+        run_and_exit(flags)
     if argv[:1] == ["--version"]:
         from trident import __version__
 

@@ -161,7 +161,8 @@ def argv_of(values: Mapping[str, Any]) -> list[str]:
         if f is None:
             raise TypeError(f"unknown server flag {name!r}")
         if f.flag.switches:
-            argv += [n for n, const in f.flag.switches.items() if const == value and value != f.default]
+            # The first switch that sets it: others may be another engine's spelling of the same.
+            argv += [n for n, const in f.flag.switches.items() if const == value and value != f.default][:1]
             if value != f.default and value not in f.flag.switches.values():
                 raise ValueError(f"{name}={value!r}: expected one of {f.flag.choices}")
         elif f.type is bool:
@@ -179,7 +180,7 @@ def _flag_cell(f: FlagField) -> str:
     if f.flag.choices and not f.flag.switches:
         names += " " + "\\|".join(f.flag.choices)
     elif f.flag.metavar:
-        names += f" {f.flag.metavar}"
+        names += " " + f.flag.metavar.replace("|", "\\|")
     return names
 
 

@@ -174,7 +174,14 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             "without capture (gpu_worker/runtime/decode_graphs.py)",
         ),
     ] = 256
-    disable_cuda_graph: Annotated[bool, Flag(MODEL, "every decode step eager, rows unpadded (no graph runner)")] = False
+    disable_cuda_graph: Annotated[
+        bool,
+        Flag(
+            MODEL,
+            "every decode step eager, rows unpadded (no graph runner)",
+            names=("--disable-cuda-graph", "--enforce-eager"),
+        ),
+    ] = False
     disable_batch_invariance: Annotated[
         bool,
         Flag(
@@ -186,7 +193,14 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             "compares the two)",
         ),
     ] = False
-    context_length: Annotated[int, Flag(MODEL, "max prompt + output tokens per request; 0: the model's own")] = 0
+    context_length: Annotated[
+        int,
+        Flag(
+            MODEL,
+            "max prompt + output tokens per request; 0: the model's own",
+            names=("--context-length", "--max-model-len"),
+        ),
+    ] = 0
     pooling: Annotated[
         str,
         Flag(
@@ -269,7 +283,9 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         ),
     ] = "auto"
 
-    max_running_requests: Annotated[int, Flag(SCHEDULING, "requests in the batch at once")] = 64
+    max_running_requests: Annotated[
+        int, Flag(SCHEDULING, "requests in the batch at once", names=("--max-running-requests", "--max-num-seqs"))
+    ] = 64
     max_total_tokens: Annotated[int, Flag(SCHEDULING, "KV pool size in tokens; 0: from --mem-fraction")] = 0
     mem_fraction: Annotated[
         float, Flag(SCHEDULING, "fraction of free host (cpu) or GPU (cuda) memory for the KV pool")
@@ -286,7 +302,18 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             choices=("fcfs", "lpm", "priority"),
         ),
     ] = "fcfs"
-    disable_radix_cache: Annotated[bool, Flag(SCHEDULING, "do not reuse the KV of shared prefixes")] = False
+    disable_radix_cache: Annotated[
+        bool,
+        Flag(
+            SCHEDULING,
+            "do not reuse the KV of shared prefixes",
+            switches={
+                "--disable-radix-cache": True,
+                "--no-enable-prefix-caching": True,
+                "--enable-prefix-caching": False,
+            },
+        ),
+    ] = False
     disable_overlap: Annotated[
         bool, Flag(SCHEDULING, "plain loop: build step N+1 only after step N's results are processed")
     ] = False
@@ -305,10 +332,20 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     speculative_num_draft_tokens: Annotated[int, Flag(SPECULATIVE, "draft tokens per step (K)")] = 4
 
     tp_size: Annotated[
-        int, Flag(PARALLELISM, "tensor-parallel ranks, one worker process each (gloo on CPU, NCCL on CUDA)")
+        int,
+        Flag(
+            PARALLELISM,
+            "tensor-parallel ranks, one worker process each (gloo on CPU, NCCL on CUDA)",
+            names=("--tp-size", "--tp", "--tensor-parallel-size", "-tp"),
+        ),
     ] = 1
     dp_size: Annotated[
-        int, Flag(PARALLELISM, "data-parallel replicas, each its own scheduler and TP group, behind one tokenizer")
+        int,
+        Flag(
+            PARALLELISM,
+            "data-parallel replicas, each its own scheduler and TP group, behind one tokenizer",
+            names=("--dp-size", "--dp", "--data-parallel-size", "-dp"),
+        ),
     ] = 1
     load_balance_method: Annotated[
         str,
