@@ -182,3 +182,16 @@ def test_the_offline_engine_takes_vllm_and_an_override(model_dir):
         assert len(out[0]["output_ids"]) == 3
         sampled = {engine.generate([PROMPT], {"temperature": 1.0, "seed": s})[0]["text"] for s in SEEDS}
         assert len(sampled) > 1, "the engine's neutral defaults leave temperature 1 sampling"
+
+
+def test_a_knob_sent_as_null_is_left_out_and_takes_the_models_default(server):
+    """OpenAI's schema and vLLM's let a client send null for temperature, top_p and the rest;
+    null means the default, here the model's top_k 1."""
+    greedy = completion_texts(server, temperature=0)[0]
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": None, "top_p": None, "top_k": None}
+    for seed in SEEDS:
+        r = httpx.post(f"{server.base_url}/v1/completions", json={**body, "seed": seed}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == greedy
+    r = httpx.post(f"{server.base_url}/generate", json={"text": PROMPT, "sampling_params": {"temperature": None}})
+    assert r.status_code == 200, r.text

@@ -156,21 +156,27 @@ class _Knobs(_Strict):
     """Wire name -> this API's name, where they differ."""
 
     def knobs(self) -> dict[str, Any]:
-        """The knobs the client sent, by `SamplingParams` name. One left out is not here: it
-        takes the model's default (`--generation-config`), else the wire's."""
+        """The knobs the client sent, by `SamplingParams` name. One left out, or sent as null
+        (as vLLM's and OpenAI's own schemas allow), is not here: it takes the model's default
+        (`--generation-config`), else the wire's."""
         sent = self.model_fields_set
-        return {name: getattr(self, field) for name in KNOB_NAMES if (field := self.renamed.get(name, name)) in sent}
+        return {
+            name: value
+            for name in KNOB_NAMES
+            if (field := self.renamed.get(name, name)) in sent and (value := getattr(self, field)) is not None
+        }
 
 
 def _knob_field(field: msgspec.structs.FieldInfo) -> tuple[Any, Any]:
-    """(type, pydantic Field) of one knob: the wire's type, default and `ClientRange`."""
+    """(type, pydantic Field) of one knob: the wire's type (or null, which means left out),
+    default and `ClientRange`."""
     wire_type, *extras = get_args(field.type) if get_origin(field.type) is Annotated else (field.type,)
     limits = next((x for x in extras if isinstance(x, ClientRange)), ClientRange())
     if field.default_factory is not msgspec.NODEFAULT:
         info = Field(default_factory=field.default_factory, ge=limits.ge, gt=limits.gt, le=limits.le)
     else:
         info = Field(field.default, ge=limits.ge, gt=limits.gt, le=limits.le)
-    return _API_TYPES.get(field.name, wire_type), info
+    return _API_TYPES.get(field.name, wire_type | None), info
 
 
 def _knobs_model(name: str, renamed: Mapping[str, str]) -> type[_Knobs]:

@@ -185,6 +185,7 @@ def response_body(
     default, `sampling_defaults`)."""
     done = status not in ("in_progress", "queued")
     applied = {**(sampling_defaults or {}), **body.knobs()}
+    fields = type(body).model_fields
     return {
         "id": rid,
         "object": "response",
@@ -203,12 +204,12 @@ def response_body(
         "previous_response_id": body.previous_response_id,
         "reasoning": body.reasoning.model_dump() if body.reasoning else {"effort": None, "summary": None},
         "store": body.store,
-        "temperature": applied.get("temperature", body.temperature),
+        "temperature": applied.get("temperature", fields["temperature"].default),
         "text": body.text.model_dump(by_alias=True, exclude_none=True) if body.text else {"format": {"type": "text"}},
         "tool_choice": _tool_choice(body),
         "tools": [t.model_dump() for t in body.tools or []],
         "top_logprobs": body.top_logprobs,
-        "top_p": applied.get("top_p", body.top_p),
+        "top_p": applied.get("top_p", fields["top_p"].default),
         "truncation": body.truncation,
         "usage": usage if done else None,
         "user": body.user,
