@@ -24,6 +24,8 @@ def a_value_other_than_the_default(field) -> object:
         return (field.default or 0) + 3
     if field.type is float:
         return (field.default or 0.0) + 0.25
+    if field.is_json_object:
+        return {"value": field.name}
     return "value-" + field.name
 
 
@@ -121,3 +123,11 @@ def test_vllm_and_sglang_spellings_set_the_same_fields():
     assert parser.parse_args(["--enable-prefix-caching"]).disable_radix_cache is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--enable-prefix-caching", "--no-enable-prefix-caching"])
+
+
+@pytest.mark.parametrize("value", ["{", "[1]", '"text"'])
+def test_a_json_object_flag_refuses_anything_else(value):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--override-generation-config", value])
+    ns = build_parser().parse_args(["--override-generation-config", '{"temperature": 0.5}'])
+    assert ns.override_generation_config == {"temperature": 0.5}

@@ -74,25 +74,23 @@ def test_auto_takes_a_ggufs_general_sampling_metadata_as_written(tmp_path):
 
 def test_a_directory_and_the_override_are_laid_over_in_order(tmp_path, model_dir):
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_p": 0.5}))
-    assert resolve_sampling_defaults(str(tmp_path), '{"top_p": 0.8, "max_new_tokens": 9}', model_dir) == {
+    assert resolve_sampling_defaults(str(tmp_path), {"top_p": 0.8, "max_new_tokens": 9}, model_dir) == {
         "temperature": 0.3,
         "top_p": 0.8,
         "max_new_tokens": 9,
     }
-    assert resolve_sampling_defaults("vllm", '{"temperature": 0}', model_dir) == {"temperature": 0.0}
+    assert resolve_sampling_defaults("vllm", {"temperature": 0}, model_dir) == {"temperature": 0.0}
 
 
 @pytest.mark.parametrize(
     "choice, override, named",
     [
-        ("vllm", '{"temperature": 3}', "temperature 3 is outside [0.0, 2.0]"),
-        ("vllm", '{"top_p": 0}', "top_p 0 is outside (0.0, 1.0]"),
-        ("vllm", '{"top_k": 2.5}', "top_k 2.5 is not a whole number"),
-        ("vllm", '{"max_new_tokens": 0}', "max_new_tokens 0 is below 1"),
-        ("vllm", '{"temperature": "hot"}', "temperature 'hot' is not a number"),
-        ("vllm", '{"temp": 1}', "temp cannot be defaulted"),
-        ("vllm", "[1]", "must be a JSON object"),
-        ("vllm", "{", "is not JSON"),
+        ("vllm", {"temperature": 3}, "temperature 3 is outside [0.0, 2.0]"),
+        ("vllm", {"top_p": 0}, "top_p 0 is outside (0.0, 1.0]"),
+        ("vllm", {"top_k": 2.5}, "top_k 2.5 is not a whole number"),
+        ("vllm", {"max_new_tokens": 0}, "max_new_tokens 0 is below 1"),
+        ("vllm", {"temperature": "hot"}, "temperature 'hot' is not a number"),
+        ("vllm", {"temp": 1}, "temp cannot be defaulted"),
         ("/no/such/dir", None, "/no/such/dir/generation_config.json: no such file"),
     ],
 )
@@ -175,7 +173,7 @@ def test_the_offline_engine_takes_vllm_and_an_override(model_dir):
     from trident.engine import Engine
 
     with Engine(
-        model=model_dir, dtype="float32", generation_config="vllm", override_generation_config='{"max_new_tokens": 3}'
+        model=model_dir, dtype="float32", generation_config="vllm", override_generation_config={"max_new_tokens": 3}
     ) as engine:
         assert engine.default_sampling_params() == {"max_new_tokens": 3}
         out = engine.generate([PROMPT], {"ignore_eos": True, "temperature": 0})

@@ -12,6 +12,7 @@ arguments, and docs/flags.md, the flag reference:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import typing
@@ -49,6 +50,11 @@ class FlagField:
         if self.flag.switches:
             return tuple(self.flag.switches)
         return self.flag.names or ("--" + self.name.replace("_", "-"),)
+
+    @property
+    def is_json_object(self) -> bool:
+        """A dict field: its flag takes a JSON object (`--override-generation-config '{...}'`)."""
+        return typing.get_origin(self.type) is dict or self.type is dict
 
     @property
     def cli_default(self) -> Any:
@@ -123,13 +129,24 @@ def _add_argument(group: argparse._ArgumentGroup, f: FlagField) -> None:
     group.add_argument(
         *f.names,
         dest=f.name,
-        type=f.type,
+        type=json_object if f.is_json_object else f.type,
         nargs="+" if f.flag.several else None,
         default=f.cli_default,
         choices=f.flag.choices,
         metavar=f.flag.metavar or (None if f.flag.choices else f.names[0].lstrip("-").replace("-", "_").upper()),
         help=help_text,
     )
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag value that is a JSON object, parsed (argparse reports the error)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,6 +187,8 @@ def argv_of(values: Mapping[str, Any]) -> list[str]:
                 argv.append(f.names[0])
         elif isinstance(value, list | tuple) and f.flag.several:
             argv += [f.names[0], *map(str, value)]
+        elif value is not None and f.is_json_object:
+            argv += [f.names[0], json.dumps(value)]
         elif value is not None:
             argv += [f.names[0], str(value)]
     return argv

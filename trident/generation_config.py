@@ -12,7 +12,6 @@ tokenizer process applies it (tokenizer_proc/sampling.py).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Annotated, Any, get_args, get_origin
@@ -36,7 +35,7 @@ class GenerationConfigError(ValueError):
     """A `--generation-config` or `--override-generation-config` that cannot be used."""
 
 
-def resolve_sampling_defaults(choice: str, override_json: str | None, model_path: str) -> dict[str, int | float]:
+def resolve_sampling_defaults(choice: str, override: dict[str, Any] | None, model_path: str) -> dict[str, int | float]:
     """`SamplingParams` field -> default, from the flags and the model at `model_path`.
 
     The model's own values (`auto`) that a request could not send are left out with a
@@ -58,26 +57,20 @@ def resolve_sampling_defaults(choice: str, override_json: str | None, model_path
         raise GenerationConfigError(f"--generation-config: {e}") from None
     taken = {key: found[key] for key in GENERATION_CONFIG_KEYS if found.get(key) is not None}
     defaults = checked(taken, source, strict)
-    if override_json:
-        defaults |= checked(parse_override(override_json), "--override-generation-config", strict=True)
+    if override:
+        defaults |= checked(known_keys(override), "--override-generation-config", strict=True)
     if defaults:
         # vLLM says so too: a user who expected neutral sampling learns why the text differs.
         logger.info(
             "requests that leave them out get %s (from %s%s; --generation-config vllm for the engine's own)",
             describe(defaults),
             source or "the engine",
-            " and --override-generation-config" if override_json else "",
+            " and --override-generation-config" if override else "",
         )
     return defaults
 
 
-def parse_override(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise GenerationConfigError(f"--override-generation-config is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise GenerationConfigError("--override-generation-config must be a JSON object")
+def known_keys(value: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(value) - set(GENERATION_CONFIG_KEYS))
     if unknown:
         raise GenerationConfigError(

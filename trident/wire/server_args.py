@@ -223,7 +223,7 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         ),
     ] = "auto"
     override_generation_config: Annotated[
-        str | None,
+        dict[str, Any] | None,
         Flag(
             MODEL,
             "a JSON object laid over --generation-config's defaults, e.g. '{\"temperature\": 0.5}' "
