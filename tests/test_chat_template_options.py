@@ -1,12 +1,16 @@
 """What a chat request may tell the chat template, and how the answer begins: vLLM's
 `chat_template` (only where the server trusts it) and `documents`, OpenAI's
-`reasoning_effort`, vLLM's `echo`; and vLLM's `spaces_between_special_tokens`, accepted."""
+`reasoning_effort`, vLLM's `echo`; and vLLM's `spaces_between_special_tokens`, accepted.
+What the server tells it: vLLM's `--chat-template` and `--default-chat-template-kwargs`."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.helpers import Server, smollm2_tokenizer
+from tests.helpers import REPO_ROOT, Server, smollm2_tokenizer
 from tokenizer_proc.responses_protocol import ResponsesRequest
 
 MODEL = "smollm2-135m"
@@ -118,3 +122,61 @@ def test_spaces_between_special_tokens_is_accepted_on_every_route(smollm2_server
 def test_the_responses_reasoning_effort_reaches_the_template_as_chats_does():
     chat = ResponsesRequest(input="Hi", reasoning={"effort": "low"}).chat_request([])
     assert chat.reasoning_effort == "low" and chat.template_variables() == {"reasoning_effort": "low"}
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("chat_template") / "template.jinja"
+    path.write_text(TEMPLATE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def own_template_server(template_file):
+    """vLLM's `--chat-template FILE` and `--default-chat-template-kwargs`."""
+    flags = ["--chat-template", template_file, "--default-chat-template-kwargs", '{"reasoning_effort": "medium"}']
+    server = Server(["--dtype", "float32", "--max-total-tokens", "4096", *flags])
+    yield server
+    server.stop()
+
+
+def test_the_servers_chat_template_and_its_default_variables_render_every_chat(own_template_server):
+    messages = [{"role": "user", "content": "Where is the Eiffel tower?"}]
+    rendered = "effort=medium\nuser> Where is the Eiffel tower?\nassistant>"
+    assert _prompt_text(own_template_server, messages=messages) == rendered
+    # A request's own variables win over the server's defaults, by either name.
+    kwargs = {"chat_template_kwargs": {"reasoning_effort": "high"}}
+    assert _prompt_text(own_template_server, messages=messages, **kwargs).startswith("effort=high\n")
+    assert _prompt_text(own_template_server, messages=messages, reasoning_effort="low").startswith("effort=low\n")
+    tokens = own_template_server.http().post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert smollm2_tokenizer().decode(tokens) == rendered
+    # The Anthropic route renders through the same template.
+    count = own_template_server.http().post("/v1/messages/count_tokens", json={"model": MODEL, "messages": messages})
+    assert count.json()["input_tokens"] == len(tokens)
+
+
+def test_the_offline_engine_takes_a_template_as_text_and_default_variables():
+    from trident.engine import Engine
+
+    messages = [{"role": "user", "content": "Hi"}]
+    rendered = smollm2_tokenizer().encode("effort=none\nuser> Hi\nassistant>")
+    with Engine(
+        dtype="float32",
+        max_total_tokens=2048,
+        chat_template=TEMPLATE,
+        default_chat_template_kwargs={"reasoning_effort": "none"},
+    ) as engine:
+        out = engine.chat(messages, {"max_new_tokens": 1, "temperature": 0})
+        assert out[0]["prompt_tokens"] == len(rendered)
+        told = engine.chat(messages, {"max_new_tokens": 1}, chat_template_kwargs={"reasoning_effort": "much"})
+        assert told[0]["prompt_tokens"] == len(smollm2_tokenizer().encode("effort=much\nuser> Hi\nassistant>"))
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [("no/such/template.jinja", "no such file, and not a Jinja template"), ("{% for m in messages %}", "line 1")],
+)
+def test_the_launcher_refuses_a_chat_template_it_cannot_read_before_starting_anything(value, why):
+    launch = [sys.executable, f"{REPO_ROOT}/launch.py", "--chat-template", value]
+    done = subprocess.run(launch, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and why in done.stderr and "--chat-template" in done.stderr, done.stderr

@@ -94,7 +94,7 @@ async def _run(ctx: ChildContext) -> None:
     args = ctx.args
     sock = _bind(args.host, args.port)  # first: a taken port fails before any slow step
     try:
-        tokenizer = load_tokenizer(args.model_path, without_torch=True)
+        tokenizer = load_tokenizer(args.model_path, without_torch=True, chat_template=args.chat_template)
     except Exception as e:
         raise StartupError(f"cannot load the tokenizer of {args.model_path}: {type(e).__name__}: {e}") from e
 

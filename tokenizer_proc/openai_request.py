@@ -232,7 +232,7 @@ def render_chat(st: FrontendState, prompt: ChatPrompt, plan: ToolPlan) -> tuple[
             tools,
             add_generation_prompt=prompt.generation_prompt(),
             continue_final_message=prompt.continue_final_message,
-            template_kwargs=prompt.template_variables(),
+            template_kwargs={**(st.args.default_chat_template_kwargs or {}), **prompt.template_variables()},
             add_special_tokens=prompt.add_special_tokens,
             chat_template=prompt.chat_template,
             documents=prompt.documents,

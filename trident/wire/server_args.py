@@ -245,6 +245,25 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     ] = None
     max_queued_requests: Annotated[int, Flag(HTTP, "waiting requests beyond which new ones get 503")] = 1024
     max_request_body_bytes: Annotated[int, Flag(HTTP, "larger request bodies get 413")] = 4 * 1024 * 1024
+    chat_template: Annotated[
+        str | None,
+        Flag(
+            HTTP,
+            "a Jinja chat template that replaces the model's own, for every chat request (vLLM's and "
+            "SGLang's flag): a file, or the template itself; launch reads the file and checks the syntax",
+            metavar="FILE|TEMPLATE",
+        ),
+    ] = None
+    """After launch: the template's text (launch replaces a file's path by what it holds)."""
+    default_chat_template_kwargs: Annotated[
+        dict[str, Any] | None,
+        Flag(
+            HTTP,
+            "template variables every chat request gets unless its own `chat_template_kwargs` sets them, "
+            "e.g. '{\"enable_thinking\": false}' (vLLM's flag)",
+            metavar="JSON",
+        ),
+    ] = None
     trust_request_chat_template: Annotated[
         bool,
         Flag(
