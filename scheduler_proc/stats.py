@@ -103,7 +103,11 @@ class SchedulerCounters:
             self._last_publish = now
             self._published_busy = self.scheduler.has_work()
             self.scheduler.io.tokenizer.send(self.snapshot())
-        if now - self._last_log >= LOG_INTERVAL_S and self.scheduler.batch.reqs:
+        if (
+            now - self._last_log >= LOG_INTERVAL_S
+            and self.scheduler.batch.reqs
+            and not self.scheduler.args.disable_log_stats
+        ):
             rate = (self.totals.generation_tokens - self._gen_at_last_log) / (now - self._last_log)
             st = self.snapshot()
             logger.info(

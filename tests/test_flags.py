@@ -10,7 +10,8 @@ import pytest
 
 from tests.helpers import REPO_ROOT, smollm2_gguf
 from trident.engine import parse_engine_flags
-from trident.flags import FLAGS_DOC, build_parser, derived_fields, flag_fields, flags_doc
+from trident.flags import FLAGS_DOC, build_parser, derived_fields, flag_fields, flag_values, flags_doc
+from trident.foreign_flags import log_foreign_flags
 from trident.launch import server_args_from_cli
 from trident.wire.server_args import ServerArgs
 
@@ -131,3 +132,23 @@ def test_a_json_object_flag_refuses_anything_else(value):
         build_parser().parse_args(["--override-generation-config", value])
     ns = build_parser().parse_args(["--override-generation-config", '{"temperature": 0.5}'])
     assert ns.override_generation_config == {"temperature": 0.5}
+
+
+def test_other_engines_flags_are_accepted_with_no_effect_or_refused_naming_ours(capsys, caplog):
+    parser = build_parser()
+    ns = parser.parse_args(["--trust-remote-code", "--enable-auto-tool-choice", "--disable-log-requests"])
+    assert flag_values(ns) == flag_values(parser.parse_args([])), "they change no setting"
+    with caplog.at_level("INFO", logger="trident.launch"):
+        log_foreign_flags(ns)
+    assert "--trust-remote-code (vLLM, SGLang's flag) has no effect: no code from a checkpoint runs" in caplog.text
+    assert "--enable-auto-tool-choice" in caplog.text and "--disable-log-requests" in caplog.text
+    for refused, ours in [
+        (["--gpu-memory-utilization", "0.9"], "--mem-fraction"),
+        (["--max-num-batched-tokens", "8192"], "--max-prefill-tokens"),
+        (["--kv-cache-dtype", "fp8"], "--dtype"),
+        (["--quantization", "awq"], "--weight-dtype gguf"),
+    ]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(refused)
+        error = capsys.readouterr().err
+        assert f"{refused[0]} is vLLM" in error and ours in error, error

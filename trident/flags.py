@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from trident.foreign_flags import add_foreign_flags, foreign_flags_doc
 from trident.wire.server_args import Derived, Flag, ServerArgs
 
 FLAGS_DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "flags.md")
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         group = parser.add_argument_group(title)
         for f in fields:
             _add_argument(group, f)
+    add_foreign_flags(parser)
     return parser
 
 
@@ -221,6 +223,7 @@ def flags_doc() -> str:
             help_text = f.flag.help.replace("|", "\\|")
             lines.append(f"| {_flag_cell(f)} | {help_text}{env} | {_default_text(f)} |")
         lines.append("")
+    lines += foreign_flags_doc()
     return "\n".join(lines)
 
 

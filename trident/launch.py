@@ -25,6 +25,7 @@ import tempfile
 from typing import NoReturn
 
 from trident.flags import build_parser, flag_values
+from trident.foreign_flags import log_foreign_flags
 from trident.generation_config import resolve_sampling_defaults
 from trident.model_source import ModelNotFound, read_chat_template, resolve_model
 from trident.node_agent import NodeAgent
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --worker simulated and --sim-profile PROFILE.json go together", file=sys.stderr)
         return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s trident::launch %(levelname)s %(message)s")
+    log_foreign_flags(ns)
     try:
         model_path, served_name = resolve_model(ns.model_path, ns.gguf_file)
     except ModelNotFound as e:

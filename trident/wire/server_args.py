@@ -470,6 +470,10 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     run_dir: Annotated[str, Derived("launch makes it")] = ""
     """Private (0700) directory holding the ipc:// endpoints of this run."""
     log_level: Annotated[str, Flag(PROCESSES, "log level", choices=("debug", "info", "warning", "error"))] = "info"
+    disable_log_stats: Annotated[
+        bool,
+        Flag(PROCESSES, "the scheduler does not log its batch every 10 s (vLLM's flag); /metrics still has it all"),
+    ] = False
     startup_timeout_s: Annotated[
         float, Flag(PROCESSES, "seconds each process may take to be ready", names=("--startup-timeout",))
     ] = 300.0

@@ -1,0 +1,97 @@
+"""Other engines' flags that are not ours: a vLLM or SGLang command line should start
+trident, or say plainly which of our flags to use instead.
+
+Some ask for what trident always does, or for something that has no meaning here: they are
+accepted and logged as having no effect. Others name a setting trident takes differently:
+they are refused, and the error names ours. Spellings of flags we do have (`--max-model-len`,
+`-tp`, ...) are not here: they are names of those flags (trident/wire/server_args.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger("trident.launch")
+
+
+@dataclass(frozen=True)
+class ForeignFlag:
+    name: str
+    engines: str
+    """Whose flag it is, for the docs: "vLLM", "SGLang", "vLLM, SGLang"."""
+    accepted: bool
+    """True: a switch, parsed and ignored; False: a flag with a value, refused."""
+    why: str
+    """Accepted: why it changes nothing here. Refused: what to use instead."""
+
+
+FOREIGN_FLAGS = (
+    ForeignFlag(
+        "--trust-remote-code", "vLLM, SGLang", True, "no code from a checkpoint runs: every family is built in"
+    ),
+    ForeignFlag("--enable-auto-tool-choice", "vLLM", True, "tool calls are parsed whenever a request has tools"),
+    ForeignFlag(
+        "--disable-log-requests", "vLLM, SGLang", True, "requests are not logged (an access line at --log-level debug)"
+    ),
+    ForeignFlag(
+        "--gpu-memory-utilization",
+        "vLLM",
+        False,
+        "size the KV pool with --mem-fraction (a fraction of the free memory) or --max-total-tokens",
+    ),
+    ForeignFlag(
+        "--mem-fraction-static",
+        "SGLang",
+        False,
+        "size the KV pool with --mem-fraction (a fraction of the free memory) or --max-total-tokens",
+    ),
+    ForeignFlag(
+        "--max-num-batched-tokens",
+        "vLLM",
+        False,
+        "bound a step's prompt tokens with --max-prefill-tokens, and one request's with --chunked-prefill-size",
+    ),
+    ForeignFlag("--quantization", "vLLM, SGLang", False, "serve a GGUF's own formats (--weight-dtype gguf) or int8"),
+    ForeignFlag("--kv-cache-dtype", "vLLM, SGLang", False, "the KV cache takes --dtype"),
+)
+
+
+class _Refused(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        flag = next(f for f in FOREIGN_FLAGS if f.name == option_string)
+        parser.error(f"{flag.name} is {flag.engines}'s flag, not trident's: {flag.why}")
+
+
+def add_foreign_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("other engines' flags", "accepted with no effect, or refused naming ours")
+    for flag in FOREIGN_FLAGS:
+        dest = "foreign_" + flag.name.lstrip("-").replace("-", "_")
+        help_text = f"{flag.engines}'s: " + (f"no effect ({flag.why})" if flag.accepted else f"refused: {flag.why}")
+        if flag.accepted:
+            group.add_argument(flag.name, dest=dest, action="store_true", help=help_text)
+        else:
+            group.add_argument(flag.name, dest=dest, action=_Refused, metavar="VALUE", help=help_text)
+
+
+def log_foreign_flags(ns: argparse.Namespace) -> None:
+    """One line for each accepted foreign flag the command line gave, saying why it does nothing."""
+    for flag in FOREIGN_FLAGS:
+        if flag.accepted and getattr(ns, "foreign_" + flag.name.lstrip("-").replace("-", "_"), None):
+            logger.info("%s (%s's flag) has no effect: %s", flag.name, flag.engines, flag.why)
+
+
+def foreign_flags_doc() -> list[str]:
+    """docs/flags.md's section on them."""
+    lines = [
+        "## Other engines' flags",
+        "",
+        "A vLLM or SGLang command line starts trident, or says which of our flags to use instead.",
+        "",
+        "| flag | engines | here |",
+        "|---|---|---|",
+    ]
+    for flag in FOREIGN_FLAGS:
+        lines.append(f"| `{flag.name}` | {flag.engines} | {'no effect' if flag.accepted else 'refused'}: {flag.why} |")
+    return [*lines, ""]
