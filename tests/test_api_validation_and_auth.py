@@ -271,10 +271,15 @@ def guarded_server(tmp_path_factory):
             "1",
             "--max-total-tokens",
             "4096",
+            "--allowed-origins",
+            f'["{GOOD_ORIGIN}"]',
         ]
     )
     yield server
     server.stop()
+
+
+GOOD_ORIGIN = "https://app.example"
 
 
 def auth(key: str = KEY) -> dict[str, str]:
@@ -375,3 +380,23 @@ def test_anthropics_client_sends_the_key_as_x_api_key_and_gets_errors_in_anthrop
         wrong.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
     assert refused.value.body["error"]["type"] == "authentication_error"
     assert "x-api-key" in refused.value.body["error"]["message"]
+
+
+def test_a_browser_from_an_allowed_origin_passes_cors_and_the_key_still_guards(guarded_server):
+    """The preflight carries no key (browsers never send one there): CORS answers it before the
+    key check. The request itself still needs the key."""
+    http = guarded_server.http()
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    allowed = http.options("/v1/chat/completions", headers={"Origin": GOOD_ORIGIN, **preflight})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == GOOD_ORIGIN
+    refused = http.options("/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight})
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    listed = http.get("/v1/models", headers={"Origin": GOOD_ORIGIN, **auth()})
+    assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == GOOD_ORIGIN
+    keyless = http.get("/v1/models", headers={"Origin": GOOD_ORIGIN})
+    assert keyless.status_code == 401
+
+
+def test_by_default_any_origin_may_call_as_vllm_allows(smollm2_server):
+    answer = smollm2_server.http().get("/v1/models", headers={"Origin": "https://any.example"})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"

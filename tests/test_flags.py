@@ -25,8 +25,10 @@ def a_value_other_than_the_default(field) -> object:
         return (field.default or 0) + 3
     if field.type is float:
         return (field.default or 0.0) + 0.25
-    if field.is_json_object:
+    if field.json_kind is dict:
         return {"value": field.name}
+    if field.json_kind is list:
+        return ["value-" + field.name]
     return "value-" + field.name
 
 

@@ -6,6 +6,8 @@ and hide disconnects). It enforces, before any route runs:
   compare) on every path but /health, /ping and /metrics, when `--api-key` is set: else 401;
 - the request body limit `max_request_body_bytes`: a larger Content-Length is refused at
   once, and a chunked body is counted as it is read: 413 either way.
+Around it, Starlette's CORS middleware (also plain ASGI) answers browsers from
+`--allowed-origins`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hmac
 
 from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -92,9 +95,18 @@ def create_app(state: FrontendState) -> FastAPI:
     app = FastAPI(title="trident", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.frontend = state
     install_error_handlers(app)
-    app.add_middleware(
-        FrontDoorMiddleware, api_key=state.args.api_key, max_body_bytes=state.args.max_request_body_bytes
-    )
+    args = state.args
+    app.add_middleware(FrontDoorMiddleware, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes)
+    if args.allowed_origins:
+        # Added last, so outermost: a browser's preflight (OPTIONS, which carries no key) is
+        # answered before the front door asks for the key.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=args.allowed_origins,
+            allow_methods=args.allowed_methods,
+            allow_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials,
+        )
 
     @app.get("/health")
     @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check, as vLLM answers it

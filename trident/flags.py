@@ -15,8 +15,9 @@ import argparse
 import json
 import os
 import sys
+import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,9 +54,11 @@ class FlagField:
         return self.flag.names or ("--" + self.name.replace("_", "-"),)
 
     @property
-    def is_json_object(self) -> bool:
-        """A dict field: its flag takes a JSON object (`--override-generation-config '{...}'`)."""
-        return typing.get_origin(self.type) is dict or self.type is dict
+    def json_kind(self) -> type | None:
+        """dict or list for a field whose flag takes JSON (`--override-generation-config '{...}'`,
+        `--allowed-origins '["*"]'`, as vLLM's do), else None."""
+        kind = typing.get_origin(self.type) or self.type
+        return kind if kind in (dict, list) else None
 
     @property
     def cli_default(self) -> Any:
@@ -73,8 +76,9 @@ def _split_annotation(annotation: Any) -> tuple[type, tuple[Any, ...]]:
     if typing.get_origin(annotation) is typing.Annotated:
         annotation, *rest = typing.get_args(annotation)
         extras = tuple(rest)
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return (args[0] if args else annotation), extras
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation, extras
 
 
 def flag_fields() -> list[FlagField]:
@@ -84,7 +88,10 @@ def flag_fields() -> list[FlagField]:
         value_type, extras = _split_annotation(field.type)
         flags = [e for e in extras if isinstance(e, Flag)]
         if flags:
-            default = None if field.default is msgspec.NODEFAULT else field.default
+            if field.default_factory is not msgspec.NODEFAULT:
+                default = field.default_factory()
+            else:
+                default = None if field.default is msgspec.NODEFAULT else field.default
             out.append(FlagField(field.name, value_type, default, flags[0]))
     return out
 
@@ -130,7 +137,7 @@ def _add_argument(group: argparse._ArgumentGroup, f: FlagField) -> None:
     group.add_argument(
         *f.names,
         dest=f.name,
-        type=json_object if f.is_json_object else f.type,
+        type=json_parser(f.json_kind) if f.json_kind else f.type,
         nargs="+" if f.flag.several else None,
         default=f.cli_default,
         choices=f.flag.choices,
@@ -139,15 +146,22 @@ def _add_argument(group: argparse._ArgumentGroup, f: FlagField) -> None:
     )
 
 
-def json_object(text: str) -> dict[str, Any]:
-    """A flag value that is a JSON object, parsed (argparse reports the error)."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
+def json_parser(kind: type) -> Callable[[str], Any]:
+    """The argparse type of a flag that takes a JSON object (dict) or a list of strings."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if kind is dict and not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+        if kind is list and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+        return value
+
+    parse.__name__ = f"JSON {kind.__name__}"  # argparse names the type in its error
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,7 +203,7 @@ def argv_of(values: Mapping[str, Any]) -> list[str]:
                 argv.append(f.names[0])
         elif isinstance(value, list | tuple) and f.flag.several:
             argv += [f.names[0], *map(str, value)]
-        elif value is not None and f.is_json_object:
+        elif value is not None and f.json_kind:
             argv += [f.names[0], json.dumps(value)]
         elif value is not None:
             argv += [f.names[0], str(value)]
@@ -210,6 +224,8 @@ def _default_text(f: FlagField) -> str:
         return f.flag.default_text
     if f.type is bool:
         return "off"
+    if f.json_kind and f.default is not None:
+        return json.dumps(f.default)
     return "none" if f.default is None else str(f.default)
 
 

@@ -264,6 +264,24 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             metavar="JSON",
         ),
     ] = None
+    allowed_origins: Annotated[
+        list[str],
+        Flag(
+            HTTP,
+            "origins a browser may call this server from (CORS), as a JSON list (vLLM's flag); "
+            "'[\"*\"]' lets any web page call it, '[]' none",
+            metavar="JSON",
+        ),
+    ] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_methods: Annotated[
+        list[str], Flag(HTTP, "HTTP methods a browser may use across origins (vLLM's flag)", metavar="JSON")
+    ] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: Annotated[
+        list[str], Flag(HTTP, "request headers a browser may send across origins (vLLM's flag)", metavar="JSON")
+    ] = msgspec.field(default_factory=lambda: ["*"])
+    allow_credentials: Annotated[
+        bool, Flag(HTTP, "let a browser send cookies and HTTP auth across origins (vLLM's flag)")
+    ] = False
     trust_request_chat_template: Annotated[
         bool,
         Flag(
