@@ -133,6 +133,26 @@ def test_vllm_structured_outputs_constrain_chat_and_completions(default_server, 
         assert finish == "stop" and holds(text), text
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "holds"),
+    [
+        ("guided_choice", CHOICES, lambda t: t in CHOICES),
+        ("guided_regex", REGEX, lambda t: re.fullmatch(REGEX, t)),
+        ("guided_json", GREEDY_SCHEMA, lambda t: jsonschema.validate(json.loads(t), GREEDY_SCHEMA) is None),
+    ],
+    ids=["choice", "regex", "json"],
+)
+def test_vllms_older_guided_fields_constrain_as_structured_outputs_does(default_server, field, value, holds):
+    """vLLM's names before v0.12, which clients and tutorials still send (with a backend name,
+    which changes nothing here)."""
+    extra = {"extra_body": {field: value, "guided_decoding_backend": "xgrammar"}}
+    completion = default_server.client().completions.create(
+        model=MODEL, prompt="Answer:", max_tokens=160, **HOT, **extra
+    )
+    for choice in completion.choices:
+        assert choice.finish_reason == "stop" and holds(choice.text), choice.text
+
+
 def _check_weather_call(call) -> None:
     assert call.type == "function" and call.function.name == "get_weather" and call.id
     args = json.loads(call.function.arguments)
@@ -254,6 +274,11 @@ BAD_REQUESTS = [
         "structured_outputs.structural_tag",
     ),
     ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"regex": "a"}, "regex": "b"}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "Hi", "guided_regex": "(a|b"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "Hi", "guided_json": "{not json"}, "guided_json"),
+    ("/v1/completions", {"prompt": "Hi", "guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "Hi", "guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, "guided_*"),
+    ("/v1/completions", {"prompt": "Hi", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
 ]
 
 

@@ -45,12 +45,13 @@ def request_constraint(
     body: CompletionRequest | ChatCompletionRequest, forced_call: GrammarSpec | None = None
 ) -> GrammarSpec | None:
     """The one constraint of an OpenAI request: response_format, an SGLang field, vLLM's
-    structured_outputs, or a tool_choice that forces a call."""
+    structured_outputs (or its older guided_* fields), or a tool_choice that forces a call."""
     return one_constraint(
         {
             "response_format": response_format_spec(body.response_format),
             "regex/ebnf/json_schema": sglang_constraint(body.regex, body.ebnf, body.json_schema),
             "structured_outputs": vllm_constraint(body.structured_outputs),
+            "guided_*": vllm_constraint(body.guided_outputs(), legacy=True),
             "tool_choice": forced_call,
         }
     )

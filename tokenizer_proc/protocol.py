@@ -263,6 +263,14 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     """vLLM's: only the prompt's last k tokens are read (-1: the context length's worth)."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM's decoding constraint; SGLang's `regex`/`ebnf`/`json_schema` say the same."""
+    guided_json: str | dict[str, Any] | None = None
+    """vLLM's names before v0.12 (clients and tutorials still send them), read as
+    `structured_outputs` reads json, regex, choice and grammar (`guided_outputs`)."""
+    guided_regex: str | None = None
+    guided_choice: list[StrictStr] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    """Accepted no-op: every constraint is compiled by xgrammar here."""
     bad_words: list[StrictStr] | None = Field(None, max_length=MAX_BAD_WORDS)
     """vLLM's: words the output must not contain, at its start or after a space."""
     use_beam_search: bool = False
@@ -272,6 +280,17 @@ class _SamplingFields(_StopStrings, _AcceptedNoOps, _Constraints, _OpenAIKnobs):
     tokenizer is a fast one, which joins special tokens without spaces (vLLM ignores it there too)."""
     length_penalty: float = 1.0
     """vLLM's, with use_beam_search: a beam ranks by summed logprob / length ** length_penalty."""
+
+    def guided_outputs(self) -> StructuredOutputs | None:
+        """The `guided_*` fields as the `structured_outputs` they stand for (None: none given)."""
+        given = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        given = {name: value for name, value in given.items() if value is not None}
+        return StructuredOutputs.model_validate(given) if given else None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

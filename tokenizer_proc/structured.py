@@ -141,22 +141,27 @@ def sglang_constraint(regex: str | None, ebnf: str | None, json_schema: Any) -> 
     )
 
 
-def vllm_constraint(outputs: StructuredOutputs | None) -> GrammarSpec | None:
-    """vLLM's `structured_outputs` object; it must name exactly one constraint."""
+def vllm_constraint(outputs: StructuredOutputs | None, legacy: bool = False) -> GrammarSpec | None:
+    """vLLM's `structured_outputs` object; it must name exactly one constraint. `legacy`: it
+    stands for the `guided_*` fields (`guided_outputs`), which errors then name."""
     if outputs is None:
         return None
     at = "structured_outputs"
+
+    def param(field: str) -> str:
+        return f"guided_{field}" if legacy else f"{at}.{field}"
+
     given: dict[str, GrammarSpec | None] = {}
     if outputs.json_ is not None:
-        given[f"{at}.json"] = schema_spec(outputs.json_, f"{at}.json")
+        given[param("json")] = schema_spec(outputs.json_, param("json"))
     if outputs.regex is not None:
-        given[f"{at}.regex"] = checked(GrammarSpec("regex", outputs.regex), f"{at}.regex")
+        given[param("regex")] = checked(GrammarSpec("regex", outputs.regex), param("regex"))
     if outputs.choice is not None:
-        given[f"{at}.choice"] = checked(GrammarSpec("ebnf", choice_grammar(outputs.choice)), f"{at}.choice")
+        given[param("choice")] = checked(GrammarSpec("ebnf", choice_grammar(outputs.choice)), param("choice"))
     if outputs.grammar is not None:
-        given[f"{at}.grammar"] = checked(GrammarSpec("ebnf", outputs.grammar), f"{at}.grammar")
+        given[param("grammar")] = checked(GrammarSpec("ebnf", outputs.grammar), param("grammar"))
     if outputs.json_object:
-        given[f"{at}.json_object"] = GrammarSpec("json_schema", ANY_JSON_OBJECT, strict=False)
+        given[param("json_object")] = GrammarSpec("json_schema", ANY_JSON_OBJECT, strict=False)
     if not given:
         raise APIError(f"{at} needs one of json, regex, choice, grammar or json_object.", param=at)
     return one_constraint(given)
