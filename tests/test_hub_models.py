@@ -9,14 +9,15 @@ snapshots/COMMIT/...}), its blob a link to the shipped SmolLM2 GGUF."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT, free_port, running_server, smollm2_gguf
+from tests.helpers import REPO_ROOT, free_port, make_random_llama, running_server, smollm2_gguf
 from trident.hub_model import HubName, _chosen_gguf, parse_hub_name
-from trident.model_source import ModelNotFound
+from trident.model_source import ModelNotFound, resolve_tokenizer
 
 REPO = "trident-test/SmolLM2-135M-Instruct-GGUF"
 GGUF = "SmolLM2-135M-Instruct-Q4_1.gguf"
@@ -127,3 +128,57 @@ def test_a_hub_named_model_is_served_under_that_name_through_the_openai_client(h
         model=f"{REPO}:Q4_1", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
     )
     assert reply.choices[0].message.content and reply.usage.completion_tokens <= 4
+
+
+TOKENIZER_REPO = "trident-test/smollm2-tokenizer"
+
+
+@pytest.fixture(scope="module")
+def model_without_tokenizer(tmp_path_factory, hf_home) -> str:
+    """A random-weight LLaMA whose tokenizer files sit in the Hub cache as their own repo."""
+    model = make_random_llama(str(tmp_path_factory.mktemp("no_tokenizer_llama")))
+    storage = os.path.join(hf_home, "hub", "models--" + TOKENIZER_REPO.replace("/", "--"))
+    snapshot = os.path.join(storage, "snapshots", COMMIT)
+    os.makedirs(snapshot)
+    os.makedirs(os.path.join(storage, "refs"))
+    with open(os.path.join(storage, "refs", "main"), "w") as f:
+        f.write(COMMIT)
+    for name in os.listdir(model):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.move(os.path.join(model, name), os.path.join(snapshot, name))
+    return model
+
+
+def test_the_tokenizer_flag_takes_a_directory_or_a_hub_repo_and_refuses_neither(hf_home, model_without_tokenizer):
+    with pytest.raises(ModelNotFound, match="holds no tokenizer.json"):
+        resolve_tokenizer(model_without_tokenizer)
+    with pytest.raises(ModelNotFound, match="no such file or directory"):
+        resolve_tokenizer("./no/such/tokenizer")
+    assert resolve_tokenizer(smollm2_gguf()) == smollm2_gguf()
+    code = f"from trident.model_source import resolve_tokenizer; print(resolve_tokenizer({TOKENIZER_REPO!r}))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=_env(hf_home, True), capture_output=True)
+    assert done.stdout.decode().strip().endswith(os.path.join("snapshots", COMMIT)), done.stderr.decode()
+
+
+def test_a_model_without_a_tokenizer_serves_with_vllms_tokenizer_flag(hf_home, model_without_tokenizer):
+    """Its text and a constrained request (the worker reads the vocabulary for the grammar
+    from the same place)."""
+    saved = dict(os.environ)
+    os.environ.update(_env(hf_home, offline=True))
+    try:
+        flags = ["--model", model_without_tokenizer, "--tokenizer", TOKENIZER_REPO, "--max-total-tokens", "2048"]
+        with running_server(flags) as server:
+            client = server.client()
+            choices = ["alpha", "beta"]
+            answer = client.chat.completions.create(
+                model=client.models.list().data[0].id,
+                messages=[{"role": "user", "content": "Pick one."}],
+                max_tokens=8,
+                extra_body={"guided_choice": choices},
+            )
+            assert answer.choices[0].message.content in choices
+            info = server.http().get("/get_model_info").json()
+            assert info["tokenizer_path"].endswith(os.path.join("snapshots", COMMIT))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -94,9 +94,9 @@ async def _run(ctx: ChildContext) -> None:
     args = ctx.args
     sock = _bind(args.host, args.port)  # first: a taken port fails before any slow step
     try:
-        tokenizer = load_tokenizer(args.model_path, without_torch=True, chat_template=args.chat_template)
+        tokenizer = load_tokenizer(args.tokenizer_source, without_torch=True, chat_template=args.chat_template)
     except Exception as e:
-        raise StartupError(f"cannot load the tokenizer of {args.model_path}: {type(e).__name__}: {e}") from e
+        raise StartupError(f"cannot load the tokenizer of {args.tokenizer_source}: {type(e).__name__}: {e}") from e
 
     zmq_ctx = zmq.asyncio.Context()
     metrics = Metrics()

@@ -153,7 +153,7 @@ async def model_info(request: Request) -> dict[str, Any]:
     st = get_state(request)
     return {
         "model_path": st.args.model_path,
-        "tokenizer_path": st.args.model_path,
+        "tokenizer_path": st.args.tokenizer_source,
         "served_model_name": st.args.served_model_name,
         "is_generation": True,
     }

@@ -159,7 +159,7 @@ class Engine:
             self.args = server_args_from_cli(ns, model_path, served_name, self._procs.run_dir)
             args_file = os.path.join(self._procs.run_dir, "server_args.msgpack")
             write_server_args(self.args, args_file)
-            self.tokenizer = load_tokenizer(model_path, chat_template=self.args.chat_template)
+            self.tokenizer = load_tokenizer(self.args.tokenizer_source, chat_template=self.args.chat_template)
             self.strings = TokenStrings(self.tokenizer)
             self._procs.launcher = Launcher(self.args, args_file)
             self._start_backend()

@@ -23,6 +23,17 @@ HF_DIRECTORY_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt
 """What a Hugging Face directory needs served: config, weights, tokenizer, chat template;
 not the .bin/.pth/.gguf/onnx copies of the same weights that many repos carry too."""
 
+TOKENIZER_FILES = [
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.jinja",
+]
+"""What a tokenizer needs (`--tokenizer org/name`): its files and chat template, no weights."""
+
 _HUB_NAME = re.compile(
     r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?:@(?P<revision>[\w./-]+?))?(?::(?P<quant>[\w.-]+))?",
 )
@@ -49,29 +60,43 @@ def parse_hub_name(name: str) -> HubName | None:
 def hub_model_path(hub: HubName, gguf_file: str | None) -> str:
     """The cached path (a .gguf file or a snapshot directory) of the repo's model, downloaded
     first when the Hub is reachable and the cache lacks it."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub import constants
 
     listing = None if constants.HF_HUB_OFFLINE else _hub_listing(hub)
     local_only = listing is None
     if listing is None:
         listing = _cached_listing(hub, constants.HF_HUB_CACHE)
     gguf = _chosen_gguf(hub, listing, gguf_file)
-    try:
-        folder = snapshot_download(
-            hub.repo_id,
-            revision=hub.revision,
-            allow_patterns=[gguf] if gguf else HF_DIRECTORY_FILES,
-            local_files_only=local_only,
-        )
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
-        raise ModelNotFound(f"{hub.repo_id}: {_first_line(e)}") from None
+    folder = _snapshot(hub, [gguf] if gguf else HF_DIRECTORY_FILES, local_only)
     path = os.path.join(folder, gguf) if gguf else folder
     if not os.path.exists(path):
         raise ModelNotFound(
             f"{hub.repo_id}: {gguf} is not in the cached snapshot {folder}, and the Hub is not reachable"
         )
     return path
+
+
+def hub_tokenizer_path(hub: HubName) -> str:
+    """The cached snapshot directory of the repo's tokenizer files alone (`--tokenizer
+    org/name`), downloaded first when the Hub is reachable and the cache lacks them."""
+    from huggingface_hub import constants
+
+    listing = None if constants.HF_HUB_OFFLINE else _hub_listing(hub)
+    if listing is None:
+        _cached_listing(hub, constants.HF_HUB_CACHE)  # a clear error when the cache has no copy
+    return _snapshot(hub, TOKENIZER_FILES, local_only=listing is None)
+
+
+def _snapshot(hub: HubName, patterns: list[str], local_only: bool) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(
+            hub.repo_id, revision=hub.revision, allow_patterns=patterns, local_files_only=local_only
+        )
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        raise ModelNotFound(f"{hub.repo_id}: {_first_line(e)}") from None
 
 
 def _hub_listing(hub: HubName) -> list[str] | None:

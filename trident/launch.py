@@ -27,7 +27,7 @@ from typing import NoReturn
 from trident.flags import build_parser, flag_values
 from trident.foreign_flags import log_foreign_flags
 from trident.generation_config import resolve_sampling_defaults
-from trident.model_source import ModelNotFound, read_chat_template, resolve_model
+from trident.model_source import ModelNotFound, read_chat_template, resolve_model, resolve_tokenizer
 from trident.node_agent import NodeAgent
 from trident.supervisor import Launcher, StartupError
 from trident.wire.cluster import ClusterError, ClusterLayout, layout_of, parse_dist_init_addr
@@ -107,7 +107,8 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
     try:
         sampling_defaults = resolve_sampling_defaults(ns.generation_config, ns.override_generation_config, model_path)
         chat_template = read_chat_template(ns.chat_template) if ns.chat_template else None
-    except ValueError as e:  # GenerationConfigError, or read_chat_template's
+        tokenizer_path = resolve_tokenizer(ns.tokenizer_path) if ns.tokenizer_path else None
+    except (ValueError, ModelNotFound) as e:  # GenerationConfigError, read_chat_template's, resolve_tokenizer's
         raise UsageError(str(e)) from None
     values.update(
         model_path=model_path,
@@ -115,6 +116,7 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
         served_model_aliases=tuple(names[1:]),
         sampling_defaults=sampling_defaults,
         chat_template=chat_template,
+        tokenizer_path=tokenizer_path,
         sim_profile=resolve_sim_profile(ns.sim_profile) if ns.sim_profile else None,
         record_batches=os.path.abspath(ns.record_batches) if ns.record_batches else None,
         run_dir=run_dir,

@@ -244,3 +244,24 @@ def read_chat_template(value: str) -> str:
     except TemplateSyntaxError as e:
         raise ValueError(f"--chat-template: line {e.lineno}: {e.message}") from None
     return text
+
+
+def resolve_tokenizer(name: str) -> str:
+    """`--tokenizer`'s path: a directory of tokenizer files, a .gguf file, or a Hub repo
+    (`org/name[@revision]`, its tokenizer files alone from the Hugging Face cache, fetched
+    when the Hub is reachable). Raises ModelNotFound."""
+    from trident.hub_model import hub_tokenizer_path, parse_hub_name
+
+    path = os.path.abspath(os.path.expanduser(name))
+    hub = parse_hub_name(name)
+    if not os.path.exists(path) and hub is not None:
+        path = hub_tokenizer_path(hub)
+    elif not os.path.exists(path):
+        raise ModelNotFound(f"--tokenizer {name}: no such file or directory")
+    if os.path.isdir(path) and not any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        raise ModelNotFound(f"--tokenizer {name}: {path} holds no tokenizer.json or tokenizer_config.json")
+    if os.path.isfile(path) and not path.endswith(".gguf"):
+        raise ModelNotFound(f"--tokenizer {name}: expected a directory, a .gguf file or a Hub repo")
+    return path

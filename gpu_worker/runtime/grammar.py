@@ -42,7 +42,7 @@ COMPILED_CACHE_SIZE = 256
 """Distinct grammars kept compiled; a client reusing its schema compiles it once."""
 
 
-def load_vocabulary(model_path: str, vocab_size: int, eos_token_ids: list[int]) -> xgrammar.TokenizerInfo:
+def load_vocabulary(tokenizer_path: str, vocab_size: int, eos_token_ids: list[int]) -> xgrammar.TokenizerInfo:
     """The served model's token strings, as the grammar compiler needs them.
 
     The tokenizer process holds the tokenizer; the worker reads it here only once a
@@ -53,7 +53,7 @@ def load_vocabulary(model_path: str, vocab_size: int, eos_token_ids: list[int]) 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
-        gguf_tokenizer_dir(model_path) if model_path.endswith(".gguf") else model_path
+        gguf_tokenizer_dir(tokenizer_path) if tokenizer_path.endswith(".gguf") else tokenizer_path
     )
     return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
 
@@ -61,10 +61,11 @@ def load_vocabulary(model_path: str, vocab_size: int, eos_token_ids: list[int]) 
 class GrammarTable:
     """Per-slot matchers of the constrained rows, and the compiled-grammar cache."""
 
-    def __init__(self, max_slots: int, vocab_size: int, model_path: str, eos_token_ids: list[int]) -> None:
+    def __init__(self, max_slots: int, vocab_size: int, tokenizer_path: str, eos_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self._model_path = model_path
+        self._tokenizer_path = tokenizer_path
+        """`ServerArgs.tokenizer_source`: the model's, or `--tokenizer`."""
         self._compiler: xgrammar.GrammarCompiler | None = None
         self.matchers: list[xgrammar.GrammarMatcher | None] = [None] * max_slots
         self.stop_only: set[int] = set()
@@ -79,7 +80,7 @@ class GrammarTable:
 
         if self._compiler is None:
             self._bitmask = xgrammar.allocate_token_bitmask(self._max_slots, self.vocab_size)
-            info = load_vocabulary(self._model_path, self.vocab_size, self.eos_token_ids)
+            info = load_vocabulary(self._tokenizer_path, self.vocab_size, self.eos_token_ids)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         if spec.kind == "json_schema":
             return self._compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)

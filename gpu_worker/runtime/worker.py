@@ -258,7 +258,7 @@ class Worker(WorkerLoop):
         if self.device.type == "cpu":
             self.sampling.bf16_argmax = load_greedy_argmax()
         self.sampling.grammars = GrammarTable(
-            args.max_running_requests, self.cfg.vocab_size, args.model_path, list(self.cfg.eos_token_ids)
+            args.max_running_requests, self.cfg.vocab_size, args.tokenizer_source, list(self.cfg.eos_token_ids)
         )
         self.pooler = Pooler(args.pooling, self.cfg.hidden_size, args.max_running_requests, self.device)
         self.state = BatchState(

@@ -90,6 +90,17 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     gguf_file: Annotated[
         str | None, Flag(MODEL, "the .gguf file to serve out of a Hub repo given as --model org/name", metavar="FILE")
     ] = None
+    tokenizer_path: Annotated[
+        str | None,
+        Flag(
+            MODEL,
+            "the tokenizer, when not the model's own: a directory, a .gguf file, or a Hub repo as org/name "
+            "(its tokenizer files alone); vLLM's --tokenizer, SGLang's --tokenizer-path",
+            names=("--tokenizer", "--tokenizer-path"),
+            metavar="PATH",
+        ),
+    ] = None
+    """After launch: a local path (launch resolves a Hub repo)."""
     served_model_name: Annotated[
         str,
         Flag(
@@ -548,6 +559,11 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
     profile_steps: Annotated[
         bool, Flag(MEASUREMENT, "log scheduler, wire, forward and worker idle time of every step")
     ] = False
+
+    @property
+    def tokenizer_source(self) -> str:
+        """Where the tokenizer is read from: `--tokenizer`, else the model."""
+        return self.tokenizer_path or self.model_path
 
 
 def write_server_args(args: ServerArgs, path: str) -> None:
