@@ -90,13 +90,18 @@ def generation_config_file(path: str, required: bool) -> dict[str, Any]:
         if required:
             raise UnservableModel(f"{path}: no such file")
         return {}
+    return _json_object(path, path)
+
+
+def _json_object(path: str, shown: str) -> dict[str, Any]:
+    """The JSON object the file holds; UnservableModel (naming the file as `shown`) otherwise."""
     try:
         with open(path) as f:
             raw = json.load(f)
     except (OSError, ValueError) as e:
-        raise UnservableModel(f"{path} is unreadable: {e}") from None
+        raise UnservableModel(f"{shown} is unreadable: {e}") from None
     if not isinstance(raw, dict):
-        raise UnservableModel(f"{path} does not hold an object")
+        raise UnservableModel(f"{shown} does not hold an object")
     return raw
 
 
@@ -104,13 +109,7 @@ def _dir_config(path: str) -> ModelConfig:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise UnservableModel("a model directory needs config.json (and *.safetensors)")
-    try:
-        with open(config_path) as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UnservableModel(f"config.json is unreadable: {e}") from None
-    if not isinstance(raw, dict):
-        raise UnservableModel("config.json does not hold an object")
+    raw = _json_object(config_path, "config.json")
     heads = raw.get("architectures") or []
     if heads and not any(h.endswith(_GENERATIVE_HEADS) for h in heads):
         raise UnservableModel(f"architectures {heads} holds no text-generation model (*ForCausalLM)")
