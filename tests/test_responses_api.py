@@ -255,12 +255,47 @@ def test_aborting_a_response_by_its_id_ends_it_cancelled(smollm2_server):
     assert final["response"]["usage"]["output_tokens"] < 2000
 
 
+def test_a_background_response_is_queued_at_once_then_polled_to_the_foregrounds_text(smollm2_server):
+    client = smollm2_server.client()
+    ask = {"model": MODEL, "input": "Name three colors.", "max_output_tokens": 12, "temperature": 0}
+    queued = client.responses.create(**ask, background=True)
+    assert queued.status == "queued" and queued.background and not queued.output
+    Response.model_validate(smollm2_server.http().get(f"/v1/responses/{queued.id}").json(), strict=True)
+    assert wait_until(lambda: client.responses.retrieve(queued.id).status == "completed", 120)
+    done = client.responses.retrieve(queued.id)
+    assert done.output_text == client.responses.create(**ask, store=False).output_text
+    assert done.background and done.usage.output_tokens > 0
+    follow = client.responses.create(
+        model=MODEL, input="And one more.", previous_response_id=queued.id, max_output_tokens=4
+    )
+    assert follow.status in ("completed", "incomplete")
+    # Cancelling a response that has ended gives it back as it ended.
+    assert client.responses.cancel(queued.id).status == "completed"
+
+
+def test_cancelling_a_background_response_ends_it_cancelled_and_nothing_continues_it_before(smollm2_server):
+    client = smollm2_server.client()
+    long = {"model": MODEL, "input": "Count to a thousand.", "max_output_tokens": 2000, "temperature": 0}
+    queued = client.responses.create(**long, background=True, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError, match="still being made") as refused:
+        client.responses.create(model=MODEL, input="Go on.", previous_response_id=queued.id)
+    assert refused.value.body["param"] == "previous_response_id"
+    assert wait_until(lambda: client.responses.retrieve(queued.id).status == "in_progress", 60)
+    cancelled = client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 2000
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    foreground = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="not made in the background"):
+        client.responses.cancel(foreground.id)
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
         ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
-        ({"input": "Hi", "background": True}, "background"),
+        ({"input": "Hi", "background": True, "stream": True}, "background"),
+        ({"input": "Hi", "background": True, "store": False}, "background"),
         ({"input": "Hi", "truncation": "auto"}, "truncation"),
         (
             {

@@ -1,5 +1,5 @@
-"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, and GET
-/v1/responses/{id}/input_items.
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items, and POST /v1/responses/{id}/cancel (background responses).
 
 A request is resolved as the chat completion it means (`ResponsesRequest.chat_request`, then
 `openai_request.resolve_chat`), after the conversation of its `previous_response_id` from the
@@ -10,7 +10,9 @@ lines, numbered by `sequence_number`); the last event carries the whole response
 with `store: true` is kept (`responses_store`) once it ends.
 
 The response's id is `resp_<name>` (`request_id`, the X-Request-Id header, or random): POST
-/abort with it stops the response, which then has status `cancelled`.
+/abort with it stops the response, which then has status `cancelled`. A background response
+(`background: true`) is stored `queued` at once and made by a task of `BackgroundResponses`;
+it is stored again when its first token comes (`in_progress`) and when it ends.
 """
 
 from __future__ import annotations
@@ -86,18 +88,24 @@ class _Turn:
         if status == "failed":
             error = {"code": SERVER_ERROR, "message": f"generation failed: {result.error or 'unknown error'}"}
         final = self.body_now(status, usage=usage, incomplete_details=incomplete, error=error)
-        if self.body.store and status != "failed":
-            self.st.responses.put(
-                self.rid,
-                StoredResponse(
-                    final,
-                    self.body.input_items(),
-                    INPUT_ITEMS.validate_python(_as_input(self.output.items)),
-                    self.body.previous_response_id,
-                    listed_input_items(self.body.input_items()),
-                ),
-            )
+        # A failed response has nothing to continue from; kept only for a background client
+        # polling to learn that it failed.
+        if self.body.store and (status != "failed" or self.body.background):
+            self.store(final)
         return final, events
+
+    def store(self, body: dict[str, Any]) -> None:
+        """Keep the response as it stands now (a background one is stored from its start)."""
+        self.st.responses.put(
+            self.rid,
+            StoredResponse(
+                body,
+                self.body.input_items(),
+                INPUT_ITEMS.validate_python(_as_input(self.output.items)),
+                self.body.previous_response_id,
+                listed_input_items(self.body.input_items()),
+            ),
+        )
 
 
 def _as_input(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,6 +126,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     st = get_state(request)
     check_model(body.model, st.limits)
     history = st.responses.conversation(body.previous_response_id) if body.previous_response_id else []
+    if body.background and (body.stream or not body.store):
+        raise APIError(
+            "A background response is stored and not streamed: drop `stream`, keep `store`.", param="background"
+        )
     chat = body.chat_request(history)
     rid = f"resp_{request_name(chat, request)}"
     try:
@@ -128,6 +140,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     except APIError as e:  # in the Responses API's words
         raise e.in_words_of(RESPONSES_PARAM) from None
     turn = _Turn(st, body, resolved, rid)
+    if body.background:
+        queued = turn.body_now("queued")
+        turn.store(queued)
+        st.background_responses.start(rid, _in_background(turn, handles))
+        return JSONResponse(queued)
     if body.stream:
         return EventStreamResponse(_stream(turn, handles), handles)
     try:
@@ -137,6 +154,18 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     turn.feed(result.text, result.finish_reason, result, len(result.token_ids))
     final, _ = turn.finish(result)
     return JSONResponse(final)
+
+
+async def _in_background(turn: _Turn, handles: list[RequestHandle]) -> None:
+    """A background response made to its end, its stored state `in_progress` from its first
+    output; a cancel aborts its handles, and it ends `cancelled`."""
+    result = ChoiceResult(0)
+    async for out in merge_outputs(handles):
+        if not result.token_ids and out.token_ids:
+            turn.store(turn.body_now("in_progress"))
+        result.add(out)
+    turn.feed(result.text, result.finish_reason, result, len(result.token_ids))
+    turn.finish(result)
 
 
 async def _stream(turn: _Turn, handles: list[RequestHandle]) -> AsyncIterator[bytes]:
@@ -164,6 +193,19 @@ async def _stream(turn: _Turn, handles: list[RequestHandle]) -> AsyncIterator[by
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
     return _stored(get_state(request), response_id).body
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
+    """Stop a background response; one already ended is returned as it ended (as OpenAI's)."""
+    st = get_state(request)
+    stored = _stored(st, response_id)
+    if not stored.body["background"]:
+        raise APIError(f"Response {response_id!r} was not made in the background: only such can be cancelled.")
+    if st.background_responses.cancel(response_id):
+        await st.background_responses.ended(response_id)
+        stored = _stored(st, response_id)
+    return stored.body
 
 
 @router.get("/v1/responses/{response_id}/input_items")

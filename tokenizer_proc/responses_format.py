@@ -192,7 +192,7 @@ def response_body(
         "created_at": created_at,
         "completed_at": int(time.time()) if status == "completed" else None,
         "status": status,
-        "background": False,
+        "background": body.background,
         "error": error,
         "incomplete_details": incomplete_details,
         "instructions": body.instructions,

@@ -204,8 +204,10 @@ class ResponsesRequest(_AcceptedNoOps, _OpenAIKnobs):
     """With `include: ["message.output_text.logprobs"]`: the top logprobs of each token."""
     truncation: Literal["disabled"] = "disabled"
     """The prompt is never cut: one longer than the context is a 400."""
-    background: Literal[False] = False
-    """Served in the foreground only."""
+    background: bool = False
+    """OpenAI's: the answer comes at once, `queued`, and the response is made detached; GET
+    /v1/responses/{id} shows how it stands, POST /v1/responses/{id}/cancel stops it. It needs
+    `store` (the default) and is not streamed."""
     request_id: StrictStr | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     """vLLM's: the response's id is `resp_<it>`, and POST /abort with that id stops it."""
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)

@@ -6,18 +6,27 @@ conversation is rebuilt by walking those ids back to its first response, so each
 stored once, not once per later turn. The store holds at most `--responses-store-size`
 responses and STORE_BYTES of them (as JSON), and forgets the least recently used first; a
 conversation that reaches a forgotten response is a 400, as one naming an id never stored.
-Nothing survives a restart of the tokenizer process.
+Nothing survives a restart of the tokenizer process. `BackgroundResponses` holds the tasks
+that make background responses, which store themselves as they go.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import OrderedDict
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from tokenizer_proc.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+UNFINISHED = ("queued", "in_progress")
+"""Statuses of a background response still being made: nothing can continue from it yet."""
 
 STORE_BYTES = 256 * 1024 * 1024
 """What the stored responses may hold in all, measured as their JSON: request bodies run to
@@ -94,6 +103,45 @@ class ResponseStore:
                     param="previous_response_id",
                     code="previous_response_not_found",
                 )
+            if stored.body.get("status") in UNFINISHED:
+                raise APIError(
+                    f"Previous response {rid!r} is still being made in the background: wait until it ends.",
+                    param="previous_response_id",
+                )
             turns.append(stored)
             rid = stored.previous_response_id
         return [item for turn in reversed(turns) for item in (*turn.input_items, *turn.output_items)]
+
+
+class BackgroundResponses:
+    """The tasks making background responses (`background: true`), by response id. Owner:
+    `FrontendState`; each task leaves the table when it ends, having stored the response."""
+
+    def __init__(self, abort: Callable[[str], object]) -> None:
+        self._abort = abort
+        """`RequestManager.abort`: ends a response's requests with "abort" (status cancelled)."""
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, rid: str, making: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(making)
+        self._tasks[rid] = task
+        task.add_done_callback(lambda done: self._ended(rid, done))
+
+    def cancel(self, rid: str) -> bool:
+        """Abort a response still being made; False when none is."""
+        if rid not in self._tasks:
+            return False
+        self._abort(rid)
+        return True
+
+    async def ended(self, rid: str) -> None:
+        """Wait until the response's task has stored how it ended."""
+        task = self._tasks.get(rid)
+        if task is not None:
+            await asyncio.wait({task})
+
+    def _ended(self, rid: str, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(rid) is task:
+            del self._tasks[rid]
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background response %s failed: %r", rid, task.exception())

@@ -16,7 +16,7 @@ from fastapi import Request
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.reasoning import uses_reasoning_parser
 from tokenizer_proc.request_manager import RequestManager
-from tokenizer_proc.responses_store import ResponseStore
+from tokenizer_proc.responses_store import BackgroundResponses, ResponseStore
 from tokenizer_proc.sampling import ModelLimits
 from tokenizer_proc.tokenization import TokenStrings, fim_tokens_of
 from tokenizer_proc.tool_formats import choose_tool_format
@@ -36,6 +36,7 @@ class FrontendState:
     model_reasons: bool = field(init=False)
     """Its `<think>` output goes to `reasoning_content` (`--reasoning-parser`)."""
     responses: ResponseStore = field(init=False)
+    background_responses: BackgroundResponses = field(init=False)
     fim_tokens: tuple[str, str, str] | None = field(init=False)
     """The model's fill-in-the-middle markers (completions' `suffix`); None: it has none."""
     started_at: int = field(default_factory=lambda: int(time.time()))
@@ -45,6 +46,7 @@ class FrontendState:
         self.tool_format = choose_tool_format(self.args.tool_call_parser, self.tokenizer)
         self.model_reasons = uses_reasoning_parser(self.args.reasoning_parser, self.tokenizer)
         self.responses = ResponseStore(self.args.responses_store_size)
+        self.background_responses = BackgroundResponses(self.manager.abort)
         self.fim_tokens = fim_tokens_of(self.tokenizer)
 
     @property
