@@ -35,6 +35,15 @@ FOREIGN_FLAGS = (
     ForeignFlag(
         "--disable-log-requests", "vLLM, SGLang", True, "requests are not logged (an access line at --log-level debug)"
     ),
+    ForeignFlag("--enable-chunked-prefill", "vLLM", True, "prompts are always chunked, by --chunked-prefill-size"),
+    ForeignFlag(
+        "--enable-prompt-tokens-details",
+        "vLLM",
+        True,
+        "usage always carries prompt_tokens_details.cached_tokens",
+    ),
+    ForeignFlag("--enable-server-load-tracking", "vLLM", True, "GET /load is always served"),
+    ForeignFlag("--disable-fastapi-docs", "vLLM", True, "no docs pages are served"),
     ForeignFlag(
         "--gpu-memory-utilization",
         "vLLM",
