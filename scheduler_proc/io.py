@@ -16,7 +16,7 @@ from trident.wire.child import ChildContext
 from trident.wire.cluster import layout_of, signer_of
 from trident.wire.codec import FrameEncoder
 from trident.wire.control import check_protocol_version
-from trident.wire.frontend import SchedulerInput
+from trident.wire.frontend import EmbedReq, GenerateReq, SchedulerInput
 from trident.wire.recording import RECEIVED, SENT, RecordingWriter
 from trident.wire.transport import (
     ENDPOINT_TOKENIZER_IN,
@@ -42,8 +42,16 @@ class SchedulerIO:
     def __init__(self, child: ChildContext) -> None:
         args, ctx, dp = child.args, child.zmq_ctx, child.dp_rank
         run = args.run_dir
+        # A request whose frame is malformed but names its rid is ended with an error, so
+        # that its client is answered, not left waiting (scheduler.handle_request).
+        answerable = frozenset({GenerateReq.__struct_config__.tag, EmbedReq.__struct_config__.tag})
         self.requests = PullSocket(
-            ctx, endpoint(run, scheduler_in_endpoint(dp)), bind=True, union=SchedulerInput, name=f"{child.name}.in"
+            ctx,
+            endpoint(run, scheduler_in_endpoint(dp)),
+            bind=True,
+            union=SchedulerInput,
+            name=f"{child.name}.in",
+            answerable=answerable,
         )
         self.tokenizer = PushSocket(ctx, endpoint(run, ENDPOINT_TOKENIZER_IN), bind=False)
         layout = layout_of(args)

@@ -54,6 +54,13 @@ def finished_alone(req: Req) -> TokenOutBatch:
     return TokenOutBatch([req.rid], token_counts=pack_int32([0]), extras=[row_extras(0, req)])
 
 
+def unreadable_request(rid: str, why: str) -> TokenOutBatch:
+    """The frame that ends a request whose own frame could not be read (codec.UnreadableRequest):
+    its client gets an error, not a wait without end."""
+    extras = RowExtras(0, FinishReason.ERROR.value, f"the scheduler could not read this request: {why}")
+    return TokenOutBatch([rid], token_counts=pack_int32([0]), extras=[extras])
+
+
 class StepOutputs(NamedTuple):
     batch: TokenOutBatch | None
     """For the tokenizer; None when every row was dropped."""

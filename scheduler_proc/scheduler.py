@@ -16,7 +16,7 @@ import numpy as np
 
 from scheduler_proc.io import SchedulerIO
 from scheduler_proc.kv_cache import KVCacheManager
-from scheduler_proc.output import finished_alone, take_step_embeddings, take_step_tokens
+from scheduler_proc.output import finished_alone, take_step_embeddings, take_step_tokens, unreadable_request
 from scheduler_proc.prefill import PrefillPlanner, WaitingQueue
 from scheduler_proc.prompt_logprobs import take_prompt_logprobs
 from scheduler_proc.request import FinishReason, Req
@@ -25,7 +25,7 @@ from scheduler_proc.stats import SchedulerCounters
 from scheduler_proc.worker_link import Step, WorkerLink, WorkerLost
 from trident.wire.backend import ForwardMode, StepResult, WorkerReady
 from trident.wire.child import ChildContext
-from trident.wire.codec import unpack_int32
+from trident.wire.codec import UnreadableRequest, unpack_int32
 from trident.wire.control import PROTOCOL_VERSION, check_protocol_version
 from trident.wire.frontend import (
     AbortReq,
@@ -143,6 +143,8 @@ class Scheduler:
             self.handle_tokenizer_hello(msg)
         elif isinstance(msg, FlushCacheReq):
             self.handle_flush()
+        elif isinstance(msg, UnreadableRequest):
+            self.io.tokenizer.send(unreadable_request(msg.rid, msg.why))
         elif isinstance(msg, WorkerGroupLost):
             if msg.generation < self.worker.generation:
                 # The scheduler found that loss itself and is connected to the replacement.

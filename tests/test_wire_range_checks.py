@@ -1,7 +1,8 @@
 """Every index off the wire is range-checked before it touches memory: a descriptor with an
 out-of-range slot, page id, length or token is refused whole by the worker, and a step result
 whose tokens do not fit its step is refused by the scheduler. Refused and counted, never an
-out-of-bounds read, never a truncation, no process restarted, no request left waiting."""
+out-of-bounds read, never a truncation, no process restarted, no request left waiting. A
+request frame the scheduler cannot read ends its request with an error, when it names one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -29,9 +31,9 @@ from trident.wire.backend import (
     StepResult,
     WorkerCounters,
 )
-from trident.wire.codec import FrameEncoder, pack_int32
-from trident.wire.frontend import SamplingParams
-from trident.wire.transport import scheduler_reply_endpoint, worker_endpoint
+from trident.wire.codec import FrameDecoder, FrameEncoder, UnreadableRequest, pack_int32
+from trident.wire.frontend import AbortReq, GenerateReq, SamplingParams, SchedulerInput
+from trident.wire.transport import scheduler_in_endpoint, scheduler_reply_endpoint, worker_endpoint
 
 SLOTS, PAGES_PER_ROW, PAGE, VOCAB, POOL_PAGES = 4, 8, 2, 100, 32
 FORGED_STEP = 10**6
@@ -204,3 +206,38 @@ def live_forgeries() -> list[BatchDescriptor]:
 
 def result_for(step_id: int) -> StepResult:
     return StepResult(step_id, b"", WorkerCounters(), 0.0)
+
+
+def test_a_malformed_request_frame_that_names_its_request_ends_that_request_with_an_error(tmp_path):
+    """A request frame the scheduler cannot read (here a float where an int belongs) is dropped
+    and counted, and if it names its request, that request ends with an error: its client is
+    answered at once, not left waiting for output that will never come."""
+    profile = write_sim_profile(str(tmp_path / "profile.json"), const_s=0.05)
+    with running_server(sim_args(profile)) as server:
+        http = server.http()
+        run_dir = http.get("/server_info").json()["run_dir"]
+        pids = {p.pid for p in server.process_tree()}
+        body = {"text": "Tell me everything.", "rid": "victim", "sampling_params": {"max_new_tokens": 400}}
+        body["sampling_params"]["ignore_eos"] = True
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(lambda: httpx.post(f"{server.base_url}/generate", json=body, timeout=60))
+            assert wait_until(lambda: http.get("/server_info").json()["tokenizer_stats"]["open_requests"] == 1, 10)
+            unreadable = GenerateReq("victim", pack_int32([5, 6, 7]), SamplingParams(8, top_k=1.5))
+            send_frames(f"ipc://{os.path.join(run_dir, scheduler_in_endpoint(0))}", [FrameEncoder().encode(unreadable)])
+            answer = waiting.result(timeout=30)
+        assert answer.status_code == 500 and "could not read this request" in answer.text, answer.text
+        assert "Expected `int`, got `float`" in answer.text
+        assert {p.pid for p in server.process_tree()} == pids
+        assert wait_until(lambda: http.get("/server_info").json()["scheduler_stats"]["dropped_frames"] >= 1, 5)
+        assert completions(server, stream=False)  # the server serves on
+
+
+def test_only_an_answerable_tag_with_a_request_id_comes_back_as_unreadable():
+    frame = FrameEncoder().encode(GenerateReq("r1", b"", SamplingParams(8, top_k=1.5)))
+    answering = FrameDecoder(SchedulerInput, "test", frozenset({"generate"}))
+    unreadable = answering.decode(frame)
+    assert isinstance(unreadable, UnreadableRequest) and unreadable.rid == "r1" and "Expected `int`" in unreadable.why
+    assert FrameDecoder(SchedulerInput, "test").decode(frame) is None
+    assert answering.decode(FrameEncoder().encode(AbortReq(7))) is None  # malformed, but not answerable
+    assert answering.decode(b"\xc1 not msgpack") is None
+    assert answering.dropped == 3

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 import numpy as np
@@ -47,19 +47,30 @@ def unpack_int32(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i4")
 
 
+class UnreadableRequest(NamedTuple):
+    """A malformed frame that still names its request: what `FrameDecoder` gives in its place
+    for an `answerable` tag, so that the receiver can end that request with an error rather
+    than leave its client waiting. Never sent: it stands in for the frame it was read from."""
+
+    rid: str
+    why: str
+
+
 class FrameDecoder(Generic[T]):
     """Decodes the frames of one socket into its message union, dropping bad frames.
 
     `dropped` counts frames that failed to decode; the owning process exposes it as a
-    metric. A bad frame never raises out of `decode`.
+    metric. A bad frame never raises out of `decode`. A bad frame of an `answerable` tag
+    (a tagged array whose second item is the request id) comes back as an UnreadableRequest.
     """
 
-    def __init__(self, union: Any, socket_name: str) -> None:
+    def __init__(self, union: Any, socket_name: str, answerable: frozenset[str] = frozenset()) -> None:
         self._decoder = msgspec.msgpack.Decoder(union)
         self.socket_name = socket_name
         self.dropped = 0
+        self._answerable = answerable
 
-    def decode(self, frame: bytes) -> T | None:
+    def decode(self, frame: bytes) -> T | UnreadableRequest | None:
         try:
             return self._decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -71,7 +82,19 @@ class FrameDecoder(Generic[T]):
                 e,
                 self.dropped,
             )
+            rid = self._request_id(frame)
+            return None if rid is None else UnreadableRequest(rid, str(e))
+
+    def _request_id(self, frame: bytes) -> str | None:
+        if not self._answerable:
             return None
+        try:
+            value = msgspec.msgpack.decode(frame)
+        except msgspec.DecodeError:
+            return None
+        if isinstance(value, list) and len(value) >= 2 and value[0] in self._answerable and isinstance(value[1], str):
+            return value[1]
+        return None
 
 
 class FrameEncoder:

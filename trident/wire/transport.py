@@ -89,12 +89,14 @@ class PullSocket:
         name: str,
         signer: FrameSigner | None = None,
         routing_id: bytes | None = None,
+        answerable: frozenset[str] = frozenset(),
     ) -> None:
+        """`answerable`: tags whose malformed frames come out as UnreadableRequest (codec.py)."""
         self.sock = ctx.socket(zmq.PULL if routing_id is None else zmq.DEALER)
         if routing_id is not None:
             self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
         _configure(self.sock, bind, address)
-        self.decoder: FrameDecoder = FrameDecoder(union, name)
+        self.decoder: FrameDecoder = FrameDecoder(union, name, answerable)
         self._signer = signer
 
     @property
