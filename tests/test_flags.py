@@ -12,7 +12,7 @@ from tests.helpers import REPO_ROOT, smollm2_gguf
 from trident.engine import parse_engine_flags
 from trident.flags import FLAGS_DOC, build_parser, derived_fields, flag_fields, flag_values, flags_doc
 from trident.foreign_flags import log_foreign_flags
-from trident.launch import server_args_from_cli
+from trident.launch import UsageError, server_args_from_cli
 from trident.wire.server_args import ServerArgs
 
 
@@ -154,3 +154,24 @@ def test_other_engines_flags_are_accepted_with_no_effect_or_refused_naming_ours(
             parser.parse_args(refused)
         error = capsys.readouterr().err
         assert f"{refused[0]} is vLLM" in error and ours in error, error
+
+
+def test_vllms_speculative_config_sets_our_speculative_flags():
+    parser = build_parser()
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5}'
+    theirs = parser.parse_args(["--speculative-config", config])
+    ours = parser.parse_args(
+        ["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "3"]
+        + ["--speculative-ngram-min", "1", "--speculative-ngram-max", "5"]
+    )
+    assert flag_values(theirs) == flag_values(ours)
+    for bad in (
+        '{"method": "eagle"}',
+        '{"method": "ngram", "draft_model": "x"}',
+        '{"method": "ngram", "num_speculative_tokens": 2.5}',
+        "[]",
+    ):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--speculative-config", bad])
+    with pytest.raises(UsageError, match="need 1 <= min <= max"):
+        server_args_from_cli(parser.parse_args(["--speculative-ngram-min", "5"]), smollm2_gguf(), "m", "/r")

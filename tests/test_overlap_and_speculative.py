@@ -190,3 +190,18 @@ def test_real_smollm2_greedy_text_is_identical_with_overlap_and_speculation(vari
                 )
             )
     assert got == want
+
+
+def test_the_ngram_drafter_looks_up_runs_from_its_longest_to_its_shortest():
+    from gpu_worker.runtime.ngram_drafter import NgramDrafter
+
+    history = [1, 2, 3, 9, 8, 5, 2, 3, 7, 1, 2, 3]
+    drafter = NgramDrafter(1, 2, ngram_min=2, ngram_max=3)
+    drafter.note_tokens(0, history)
+    assert drafter.propose(0).tolist() == [9, 8]  # "1 2 3" recurs: what followed it
+    shortest_two = NgramDrafter(1, 2, ngram_min=2, ngram_max=2)
+    shortest_two.note_tokens(0, history)
+    assert shortest_two.propose(0).tolist() == [7, 1]  # "2 3": its latest earlier occurrence
+    too_long = NgramDrafter(1, 2, ngram_min=4, ngram_max=5)
+    too_long.note_tokens(0, history)
+    assert too_long.propose(0).tolist() == []

@@ -3,13 +3,15 @@ trident, or say plainly which of our flags to use instead.
 
 Some ask for what trident always does, or for something that has no meaning here: they are
 accepted and logged as having no effect. Others name a setting trident takes differently:
-they are refused, and the error names ours. Spellings of flags we do have (`--max-model-len`,
+they are refused, and the error names ours. vLLM's `--speculative-config` is translated into
+our speculative flags. Spellings of flags we do have (`--max-model-len`,
 `-tp`, ...) are not here: they are names of those flags (trident/wire/server_args.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass
 
@@ -67,6 +69,45 @@ FOREIGN_FLAGS = (
 )
 
 
+SPECULATIVE_CONFIG_KEYS = {
+    "method": "--speculative-algorithm",
+    "num_speculative_tokens": "--speculative-num-draft-tokens",
+    "prompt_lookup_min": "--speculative-ngram-min",
+    "prompt_lookup_max": "--speculative-ngram-max",
+}
+"""vLLM's `--speculative-config` keys -> the flags they set here."""
+
+
+class _SpeculativeConfig(argparse.Action):
+    """vLLM's `--speculative-config '{"method": "ngram", ...}'`, set as our flags say it."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            config = json.loads(values)
+        except ValueError as e:
+            parser.error(f"--speculative-config is not JSON: {e}")
+        if not isinstance(config, dict):
+            parser.error("--speculative-config must be a JSON object")
+        unknown = sorted(set(config) - set(SPECULATIVE_CONFIG_KEYS))
+        if unknown:
+            parser.error(
+                f"--speculative-config: {', '.join(unknown)} has no counterpart here "
+                f"(it takes {', '.join(SPECULATIVE_CONFIG_KEYS)})"
+            )
+        if config.get("method") != "ngram":
+            parser.error("--speculative-config: method ngram (prompt lookup) is the one served; draft models are not")
+        namespace.speculative_algorithm = "ngram"
+        for key, dest in (
+            ("num_speculative_tokens", "speculative_num_draft_tokens"),
+            ("prompt_lookup_min", "speculative_ngram_min"),
+            ("prompt_lookup_max", "speculative_ngram_max"),
+        ):
+            if key in config:
+                if isinstance(config[key], bool) or not isinstance(config[key], int):
+                    parser.error(f"--speculative-config: {key} must be a whole number, not {config[key]!r}")
+                setattr(namespace, dest, config[key])
+
+
 class _Refused(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         flag = next(f for f in FOREIGN_FLAGS if f.name == option_string)
@@ -75,6 +116,14 @@ class _Refused(argparse.Action):
 
 def add_foreign_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("other engines' flags", "accepted with no effect, or refused naming ours")
+    group.add_argument(
+        "--speculative-config",
+        dest="foreign_speculative_config",
+        action=_SpeculativeConfig,
+        metavar="JSON",
+        help="vLLM's: sets the --speculative-* flags, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+    )
     for flag in FOREIGN_FLAGS:
         dest = "foreign_" + flag.name.lstrip("-").replace("-", "_")
         help_text = f"{flag.engines}'s: " + (f"no effect ({flag.why})" if flag.accepted else f"refused: {flag.why}")
@@ -101,6 +150,8 @@ def foreign_flags_doc() -> list[str]:
         "| flag | engines | here |",
         "|---|---|---|",
     ]
+    ours = ", ".join(f"{key}: `{flag}`" for key, flag in SPECULATIVE_CONFIG_KEYS.items())
+    lines.append(f"| `--speculative-config` JSON | vLLM | translated: {ours} (method ngram only) |")
     for flag in FOREIGN_FLAGS:
         lines.append(f"| `{flag.name}` | {flag.engines} | {'no effect' if flag.accepted else 'refused'}: {flag.why} |")
     return [*lines, ""]

@@ -103,6 +103,11 @@ def server_args_from_cli(ns: argparse.Namespace, model_path: str, served_name: s
     else:
         host, port = parse_dist_init_addr(ns.dist_init_addr) if ns.dist_init_addr else ("127.0.0.1", 0)
         cluster = dict(dist_init_host=host, dist_init_port=port, cluster_secret=cluster_secret_from_cli(ns))
+    if not 1 <= ns.speculative_ngram_min <= ns.speculative_ngram_max:
+        raise UsageError(
+            f"--speculative-ngram-min {ns.speculative_ngram_min} and --speculative-ngram-max "
+            f"{ns.speculative_ngram_max}: need 1 <= min <= max"
+        )
     names = ns.served_model_name or [served_name]
     try:
         sampling_defaults = resolve_sampling_defaults(ns.generation_config, ns.override_generation_config, model_path)

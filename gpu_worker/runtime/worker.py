@@ -249,7 +249,16 @@ class Worker(WorkerLoop):
         """Step 5: the n-gram drafter, the sampling table with its grammars, the pooler of
         embedding rows, and the batch state (the device-side rows the descriptors edit)."""
         self.num_draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
-        self.drafter = NgramDrafter(args.max_running_requests, self.num_draft_tokens) if self.num_draft_tokens else None
+        self.drafter = (
+            NgramDrafter(
+                args.max_running_requests,
+                self.num_draft_tokens,
+                args.speculative_ngram_min,
+                args.speculative_ngram_max,
+            )
+            if self.num_draft_tokens
+            else None
+        )
         # Slack for drafts: the scheduler may allocate up to 2K+1 tokens past a row's length.
         max_pages_per_row = -(-(self.context_length + 2 * self.num_draft_tokens + 2) // args.page_size) + 1
         self.sampling = SamplingTable(

@@ -378,6 +378,22 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
         ),
     ] = None
     speculative_num_draft_tokens: Annotated[int, Flag(SPECULATIVE, "draft tokens per step (K)")] = 4
+    speculative_ngram_min: Annotated[
+        int,
+        Flag(
+            SPECULATIVE,
+            "ngram: the shortest run of a request's last tokens looked up in its history (vLLM's prompt_lookup_min)",
+            names=("--speculative-ngram-min", "--speculative-ngram-min-match-window-size"),
+        ),
+    ] = 2
+    speculative_ngram_max: Annotated[
+        int,
+        Flag(
+            SPECULATIVE,
+            "ngram: the longest such run, tried first (vLLM's prompt_lookup_max)",
+            names=("--speculative-ngram-max", "--speculative-ngram-max-match-window-size"),
+        ),
+    ] = 4
 
     tp_size: Annotated[
         int,
