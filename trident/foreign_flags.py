@@ -29,6 +29,8 @@ class ForeignFlag:
     """Accepted: why it changes nothing here. Refused: what to use instead."""
 
 
+_KV_POOL_FLAGS = "size the KV pool with --mem-fraction (a fraction of the free memory) or --max-total-tokens"
+
 FOREIGN_FLAGS = (
     ForeignFlag(
         "--trust-remote-code", "vLLM, SGLang", True, "no code from a checkpoint runs: every family is built in"
@@ -46,18 +48,8 @@ FOREIGN_FLAGS = (
     ),
     ForeignFlag("--enable-server-load-tracking", "vLLM", True, "GET /load is always served"),
     ForeignFlag("--disable-fastapi-docs", "vLLM", True, "no docs pages are served"),
-    ForeignFlag(
-        "--gpu-memory-utilization",
-        "vLLM",
-        False,
-        "size the KV pool with --mem-fraction (a fraction of the free memory) or --max-total-tokens",
-    ),
-    ForeignFlag(
-        "--mem-fraction-static",
-        "SGLang",
-        False,
-        "size the KV pool with --mem-fraction (a fraction of the free memory) or --max-total-tokens",
-    ),
+    ForeignFlag("--gpu-memory-utilization", "vLLM", False, _KV_POOL_FLAGS),
+    ForeignFlag("--mem-fraction-static", "SGLang", False, _KV_POOL_FLAGS),
     ForeignFlag(
         "--max-num-batched-tokens",
         "vLLM",
