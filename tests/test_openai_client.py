@@ -274,3 +274,16 @@ def test_parsers_chosen_by_flag_reach_the_chat_answers():
         as_json = client.chat.completions.create(**kw, response_format={"type": "json_object"})
         if as_json.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(as_json.choices[0].message.content), dict)
+
+
+def test_a_forced_call_in_qwen3_coders_xml_format_is_served_and_read_back():
+    """The grammar makes SmolLM2 write Qwen3-Coder's `<function=...>` block, and the parser
+    reads it into a call, streamed or not."""
+    with running_server(["--tool-call-parser", "qwen3_coder", "--max-total-tokens", "4096"]) as server:
+        client = server.client()
+        kw = dict(model="smollm2-135m", messages=WEATHER_QUESTION, max_tokens=48, temperature=0, tools=[WEATHER_TOOL])
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            full = _assert_stream_accumulates_to_the_message(client, **kw, tool_choice=choice)
+            assert full.finish_reason == "tool_calls", full
+            call = full.message.tool_calls[0].function
+            assert call.name == "get_weather" and isinstance(json.loads(call.arguments), dict)

@@ -24,6 +24,7 @@ from tokenizer_proc.structured import after_reasoning, schema_spec
 from tokenizer_proc.tool_formats import choose_tool_format
 from tokenizer_proc.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, ToolCallFormat
 from tokenizer_proc.tools import ToolPlan, forced_call_spec, template_messages
+from tokenizer_proc.xml_calls import QWEN3_CODER
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
@@ -86,6 +87,15 @@ CASES = [
     (PYTHONIC, "[launch_rocket()]", "[launch_rocket()]", []),
     (PYTHONIC, "Hello [get_time()]", "Hello [get_time()]", []),
     (PYTHONIC, "[get_weather(city=open('x'))] then", "city=open('x'))] then", [("get_weather", {})]),
+    (QWEN3_CODER, "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+     "</function>\n</tool_call>", "Let me look.\n", [("get_weather", {"city": "Oslo"})]),
+    (QWEN3_CODER, "<tool_call>\n<function=get_weather>\n<parameter=city>\n0451\n</parameter>\n</function>\n"
+     "</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>\nDone.",
+     "Done.", [("get_weather", {"city": "0451"}), ("get_time", {})]),
+    (QWEN3_CODER, "<tool_call>\n<function=launch_rocket>\n</function>\n</tool_call>",
+     "<tool_call>\n<function=launch_rocket>\n</function>\n</tool_call>", []),
+    (QWEN3_CODER, "<tool_call>\n<function=get_time>\n</function>", None, [("get_time", {})]),
+    (QWEN3_CODER, "a < b, and <tool_ is not a call", "a < b, and <tool_ is not a call", []),
 ]  # fmt: skip
 
 
@@ -260,6 +270,8 @@ FORCED_CALLS = {
     MISTRAL: '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
     '{"name": "get_time", "arguments": {}}]',
     PYTHONIC: '[get_weather(city="Oslo"), get_time()]',
+    QWEN3_CODER: "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
+    "</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
 }
 
 
@@ -324,3 +336,27 @@ def test_an_answer_sent_back_with_its_reasoning_is_accepted_and_reaches_template
     assert native == {"role": "assistant", "content": "Sunny.", "reasoning_content": "Oslo, so..."}
     [plain] = template_messages([turn], ToolPlan([], "none"), False, HERMES)
     assert plain == {"role": "assistant", "content": "Sunny."}
+
+
+def test_qwen3_coder_values_are_read_by_their_parameters_types():
+    tool = {"name": "f", "parameters": {"type": "object", "properties": {
+        "zip": {"type": "string"}, "n": {"type": "integer"}, "on": {"type": "boolean"},
+        "tags": {"type": "array"}, "where": {"type": "object"}, "unit": {"enum": ["C", "F"]},
+    }}}  # fmt: skip
+    text = QWEN3_CODER.calls_text([('"f"', '{"zip": "01234", "n": 3, "on": true, "tags": ["a"], "where": {"x": 1}}')])
+    output = choice_output(ToolPlan([tool], "auto"), QWEN3_CODER, False, "")
+    output.feed(text.replace("true", "True") + "\n<tool_call>\n<function=f>\n<parameter=n>\nmany\n</parameter>\n"
+                "</function>\n</tool_call>", "stop")  # fmt: skip
+    assert _calls(output) == [("f", {"zip": "01234", "n": 3, "on": True, "tags": ["a"], "where": {"x": 1}}),
+                              ("f", {"n": "many"})]  # fmt: skip
+    spec = forced_call_spec(ToolPlan([tool], "required"), QWEN3_CODER, None)
+    assert _grammar_accepts(spec, text.replace("<parameter=where>", "<parameter=unit>\nC\n</parameter>\n"
+                                               "<parameter=where>"))  # fmt: skip
+    for key, value in (("n", "many"), ("zip", "a</b"), ("unit", "K"), ("size", "3")):
+        bad = f"<tool_call>\n<function=f>\n<parameter={key}>\n{value}\n</parameter>\n</function>\n</tool_call>"
+        assert not _grammar_accepts(spec, bad), bad
+
+
+def test_auto_picks_qwen3_coder_from_its_template_before_hermes():
+    template = "{% for t in tools %}<tool_call>\n<function={{ t.name }}>\n<parameter=x>{% endfor %}"
+    assert choose_tool_format("auto", _tokenizer(template)) is QWEN3_CODER

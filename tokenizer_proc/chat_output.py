@@ -95,12 +95,13 @@ def choice_output(
     """The parsers one choice's text goes through: calls in the served model's format (a
     forced call without one is the bare object its grammar makes; none: calls stay text),
     after the reasoning when the model reasons (a constraint starts after it too)."""
-    names = {t["name"] for t in plan.tools}
+    schemas = {t["name"]: t.get("parameters") for t in plan.tools}
     tools: StreamingCallParser | None = None
     if plan.forced:
-        names = names if plan.mode == "required" else {plan.name or ""}
-        tools = call_parser(tool_format or FORCED, names)
+        if plan.mode != "required":
+            schemas = {plan.name or "": schemas.get(plan.name or "")}
+        tools = call_parser(tool_format or FORCED, schemas)
     elif plan.mode == "auto" and tool_format is not None:
-        tools = call_parser(tool_format, names)
+        tools = call_parser(tool_format, schemas)
     reasoning = ReasoningParser(thinking_open_in(prompt_text)) if model_reasons else None
     return ChoiceOutput(reasoning, tools, model_reasons)

@@ -1,7 +1,8 @@
 """Which tool-call format the served model writes, and the parser that reads it.
 
 `--tool-call-parser auto` reads the model's chat template, then its control tokens, for the
-marks each family's template leaves: Mistral's `[TOOL_CALLS]`, Hermes/Qwen's `<tool_call>`,
+marks each family's template leaves: Mistral's `[TOOL_CALLS]`, Qwen3-Coder's `<function=`,
+Hermes/Qwen's `<tool_call>`,
 the pythonic list's `[func_name1(params_name1=...)]` example or Llama 4's `<|python_start|>`,
 Llama 3's `<|python_tag|>`, `ipython` role or `"parameters"` key. A template with none of
 them gets hermes, the format the system prompt then teaches (tools.py).
@@ -20,11 +21,13 @@ from tokenizer_proc.tool_parsers import (
     ToolCallFormat,
     ToolCallParser,
 )
+from tokenizer_proc.xml_calls import QWEN3_CODER, XmlCallParser
 
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC)}
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, QWEN3_CODER)}
 
 _MARKS: tuple[tuple[ToolCallFormat, tuple[str, ...]], ...] = (
     (MISTRAL, ("[TOOL_CALLS]",)),
+    (QWEN3_CODER, ("<function=", "<parameter=")),  # before hermes: its blocks are <tool_call> too
     (HERMES, ("<tool_call>",)),
     (PYTHONIC, ("[func_name1(", "func_name1(params_name1=", PYTHON_START)),
     (LLAMA3_JSON, ("<|python_tag|>", "ipython", '"parameters"')),
@@ -49,6 +52,9 @@ def choose_tool_format(flag: str, tokenizer: Any) -> ToolCallFormat | None:
     return HERMES
 
 
-def call_parser(fmt: ToolCallFormat, names: set[str]) -> StreamingCallParser:
-    """A parser of one choice's text in `fmt`, taking calls to `names` only."""
-    return PythonicCallParser(names) if fmt is PYTHONIC else ToolCallParser(fmt, names)
+def call_parser(fmt: ToolCallFormat, schemas: dict[str, Any]) -> StreamingCallParser:
+    """A parser of one choice's text in `fmt`, taking calls to the tools of `schemas` only
+    (name -> parameters' JSON schema, by which the XML format reads its values)."""
+    if fmt is QWEN3_CODER:
+        return XmlCallParser(schemas)
+    return PythonicCallParser(set(schemas)) if fmt is PYTHONIC else ToolCallParser(fmt, set(schemas))

@@ -5,7 +5,9 @@ the model writes what it was trained to write:
 - hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, blocks one per line;
 - llama3_json: `{"name": ..., "parameters": {...}}`, several separated by `; `;
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`;
-- pythonic: `[name(key=value, ...), ...]`, each value a literal of its parameter's type.
+- pythonic: `[name(key=value, ...), ...]`, each value a literal of its parameter's type;
+- qwen3_coder: `<tool_call>` blocks of `<function=name>` and `<parameter=key>` elements,
+  one per line (xml_calls.py).
 
 A named function allows exactly one call; `required` one, or one or more with
 `parallel_tool_calls: true`. The JSON objects follow each tool's parameter schema; the pythonic list
@@ -22,6 +24,7 @@ from tokenizer_proc.errors import APIError
 from tokenizer_proc.pythonic_calls import PYTHONIC, python_literal
 from tokenizer_proc.structured import GRAMMAR_ERRORS, grammar_of, library_reason
 from tokenizer_proc.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, ToolCallFormat
+from tokenizer_proc.xml_calls import QWEN3_CODER, xml_calls_ebnf
 from trident.wire.frontend import GrammarSpec
 
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -48,6 +51,8 @@ def family_calls_spec(tools: list[dict[str, Any]], fmt: ToolCallFormat, single: 
 
     if fmt is PYTHONIC:
         return GrammarSpec("ebnf", pythonic_calls_ebnf(tools, single))
+    if fmt is QWEN3_CODER:
+        return GrammarSpec("ebnf", xml_calls_ebnf(tools, single))
     call = _json_ebnf(call_object_schema(tools, fmt.arguments_key))
     if fmt is MISTRAL:
         array = {"type": "array", "items": call_object_schema(tools, fmt.arguments_key), "minItems": 1}

@@ -316,9 +316,9 @@ class ServerArgs(msgspec.Struct, kw_only=True, frozen=True):
             HTTP,
             "how chat reads the tool calls a model writes, and the format a forced tool_choice "
             'constrains them to: hermes `<tool_call>`, llama3_json `{"name", "parameters"}`, mistral '
-            "`[TOOL_CALLS]`, pythonic `[f(x=1)]`, none (left as text); auto: from the chat template "
-            "and control tokens, else hermes (tokenizer_proc/tool_formats.py)",
-            choices=("auto", "hermes", "llama3_json", "mistral", "pythonic", "none"),
+            "`[TOOL_CALLS]`, pythonic `[f(x=1)]`, qwen3_coder `<function=f><parameter=x>`, none (left "
+            "as text); auto: from the chat template and control tokens, else hermes (tokenizer_proc/tool_formats.py)",
+            choices=("auto", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "none"),
         ),
     ] = "auto"
     reasoning_parser: Annotated[
