@@ -2,7 +2,9 @@
 
 `trident/` holds everything that is not one of the process packages (`tokenizer_proc`,
 `scheduler_proc`, `gpu_worker`): the launcher and its supervisor, the node agent, model
-resolution, the offline `Engine`, the packaged simulator profiles, and `trident.wire`, the
+resolution, what launch resolves from the flags (`generation_config`: the requests' sampling
+defaults; `foreign_flags`: other engines' flags), the offline `Engine` and `run-batch`, the
+packaged simulator profiles, and `trident.wire`, the
 protocol every process imports. Importing `trident.wire` from a child must stay cheap, so
 `Engine` is loaded only when asked for.
 """
