@@ -240,4 +240,5 @@ def test_only_an_answerable_tag_with_a_request_id_comes_back_as_unreadable():
     assert FrameDecoder(SchedulerInput, "test").decode(frame) is None
     assert answering.decode(FrameEncoder().encode(AbortReq(7))) is None  # malformed, but not answerable
     assert answering.decode(b"\xc1 not msgpack") is None
-    assert answering.dropped == 3
+    assert answering.decode(b"\x91" * 100_000) is None  # nested past msgspec's depth
+    assert answering.dropped == 4

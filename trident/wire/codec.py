@@ -90,7 +90,7 @@ class FrameDecoder(Generic[T]):
             return None
         try:
             value = msgspec.msgpack.decode(frame)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # nesting deeper than msgspec will go
             return None
         if isinstance(value, list) and len(value) >= 2 and value[0] in self._answerable and isinstance(value[1], str):
             return value[1]
