@@ -256,7 +256,7 @@ def test_aborting_a_response_by_its_id_ends_it_cancelled(smollm2_server):
 
 
 def test_a_background_response_is_queued_at_once_then_polled_to_the_foregrounds_text(smollm2_server):
-    client = smollm2_server.client()
+    client = smollm2_server.client(timeout=120)
     ask = {"model": MODEL, "input": "Name three colors.", "max_output_tokens": 12, "temperature": 0}
     queued = client.responses.create(**ask, background=True)
     assert queued.status == "queued" and queued.background and not queued.output
@@ -274,7 +274,7 @@ def test_a_background_response_is_queued_at_once_then_polled_to_the_foregrounds_
 
 
 def test_cancelling_a_background_response_ends_it_cancelled_and_nothing_continues_it_before(smollm2_server):
-    client = smollm2_server.client()
+    client = smollm2_server.client(timeout=120)
     long = {"model": MODEL, "input": "Count to a thousand.", "max_output_tokens": 2000, "temperature": 0}
     queued = client.responses.create(**long, background=True, extra_body={"ignore_eos": True})
     with pytest.raises(openai.BadRequestError, match="still being made") as refused:

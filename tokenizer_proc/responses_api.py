@@ -45,6 +45,9 @@ from tokenizer_proc.state import FrontendState, get_state
 
 router = APIRouter()
 
+CANCEL_WAIT_S = 10.0
+"""How long POST /v1/responses/{id}/cancel waits for the response to store itself cancelled."""
+
 
 class _Turn:
     """One response being made: what the request resolved to, and what finishing it takes."""
@@ -203,7 +206,9 @@ async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
     if not stored.body["background"]:
         raise APIError(f"Response {response_id!r} was not made in the background: only such can be cancelled.")
     if st.background_responses.cancel(response_id):
-        await st.background_responses.ended(response_id)
+        # The abort ends the task at its next output; a scheduler slow to answer (a restart)
+        # must not hold the client: it then sees the response as it stands, and polls.
+        await st.background_responses.ended(response_id, CANCEL_WAIT_S)
         stored = _stored(st, response_id)
     return stored.body
 

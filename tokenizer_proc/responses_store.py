@@ -134,11 +134,11 @@ class BackgroundResponses:
         self._abort(rid)
         return True
 
-    async def ended(self, rid: str) -> None:
-        """Wait until the response's task has stored how it ended."""
+    async def ended(self, rid: str, timeout_s: float) -> None:
+        """Wait until the response's task has stored how it ended, or `timeout_s` has passed."""
         task = self._tasks.get(rid)
         if task is not None:
-            await asyncio.wait({task})
+            await asyncio.wait({task}, timeout=timeout_s)
 
     def _ended(self, rid: str, task: asyncio.Task[None]) -> None:
         if self._tasks.get(rid) is task:

@@ -137,6 +137,10 @@ class _Processes:
                 pass
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)
+            if ctx is not None and not ctx.closed and not self.thread.is_alive():
+                # close_io did not finish (a loaded host): closed here, the context cannot
+                # later block the garbage collector in its own term() on an open socket.
+                ctx.destroy(linger=0)
         if self.loop is not None and not self.loop.is_running():
             self.loop.close()
         if self.launcher is not None:
