@@ -156,7 +156,9 @@ class ShapeTimer:
         (CPU time of one thread is what neighbours cannot stretch: for tests)."""
         self.worker = worker
         self.clock = clock
-        self.drafter = FixedDrafter(worker.args.max_running_requests, 0)
+        args = worker.args
+        ngrams = args.speculative_ngram_min, args.speculative_ngram_max
+        self.drafter = FixedDrafter(args.max_running_requests, 0, *ngrams)
         if worker.num_draft_tokens:
             worker.drafter = self.drafter  # type: ignore[attr-defined]
         self.step_id = worker.state.next_step_id
