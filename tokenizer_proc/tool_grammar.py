@@ -18,13 +18,14 @@ The grammar leaves here as EBNF text (the worker compiles it like any `ebnf` con
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from tokenizer_proc.errors import APIError
 from tokenizer_proc.pythonic_calls import PYTHONIC, python_literal
 from tokenizer_proc.structured import GRAMMAR_ERRORS, grammar_of, library_reason
 from tokenizer_proc.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL, ToolCallFormat
-from tokenizer_proc.xml_calls import QWEN3_CODER, xml_calls_ebnf
+from tokenizer_proc.xml_calls import CLOSE, OPEN, QWEN3_CODER, xml_value_text
 from trident.wire.frontend import GrammarSpec
 
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -93,6 +94,13 @@ def _grammar_format(ebnf: str) -> dict[str, Any]:
     return {"type": "grammar", "grammar": ebnf}
 
 
+def _enum_rule(schema: dict[str, Any], written: Callable[[Any], str]) -> str | None:
+    """The alternatives of a schema's `enum`, each value as the family writes it; None: no enum."""
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return "(" + " | ".join(json.dumps(written(v)) for v in schema["enum"]) + ")"
+    return None
+
+
 # ---- pythonic ------------------------------------------------------------------------------
 
 _PYTHON_VALUES = r"""
@@ -127,8 +135,9 @@ def pythonic_calls_ebnf(tools: list[dict[str, Any]], single: bool) -> str:
 def _python_value_rule(schema: Any) -> str:
     if not isinstance(schema, dict):
         return "py_value"
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return "(" + " | ".join(json.dumps(python_literal(v)) for v in schema["enum"]) + ")"
+    enum = _enum_rule(schema, python_literal)
+    if enum is not None:
+        return enum
     kind = schema.get("type")
     if kind == "array":
         item = _python_value_rule(schema.get("items"))
@@ -136,3 +145,57 @@ def _python_value_rule(schema: Any) -> str:
     if kind == "null":
         return '"None"'
     return _TYPED_VALUES.get(kind, "py_value") if isinstance(kind, str) else "py_value"
+
+
+# ---- qwen3_coder ---------------------------------------------------------------------------
+
+_XML_VALUES = r"""
+xml_text ::= ([^<] | "<" [^/])*
+json_value ::= json_object | json_array | json_string | json_number | "true" | "false" | "null"
+json_object ::= "{" (json_string ":" " "? json_value ("," " "? json_string ":" " "? json_value)*)? "}"
+json_array ::= "[" (json_value ("," " "? json_value)*)? "]"
+json_string ::= "\"" ([^"\\\n] | "\\" [^\n])* "\""
+json_int ::= "-"? [0-9]+
+json_number ::= json_int ("." [0-9]+)? ([eE] [+\-]? [0-9]+)?
+"""
+_XML_TYPED_VALUES = {
+    "string": "xml_text",
+    "integer": "json_int",
+    "number": "json_number",
+    "boolean": '("true" | "false")',
+    "null": '"null"',
+    "object": "json_object",
+    "array": "json_array",
+}
+
+
+def xml_calls_ebnf(tools: list[dict[str, Any]], single: bool) -> str:
+    """One block, or blocks one per line, each a call to one of `tools` whose parameters are
+    its own, each value of its type (text for strings, JSON for the rest). As for the pythonic
+    list, which parameters are required is not checked."""
+    rules = ["root ::= call" if single else 'root ::= call ("\\n" call)*']
+    rules.append("call ::= " + " | ".join(f"call_{i}" for i in range(len(tools))))
+    for i, tool in enumerate(tools):
+        head = json.dumps(f"{OPEN}\n<function={tool['name']}>\n")
+        tail = json.dumps(f"</function>\n{CLOSE}")
+        properties = (tool.get("parameters") or {}).get("properties") or {}
+        if not properties:
+            rules.append(f"call_{i} ::= {head} {tail}")
+            continue
+        rules.append(f"call_{i} ::= {head} param_{i}* {tail}")
+        options = [
+            f'({json.dumps(f"<parameter={name}>" + chr(10))} {_xml_value_rule(schema)} "\\n</parameter>\\n")'
+            for name, schema in properties.items()
+        ]
+        rules.append(f"param_{i} ::= " + " | ".join(options))
+    return "\n".join(rules) + _XML_VALUES
+
+
+def _xml_value_rule(schema: Any) -> str:
+    if not isinstance(schema, dict):
+        return "xml_text"
+    enum = _enum_rule(schema, xml_value_text)
+    if enum is not None:
+        return enum
+    kind = schema.get("type")
+    return _XML_TYPED_VALUES.get(kind, "xml_text") if isinstance(kind, str) else "xml_text"

@@ -12,7 +12,8 @@ A parameter's value is text, read by the type its schema gives: a string stays a
 (so a zip code "01234" is not a number); numbers, booleans, null, objects and arrays are read
 as JSON, and stay text where they do not parse. A call goes out whole once its block ends, as
 vLLM's parser sends it: content streams up to where a `<tool_call>` may begin. A block that
-names a tool the request did not offer, or has no `<function=...>`, is content.
+names a tool the request did not offer, or has no `<function=...>`, is content. The
+constraint of a forced call in this format is tool_grammar.py's, with the other families'.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class XmlFormat(ToolCallFormat):
             except ValueError:
                 kwargs = {"<parameter name>": "<value>"}
                 name = name.strip('"')
-            parameters = "".join(f"<parameter={k}>\n{_value_text(v)}\n</parameter>\n" for k, v in kwargs.items())
+            parameters = "".join(f"<parameter={k}>\n{xml_value_text(v)}\n</parameter>\n" for k, v in kwargs.items())
             written.append(f"{OPEN}\n<function={name}>\n{parameters}</function>\n{CLOSE}")
         return "\n".join(written)
 
@@ -50,7 +51,8 @@ class XmlFormat(ToolCallFormat):
 QWEN3_CODER = XmlFormat("qwen3_coder", OPEN, CLOSE, "<", "arguments")
 
 
-def _value_text(value: Any) -> str:
+def xml_value_text(value: Any) -> str:
+    """A parameter's value as the format writes it: a string as it is, anything else as JSON."""
     return value if isinstance(value, str) else json.dumps(value)
 
 
@@ -126,56 +128,3 @@ class XmlCallParser(StreamingCallParser):
             return
         events.append(("call", openai_call(*call)))
         self._after_call = True
-
-
-# ---- the constraint of a forced call -------------------------------------------------------
-
-_XML_VALUES = r"""
-xml_text ::= ([^<] | "<" [^/])*
-json_value ::= json_object | json_array | json_string | json_number | "true" | "false" | "null"
-json_object ::= "{" (json_string ":" " "? json_value ("," " "? json_string ":" " "? json_value)*)? "}"
-json_array ::= "[" (json_value ("," " "? json_value)*)? "]"
-json_string ::= "\"" ([^"\\\n] | "\\" [^\n])* "\""
-json_int ::= "-"? [0-9]+
-json_number ::= json_int ("." [0-9]+)? ([eE] [+\-]? [0-9]+)?
-"""
-_TYPED_VALUES = {
-    "string": "xml_text",
-    "integer": "json_int",
-    "number": "json_number",
-    "boolean": '("true" | "false")',
-    "null": '"null"',
-    "object": "json_object",
-    "array": "json_array",
-}
-
-
-def xml_calls_ebnf(tools: list[dict[str, Any]], single: bool) -> str:
-    """One block, or blocks one per line, each a call to one of `tools` whose parameters are
-    its own, each value of its type (text for strings, JSON for the rest). As for the pythonic
-    list, which parameters are required is not checked."""
-    rules = ["root ::= call" if single else 'root ::= call ("\\n" call)*']
-    rules.append("call ::= " + " | ".join(f"call_{i}" for i in range(len(tools))))
-    for i, tool in enumerate(tools):
-        head = json.dumps(f"{OPEN}\n<function={tool['name']}>\n")
-        tail = json.dumps(f"</function>\n{CLOSE}")
-        properties = (tool.get("parameters") or {}).get("properties") or {}
-        if not properties:
-            rules.append(f"call_{i} ::= {head} {tail}")
-            continue
-        rules.append(f"call_{i} ::= {head} param_{i}* {tail}")
-        options = [
-            f'({json.dumps(f"<parameter={name}>" + chr(10))} {_value_rule(schema)} "\\n</parameter>\\n")'
-            for name, schema in properties.items()
-        ]
-        rules.append(f"param_{i} ::= " + " | ".join(options))
-    return "\n".join(rules) + _XML_VALUES
-
-
-def _value_rule(schema: Any) -> str:
-    if not isinstance(schema, dict):
-        return "xml_text"
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return "(" + " | ".join(json.dumps(_value_text(v)) for v in schema["enum"]) + ")"
-    kind = schema.get("type")
-    return _TYPED_VALUES.get(kind, "xml_text") if isinstance(kind, str) else "xml_text"

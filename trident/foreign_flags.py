@@ -28,6 +28,11 @@ class ForeignFlag:
     why: str
     """Accepted: why it changes nothing here. Refused: what to use instead."""
 
+    @property
+    def dest(self) -> str:
+        """Where argparse keeps it: apart from every ServerArgs field."""
+        return "foreign_" + self.name.lstrip("-").replace("-", "_")
+
 
 _KV_POOL_FLAGS = "size the KV pool with --mem-fraction (a fraction of the free memory) or --max-total-tokens"
 
@@ -117,18 +122,17 @@ def add_foreign_flags(parser: argparse.ArgumentParser) -> None:
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
     )
     for flag in FOREIGN_FLAGS:
-        dest = "foreign_" + flag.name.lstrip("-").replace("-", "_")
         help_text = f"{flag.engines}'s: " + (f"no effect ({flag.why})" if flag.accepted else f"refused: {flag.why}")
         if flag.accepted:
-            group.add_argument(flag.name, dest=dest, action="store_true", help=help_text)
+            group.add_argument(flag.name, dest=flag.dest, action="store_true", help=help_text)
         else:
-            group.add_argument(flag.name, dest=dest, action=_Refused, metavar="VALUE", help=help_text)
+            group.add_argument(flag.name, dest=flag.dest, action=_Refused, metavar="VALUE", help=help_text)
 
 
 def log_foreign_flags(ns: argparse.Namespace) -> None:
     """One line for each accepted foreign flag the command line gave, saying why it does nothing."""
     for flag in FOREIGN_FLAGS:
-        if flag.accepted and getattr(ns, "foreign_" + flag.name.lstrip("-").replace("-", "_"), None):
+        if flag.accepted and getattr(ns, flag.dest, None):
             logger.info("%s (%s's flag) has no effect: %s", flag.name, flag.engines, flag.why)
 
 
